@@ -1,0 +1,55 @@
+"""Architecture adapters: Hugging Face config + tensor names -> per-unit tensor specs and stateless templates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import MegatrainError
+from .base import ModelAdapter, TensorSpec, Unit
+from .decoder import DecoderAdapter
+
+# model_type -> adapter class. All four share one decoder template, differing in flags read from config.json.
+ADAPTERS: dict[str, type[ModelAdapter]] = {
+    "llama": DecoderAdapter,
+    "mistral": DecoderAdapter,
+    "qwen2": DecoderAdapter,
+    "qwen3": DecoderAdapter,
+}
+
+
+def load_hf_config(model_path: str | Path):
+    """Read and validate `config.json` of a model directory, with errors that name the file."""
+    import json
+
+    from transformers import AutoConfig
+
+    path = Path(model_path)
+    if not path.is_dir():
+        raise MegatrainError(f"model.path: directory {path} does not exist")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise MegatrainError(f"model.path: {cfg_file} is missing (a Hugging Face model directory needs config.json)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise MegatrainError(f"{cfg_file}:{e.lineno}: malformed JSON: {e.msg}") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise MegatrainError(f"{cfg_file}: no 'model_type' key; supported model types: {', '.join(sorted(ADAPTERS))}")
+    if raw["model_type"] not in ADAPTERS:
+        raise MegatrainError(
+            f"{cfg_file}: model_type '{raw['model_type']}' is not supported; supported: {', '.join(sorted(ADAPTERS))}"
+        )
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many types for a bad config
+        raise MegatrainError(f"{cfg_file}: cannot be read as a {raw['model_type']} config: {e}") from None
+
+
+def get_adapter(hf_config) -> ModelAdapter:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in ADAPTERS:
+        raise MegatrainError(f"model_type '{model_type}' is not supported; supported: {', '.join(sorted(ADAPTERS))}")
+    return ADAPTERS[model_type](hf_config)
+
+
+__all__ = ["ADAPTERS", "ModelAdapter", "TensorSpec", "Unit", "get_adapter", "load_hf_config"]

@@ -1,0 +1,79 @@
+"""What an architecture adapter tells the rest of megatrain: units, their tensors, and how to run them.
+
+A *unit* is what streams as one tile: the embedding, each decoder layer, and the head (final norm + LM head).
+Templates are stateless functions called with a dict of weight views; they know nothing of streaming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str  # key in the template's weight dict, e.g. "self_attn.q_proj.weight"
+    hf_name: str  # full name in the Hugging Face checkpoint, e.g. "model.layers.3.self_attn.q_proj.weight"
+    shape: tuple[int, ...]
+    decay: bool  # AdamW weight decay applies (matrices yes; norms and biases no)
+    init: Literal["normal", "ones", "zeros"]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class Unit:
+    kind: Literal["embed", "layer", "head"]
+    index: int  # layer number for layers, -1 otherwise
+    specs: tuple[TensorSpec, ...]  # decayed tensors first, then the rest: the optimizer relies on this order
+
+    @property
+    def name(self) -> str:
+        return f"layer {self.index}" if self.kind == "layer" else self.kind
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.specs)
+
+    @property
+    def decay_numel(self) -> int:
+        return sum(s.numel for s in self.specs if s.decay)
+
+
+@dataclass
+class AttnContext:
+    """Per micro-batch inputs a layer needs besides hidden states; built once, reused by recompute."""
+
+    cos: torch.Tensor  # [B, T, head_dim]
+    sin: torch.Tensor
+    mask: torch.Tensor | None  # None: plain causal. Else bool [B, 1, T, T], True = may attend (packed documents)
+
+
+class ModelAdapter:
+    """Interface every architecture family implements."""
+
+    model_type: str
+    hf_config: object
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    tied: bool
+
+    def units(self) -> list[Unit]:
+        raise NotImplementedError
+
+    def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def make_context(self, position_ids: torch.Tensor, dtype: torch.dtype, packed: bool) -> AttnContext:
+        raise NotImplementedError
+
+    def final_norm(self, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError

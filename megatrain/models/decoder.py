@@ -1,0 +1,162 @@
+"""The Llama-style decoder shared by llama, mistral, qwen2 (q/k/v bias) and qwen3 (q/k RMSNorm).
+
+`DecoderAdapter.layer_forward` is the stateless layer template: a pure function of a dict of weight views and
+the hidden states, numerically the same as transformers' `*DecoderLayer` (RMSNorm in fp32, rope, SDPA, SwiGLU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import MegatrainError
+from .base import AttnContext, ModelAdapter, TensorSpec, Unit
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale in the input dtype.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return w * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class DecoderAdapter(ModelAdapter):
+    def __init__(self, hf_config):
+        c = hf_config
+        self.hf_config = c
+        self.model_type = c.model_type
+        if getattr(c, "hidden_act", "silu") != "silu":
+            raise MegatrainError(f"config.json: hidden_act '{c.hidden_act}' is not supported (only 'silu')")
+        self.num_layers = c.num_hidden_layers
+        self.hidden_size = c.hidden_size
+        self.vocab_size = c.vocab_size
+        self.intermediate_size = c.intermediate_size
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.eps = c.rms_norm_eps
+        self.tied = bool(getattr(c, "tie_word_embeddings", False))
+        if self.model_type == "qwen2":
+            self.qkv_bias, self.o_bias = True, False
+        else:
+            bias = bool(getattr(c, "attention_bias", False))
+            self.qkv_bias = self.o_bias = bias
+        self.mlp_bias = bool(getattr(c, "mlp_bias", False))
+        self.qk_norm = self.model_type == "qwen3"
+        self.sliding_window = self._sliding_window(c)
+        self._init_rope(c)
+
+    @staticmethod
+    def _sliding_window(c) -> int | None:
+        window = getattr(c, "sliding_window", None)
+        if not window:
+            return None
+        if c.model_type == "qwen2" and not getattr(c, "use_sliding_window", False):
+            return None
+        return int(window)
+
+    def _init_rope(self, c) -> None:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        params = getattr(c, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in STATIC_ROPE_TYPES:
+            raise MegatrainError(
+                f"config.json: rope_type '{rope_type}' is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}"
+            )
+        rotary = LlamaRotaryEmbedding(c)  # transformers computes inv_freq for every rope type (llama3 scaling too)
+        self.inv_freq = rotary.inv_freq.detach().float().clone()
+        self.rope_scaling = float(rotary.attention_scaling)
+
+    # ---- tensor layout -------------------------------------------------------------------------
+    def units(self) -> list[Unit]:
+        H, I = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+
+        def spec(name, hf, shape, init):
+            return TensorSpec(name, hf, tuple(shape), decay=(init == "normal"), init=init)
+
+        units = [Unit("embed", -1, (spec("weight", "model.embed_tokens.weight", (self.vocab_size, H), "normal"),))]
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            mats = [
+                ("self_attn.q_proj.weight", (q, H)),
+                ("self_attn.k_proj.weight", (kv, H)),
+                ("self_attn.v_proj.weight", (kv, H)),
+                ("self_attn.o_proj.weight", (H, q)),
+                ("mlp.gate_proj.weight", (I, H)),
+                ("mlp.up_proj.weight", (I, H)),
+                ("mlp.down_proj.weight", (H, I)),
+            ]
+            rest = [("input_layernorm.weight", (H,), "ones"), ("post_attention_layernorm.weight", (H,), "ones")]
+            if self.qk_norm:
+                rest += [("self_attn.q_norm.weight", (self.head_dim,), "ones"),
+                         ("self_attn.k_norm.weight", (self.head_dim,), "ones")]
+            if self.qkv_bias:
+                rest += [("self_attn.q_proj.bias", (q,), "zeros"), ("self_attn.k_proj.bias", (kv,), "zeros"),
+                         ("self_attn.v_proj.bias", (kv,), "zeros")]
+            if self.o_bias:
+                rest += [("self_attn.o_proj.bias", (H,), "zeros")]
+            if self.mlp_bias:
+                rest += [("mlp.gate_proj.bias", (I,), "zeros"), ("mlp.up_proj.bias", (I,), "zeros"),
+                         ("mlp.down_proj.bias", (H,), "zeros")]
+            specs = [spec(n, p + n, s, "normal") for n, s in mats] + [spec(n, p + n, s, init) for n, s, init in rest]
+            units.append(Unit("layer", i, tuple(specs)))
+        head = [spec("lm_head.weight", "lm_head.weight", (self.vocab_size, H), "normal")] if not self.tied else []
+        head.append(spec("norm.weight", "model.norm.weight", (H,), "ones"))
+        units.append(Unit("head", -1, tuple(head)))
+        return units
+
+    # ---- computation ---------------------------------------------------------------------------
+    def make_context(self, position_ids: torch.Tensor, dtype: torch.dtype, packed: bool) -> AttnContext:
+        """cos/sin as transformers computes them (fp32, then cast), and a document mask when rows are packed."""
+        inv = self.inv_freq.to(position_ids.device)
+        freqs = position_ids[..., None].float() * inv
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(dtype)
+        sin = (emb.sin() * self.rope_scaling).to(dtype)
+        mask = None
+        if packed:
+            # A new document starts wherever the position restarts at 0: attend only within it, causally.
+            doc = torch.cumsum((position_ids == 0).int(), dim=1)
+            T = position_ids.shape[1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
+            mask = (doc[:, :, None] == doc[:, None, :]) & causal
+            mask = mask[:, None]
+        return AttnContext(cos=cos, sin=sin, mask=mask)
+
+    def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        B, T, _ = h.shape
+        x = rms_norm(h, w["input_layernorm.weight"], self.eps)
+        q = F.linear(x, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias")).view(B, T, -1, self.head_dim)
+        k = F.linear(x, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias")).view(B, T, -1, self.head_dim)
+        v = F.linear(x, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias")).view(B, T, -1, self.head_dim)
+        if self.qk_norm:
+            q = rms_norm(q, w["self_attn.q_norm.weight"], self.eps)
+            k = rms_norm(k, w["self_attn.k_norm.weight"], self.eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = ctx.cos[:, None], ctx.sin[:, None]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        gqa = self.num_kv_heads != self.num_heads
+        if ctx.mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, scale=self.head_dim**-0.5, enable_gqa=gqa)
+        o = o.transpose(1, 2).reshape(B, T, -1)
+        h = h + F.linear(o, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+        x = rms_norm(h, w["post_attention_layernorm.weight"], self.eps)
+        gate = F.linear(x, w["mlp.gate_proj.weight"], w.get("mlp.gate_proj.bias"))
+        up = F.linear(x, w["mlp.up_proj.weight"], w.get("mlp.up_proj.bias"))
+        return h + F.linear(F.silu(gate) * up, w["mlp.down_proj.weight"], w.get("mlp.down_proj.bias"))
+
+    def final_norm(self, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(h, w, self.eps)

@@ -1,0 +1,72 @@
+"""CPU AdamW per tile, global-norm clipping and learning-rate schedules.
+
+Each tile is laid out decayed tensors first (matrices, embeddings), then the rest (norms, biases), so one tile
+is two contiguous segments: AdamW with weight decay on the first, without on the second. The update runs in
+cache-sized chunks and writes the streaming copy of each chunk right after updating it, while it is hot in
+cache: one pass over the tile, not an update pass plus a cast pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .store import LayerTile
+
+CHUNK = 1 << 20  # elements per fused call: 16 MiB of fp32 state per array stays in the last-level cache
+
+
+def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then constant, linear or cosine decay."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    floor = lr * min_lr_ratio
+    if schedule == "linear":
+        return floor + (lr - floor) * (1.0 - progress)
+    if schedule == "cosine":
+        return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown lr schedule {schedule!r}")
+
+
+def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
+    """As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below one."""
+    if not max_norm or max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+class CpuAdamW:
+    def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+        self.beta1, self.beta2 = betas
+        self.eps = eps
+        self.weight_decay = weight_decay
+
+    def update(self, tile: LayerTile, grad: torch.Tensor, *, lr: float, clip_coef: float = 1.0) -> None:
+        """One exact AdamW step of `tile` from its fp32 host gradient `grad` (flat, laid out like the tile).
+
+        The gradient is read as grad * clip_coef (folded into the kernel's grad_scale, no extra pass). The
+        streaming copy is rewritten chunk by chunk in the same pass.
+        """
+        assert grad.dtype == torch.float32 and grad.numel() == tile.numel and grad.device.type == "cpu"
+        tile.step += 1
+        # _fused_adamw_ divides the gradient by grad_scale: clipping is multiplying by clip_coef.
+        grad_scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef, dtype=torch.float32)
+        split = tile.unit.decay_numel
+        separate_copy = tile.stream.data_ptr() != tile.master.data_ptr()
+        n = tile.numel
+        for start in range(0, n, CHUNK):
+            end = min(n, start + CHUNK)
+            for a, b, wd in ((start, min(end, split), self.weight_decay), (max(start, split), end, 0.0)):
+                if a >= b:
+                    continue
+                torch._fused_adamw_(
+                    [tile.master[a:b]], [grad[a:b]], [tile.exp_avg[a:b]], [tile.exp_avg_sq[a:b]], [], [tile.step],
+                    lr=lr, beta1=self.beta1, beta2=self.beta2, weight_decay=wd, eps=self.eps,
+                    amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None,
+                )
+            if separate_copy:
+                tile.stream[start:end].copy_(tile.master[start:end])

@@ -1,0 +1,201 @@
+"""HostStore: the authoritative copy of every persistent tensor, in host RAM, as one tile per unit.
+
+Each kind of state (fp32 master, Adam m, Adam v, the streaming copy) is one large page-aligned allocation; a
+unit's tile is a contiguous, page-aligned slice of each, laid out in the unit's spec order. The streaming copy is
+bf16 in bf16 mode and *is* the master in fp32 mode (12 B/param instead of 14). On CUDA machines the streaming
+allocation is registered as pinned once (cudaHostRegister: exact size, ~30x faster than pin_memory()).
+
+The store does not schedule: it only holds, loads and exposes views.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import MegatrainError
+from .models import ModelAdapter, Unit
+
+PAGE = 4096
+ALIGN_ELEMS = PAGE // 2  # tile starts aligned to 2048 elements: page-aligned in bf16 and in fp32 buffers
+IGNORED_CHECKPOINT_TENSORS = ("rotary_emb.inv_freq",)
+
+
+def _aligned_empty(numel: int, dtype: torch.dtype, zero: bool) -> torch.Tensor:
+    """A flat tensor whose first element sits on a page boundary."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    pad = PAGE // esize
+    raw = torch.empty(numel + pad, dtype=dtype)
+    offset = (-raw.data_ptr() % PAGE) // esize
+    buf = raw[offset: offset + numel]
+    if zero:
+        buf.zero_()
+    return buf
+
+
+@dataclass
+class LayerTile:
+    """One unit's slice of each host allocation, plus its layout."""
+
+    unit: Unit
+    master: torch.Tensor  # fp32, flat
+    exp_avg: torch.Tensor  # Adam m, fp32
+    exp_avg_sq: torch.Tensor  # Adam v, fp32
+    stream: torch.Tensor  # what is sent to the GPU: bf16 copy, or the master itself in fp32 mode
+    step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))  # Adam step count
+
+    @property
+    def numel(self) -> int:
+        return self.master.numel()
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Named views into any flat buffer laid out like this tile (host tile, GPU slot, gradient)."""
+        out, off = {}, 0
+        for s in self.unit.specs:
+            out[s.name] = flat[off: off + s.numel].view(s.shape)
+            off += s.numel
+        return out
+
+
+class HostStore:
+    def __init__(self, adapter: ModelAdapter, stream_dtype: torch.dtype):
+        self.adapter = adapter
+        self.units = adapter.units()
+        self.stream_dtype = stream_dtype
+        starts, total = [], 0
+        for u in self.units:
+            starts.append(total)
+            total += -(-u.numel // ALIGN_ELEMS) * ALIGN_ELEMS
+        self.total_elems = total
+        self.master = _aligned_empty(total, torch.float32, zero=False)
+        self.exp_avg = _aligned_empty(total, torch.float32, zero=True)
+        self.exp_avg_sq = _aligned_empty(total, torch.float32, zero=True)
+        self.separate_stream_copy = stream_dtype != torch.float32
+        self.stream = _aligned_empty(total, stream_dtype, zero=False) if self.separate_stream_copy else self.master
+        self.tiles: list[LayerTile] = []
+        for u, s in zip(self.units, starts):
+            sl = slice(s, s + u.numel)
+            self.tiles.append(LayerTile(u, self.master[sl], self.exp_avg[sl], self.exp_avg_sq[sl], self.stream[sl]))
+        self._registered: list[int] = []
+
+    # ---- sizes ------------------------------------------------------------------------------------
+    @property
+    def num_params(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    def host_bytes(self) -> int:
+        per = 12 + (self.stream.element_size() if self.separate_stream_copy else 0)
+        return self.total_elems * per
+
+    @property
+    def max_unit_numel(self) -> int:
+        return max(u.numel for u in self.units)
+
+    # ---- initialisation -----------------------------------------------------------------------------
+    def init_random(self, seed: int, std: float) -> None:
+        """Deterministic per unit (seeded by seed and unit position), independent of loading order."""
+        for i, t in enumerate(self.tiles):
+            g = torch.Generator().manual_seed(seed * 1_000_003 + i)
+            for s, view in zip(t.unit.specs, t.views(t.master).values()):
+                if s.init == "normal":
+                    view.normal_(0.0, std, generator=g)
+                elif s.init == "ones":
+                    view.fill_(1.0)
+                else:
+                    view.zero_()
+            self.refresh_stream_copy(t)
+
+    def load_safetensors(self, model_dir: str | Path) -> None:
+        """Load unit by unit: at most one unit's tensors are read beyond the store at any time."""
+        from safetensors import safe_open
+
+        model_dir = Path(model_dir)
+        weight_map = _weight_map(model_dir)
+        expected = {s.hf_name for u in self.units for s in u.specs}
+        ignorable = {"lm_head.weight"} if self.adapter.tied else set()
+        unexpected = sorted(
+            n for n in weight_map
+            if n not in expected and n not in ignorable and not n.endswith(IGNORED_CHECKPOINT_TENSORS)
+        )
+        if unexpected:
+            more = f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
+            raise MegatrainError(
+                f"{model_dir}: checkpoint tensor '{unexpected[0]}' in {weight_map[unexpected[0]]} is not part of a "
+                f"{self.adapter.model_type} model with this config.json{more}: {', '.join(unexpected[:3])}"
+            )
+        for t in self.tiles:
+            missing = [s.hf_name for s in t.unit.specs if s.hf_name not in weight_map]
+            if missing:
+                raise MegatrainError(f"{model_dir}: tensor '{missing[0]}' ({t.unit.name}) is missing from the checkpoint")
+            files = sorted({weight_map[s.hf_name] for s in t.unit.specs})
+            handles = {f: safe_open(str(model_dir / f), framework="pt") for f in files}
+            try:
+                for s, view in zip(t.unit.specs, t.views(t.master).values()):
+                    fname = weight_map[s.hf_name]
+                    shape = tuple(handles[fname].get_slice(s.hf_name).get_shape())
+                    if shape != s.shape:
+                        raise MegatrainError(
+                            f"{model_dir / fname}: tensor '{s.hf_name}' has shape {list(shape)}, config.json implies "
+                            f"{list(s.shape)}"
+                        )
+                    view.copy_(handles[fname].get_tensor(s.hf_name))
+            finally:
+                handles.clear()  # closes the files and their mappings before the next unit
+            self.refresh_stream_copy(t)
+
+    def refresh_stream_copy(self, tile: LayerTile) -> None:
+        if self.separate_stream_copy:
+            tile.stream.copy_(tile.master)
+
+    # ---- pinned registration (CUDA only) ------------------------------------------------------------
+    def pin(self) -> None:
+        """Register the streaming allocation (and the master in fp32 mode) as pinned memory, once."""
+        if not torch.cuda.is_available() or self._registered:
+            return
+        cudart = torch.cuda.cudart()
+        buf = self.stream
+        err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
+        if int(err) != 0:
+            raise MegatrainError(f"cudaHostRegister of {buf.numel() * buf.element_size() / 2**30:.1f} GiB failed "
+                                 f"(error {int(err)}): is the memlock limit (ulimit -l) too low?")
+        self._registered.append(buf.data_ptr())
+
+    def unpin(self) -> None:
+        if self._registered:
+            cudart = torch.cuda.cudart()
+            for ptr in self._registered:
+                cudart.cudaHostUnregister(ptr)
+            self._registered.clear()
+
+
+def _weight_map(model_dir: Path) -> dict[str, str]:
+    """HF tensor name -> safetensors file name, from the index or from the shards themselves."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise MegatrainError(f"{index}: malformed safetensors index ({e})") from None
+        for f in sorted(set(wm.values())):
+            if not (model_dir / f).is_file():
+                raise MegatrainError(f"{index}: shard {f} is listed but missing from {model_dir}")
+        return wm
+    files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise MegatrainError(
+            f"model.path: no *.safetensors in {model_dir}; use model.init=random to train from config.json alone"
+        )
+    wm = {}
+    for f in files:
+        try:
+            with safe_open(str(model_dir / f), framework="pt") as h:
+                for k in h.keys():
+                    wm[k] = f
+        except Exception as e:
+            raise MegatrainError(f"{model_dir / f}: not a readable safetensors file ({e})") from None
+    return wm

@@ -1,0 +1,47 @@
+"""Shared builders: tiny random Hugging Face models of each supported family, saved as real model directories."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def tiny_hf_config(family: str, tied: bool = False, layers: int = 3, vocab: int = 97):
+    from transformers import AutoConfig
+
+    kw = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+        tie_word_embeddings=tied, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if family == "llama":
+        # Llama-3 rope scaling, so the llama3 inverse-frequency path is exercised
+        kw["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 32}
+    if family == "qwen3":
+        kw["head_dim"] = 16
+    if family == "mistral":
+        kw["sliding_window"] = None
+    return AutoConfig.for_model(family, **kw)
+
+
+def make_model_dir(path, family: str, tied: bool = False, seed: int = 0, layers: int = 3, vocab: int = 97):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(family, tied=tied, layers=layers, vocab=vocab)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():  # non-trivial norms and biases, so their gradients and updates are tested too
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
