@@ -47,6 +47,7 @@ class TrainConfig(_Strict):
     precision: Literal["bf16", "fp32"] = "bf16"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     eval_every: int = Field(0, ge=0, description="steps between evaluations (0: only at the end, if eval data)")
+    exact_match_path: str | None = Field(None, description="alpaca JSONL whose answers greedy decoding must match")
     init_std: float | None = Field(None, gt=0, description="std of random init; default: config.json's initializer_range")
 
 
@@ -69,7 +70,7 @@ class Config(_Strict):
     output: OutputConfig = OutputConfig()
 
 
-INPUT_PATHS = (("model", "path"), ("model", "tokenizer"))  # data paths: DataConfig.resolve_relative
+INPUT_PATHS = (("model", "path"), ("model", "tokenizer"), ("train", "exact_match_path"))  # data paths: DataConfig.resolve_relative
 
 
 def _key_lines(node, prefix=()) -> dict[tuple, int]:

@@ -1,0 +1,47 @@
+"""Held-out checks that need generation: greedy decoding with the streaming engine, exact match."""
+
+from __future__ import annotations
+
+import torch
+
+from .engine import Engine
+
+
+@torch.no_grad()
+def greedy_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
+                    pad_id: int) -> list[list[int]]:
+    """Greedy continuation of each prompt (no KV cache: meant for small held-out checks)."""
+    seqs = [list(p) for p in prompts]
+    done = [False] * len(seqs)
+    outs: list[list[int]] = [[] for _ in seqs]
+    for _ in range(max_new_tokens):
+        live = [i for i, d in enumerate(done) if not d]
+        if not live:
+            break
+        T = max(len(seqs[i]) for i in live)
+        ids = torch.full((len(live), T), pad_id, dtype=torch.long)
+        for r, i in enumerate(live):
+            ids[r, : len(seqs[i])] = torch.tensor(seqs[i])
+        lengths = torch.tensor([len(seqs[i]) for i in live])
+        nxt = engine.next_token_logits(ids, lengths).argmax(-1).tolist()
+        for i, t in zip(live, nxt):
+            if eos_id is not None and t == eos_id:
+                done[i] = True
+                continue
+            seqs[i].append(t)
+            outs[i].append(t)
+    return outs
+
+
+def exact_match(engine: Engine, tokenizer, examples: list[tuple[str, str]], max_new_tokens: int = 32) -> float:
+    """Share of (prompt, expected answer) pairs whose greedy answer equals the expected one, after strip()."""
+    prompts = []
+    for prompt, _ in examples:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                            add_generation_prompt=True)
+        prompts.append(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    outs = greedy_generate(engine, prompts, max_new_tokens, tokenizer.eos_token_id, pad)
+    hits = sum(tokenizer.decode(o, skip_special_tokens=True).strip() == want.strip()
+               for o, (_, want) in zip(outs, examples))
+    return hits / max(1, len(examples))
