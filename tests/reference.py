@@ -1,0 +1,89 @@
+"""A plain transformers + torch.optim.AdamW reference, and megatrain driven the same way, for equivalence tests."""
+
+from __future__ import annotations
+
+import torch
+
+from megatrain.engine import CollectGrads, Engine, MicroBatch
+from megatrain.models import get_adapter, load_hf_config
+from megatrain.optim import CpuAdamW, clip_coefficient
+from megatrain.store import HostStore
+
+# eps = 1e-6: with eps = 1e-8, AdamW's first steps turn an fp32 rounding difference dg in a near-zero gradient
+# element into an update difference of up to lr * dg / eps, and two correct fp32 implementations (megatrain and
+# transformers here) drift apart by ~1e-5 within a few steps. A standard, larger eps bounds that amplification.
+LR, WD, MAX_NORM, EPS = 1e-3, 0.1, 1.0, 1e-6
+
+
+def reference_optimizer(model) -> torch.optim.AdamW:
+    """Weight decay on matrices and embeddings, none on norms and biases (megatrain's default split)."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
+                             lr=LR, betas=(0.9, 0.999), eps=EPS, fused=True)
+
+
+def reference_step(model, opt, batches, max_norm=MAX_NORM) -> tuple[float, dict[str, torch.Tensor]]:
+    """One optimizer step over micro-batches: loss = sum of token losses / all target tokens of the step."""
+    opt.zero_grad(set_to_none=True)
+    n_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+    total = 0.0
+    for b in batches:
+        out = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"],
+                    num_items_in_batch=n_items)
+        out.loss.backward()
+        total += out.loss.item()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if max_norm:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    opt.step()
+    return total, grads
+
+
+class Megatrain:
+    """The engine + CPU AdamW as the trainer drives them, on CPU."""
+
+    def __init__(self, model_dir, dtype=torch.float32, loss_chunk_tokens=0):
+        self.adapter = get_adapter(load_hf_config(model_dir))
+        self.store = HostStore(self.adapter, dtype)
+        self.store.load_safetensors(model_dir)
+        self.engine = Engine(self.store, self.adapter, torch.device("cpu"), loss_chunk_tokens=loss_chunk_tokens)
+        self.opt = CpuAdamW(eps=EPS, weight_decay=WD)
+
+    def step(self, batches, max_norm=MAX_NORM, lr=LR) -> tuple[float, dict[str, torch.Tensor]]:
+        mbs = [MicroBatch.from_labels(b["input_ids"], b["labels"]) for b in batches]
+        sink = CollectGrads()
+        out = self.engine.train_step(mbs, sink)
+        norm = out.grad_sq_norm.sqrt().item()
+        grads = {}
+        for i, tile in enumerate(self.store.tiles):
+            for s, g in zip(tile.unit.specs, tile.views(sink.grads[i]).values()):
+                grads[s.hf_name] = g.clone()
+            self.opt.update(tile, sink.grads[i], lr=lr, clip_coef=clip_coefficient(norm, max_norm))
+        return out.loss_sum.item(), grads
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {s.hf_name: v for t in self.store.tiles for s, v in zip(t.unit.specs, t.views(t.master).values())}
+
+
+def random_batches(n_micro: int, batch: int, vocab: int, lengths: list[int], seed: int, pad_id: int = 0):
+    """Micro-batches of unequal lengths, right-padded, with a masked prompt prefix in some rows."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for m in range(n_micro):
+        T = lengths[m % len(lengths)]
+        ids = torch.randint(3, vocab, (batch, T), generator=g)
+        labels = ids.clone()
+        mask = torch.ones(batch, T, dtype=torch.long)
+        for r in range(batch):
+            real = int(torch.randint(T // 2, T + 1, (1,), generator=g))
+            ids[r, real:] = pad_id
+            labels[r, real:] = -100
+            mask[r, real:] = 0
+            labels[r, : int(torch.randint(0, 3, (1,), generator=g))] = -100  # a masked prompt
+        out.append({"input_ids": ids, "labels": labels, "attention_mask": mask})
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()

@@ -1,0 +1,73 @@
+"""megatrain in fp32 mode equals transformers + torch.optim.AdamW: loss, every gradient, every updated weight."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import make_model_dir
+from reference import Megatrain, random_batches, reference_optimizer, reference_step, rel
+
+TOL = 1e-5
+
+
+def load_reference(d):
+    return AutoModelForCausalLM.from_pretrained(d, attn_implementation="sdpa", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_one_step_matches_transformers(tmp_path, family, tied):
+    make_model_dir(tmp_path, family, tied=tied, seed=1)
+    ref, mt = load_reference(tmp_path), Megatrain(tmp_path)
+    opt = reference_optimizer(ref)
+    batches = random_batches(1, 3, 97, [13], seed=2)
+    ref_loss, ref_grads = reference_step(ref, opt, batches)
+    loss, grads = mt.step(batches)
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
+    ref_params = dict(ref.named_parameters())
+    assert set(grads) == set(ref_params) - ({"lm_head.weight"} if tied else set())
+    for name, g in grads.items():
+        assert rel(g, ref_grads[name]) <= TOL, f"gradient of {name}"
+    for name, p in mt.params().items():
+        assert rel(p, ref_params[name].detach()) <= TOL, f"updated {name}"
+
+
+def test_tied_embedding_gets_both_gradients(tmp_path):
+    """With tied embeddings the embedding's gradient is the input-side plus the LM-head-side contribution."""
+    make_model_dir(tmp_path, "llama", tied=True, seed=3)
+    ref, mt = load_reference(tmp_path), Megatrain(tmp_path)
+    batches = random_batches(1, 2, 97, [9], seed=4)
+    _, ref_grads = reference_step(ref, reference_optimizer(ref), batches)
+    _, grads = mt.step(batches)
+    g = grads["model.embed_tokens.weight"]
+    assert rel(g, ref_grads["model.embed_tokens.weight"]) <= TOL
+    # neither contribution alone is the answer: rows never seen as inputs still get the head's gradient
+    seen = torch.unique(batches[0]["input_ids"])
+    unseen = torch.ones(97, dtype=torch.bool)
+    unseen[seen] = False
+    assert g[unseen].abs().sum() > 0
+
+
+def test_twenty_steps_with_unequal_padded_microbatches(tmp_path, family):
+    """4 micro-batches of different lengths with padding: the loss is sum/count over the whole step, not a mean
+    of micro-batch means (the gradient-accumulation normalisation bug)."""
+    make_model_dir(tmp_path, family, seed=5)
+    ref, mt = load_reference(tmp_path), Megatrain(tmp_path)
+    opt = reference_optimizer(ref)
+    for step in range(20):
+        batches = random_batches(4, 2, 97, [5, 17, 9, 12], seed=100 + step)
+        ref_loss, ref_grads = reference_step(ref, opt, batches)
+        loss, grads = mt.step(batches)
+        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"loss at step {step}"
+        for name, g in grads.items():
+            assert rel(g, ref_grads[name]) <= TOL, f"gradient of {name} at step {step}"
+    ref_params = dict(ref.named_parameters())
+    for name, p in mt.params().items():
+        assert rel(p, ref_params[name].detach()) <= TOL, f"{name} after 20 steps"
+
+
+def test_mean_of_means_would_differ(tmp_path):
+    """Guard that the previous test can fail: with unequal micro-batches, a mean of per-micro-batch means is a
+    different number from the step's token mean."""
+    batches = random_batches(4, 2, 97, [5, 17, 9, 12], seed=7)
+    counts = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
+    assert len(set(counts)) > 1
