@@ -1,0 +1,98 @@
+"""Raw parts -> tokenised parts, with `datasets.map` (progress bar, optional processes, cached on disk).
+
+The cache file's name is a fingerprint of everything that changes the tokens: the part's content identity, the
+tokenizer (vocabulary, special tokens, chat template), the format with its columns and roles, the loss-mask
+options, and this code's version. Same inputs: the second run reads the Arrow file and tokenises nothing. The
+length limit, over-long policy, packing and bad-row policy are applied after the cache (examples.py), so changing
+them does not re-tokenise.
+
+Row problems never raise inside `map`: each output row carries `error` ("" when fine), and the caller decides
+(stop at the first bad row, or skip and count).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from ..errors import MegatrainError
+from .formats import RowError, to_sample
+from .sources import RAW_COL, ROW_COL, RawPart
+from .template import IGNORE, EncodeOptions, encode
+from .tokenizer import tokenizer_fingerprint
+
+ENCODER_VERSION = "1"  # bump when the encoding of a row changes
+
+
+def _features():
+    import datasets
+
+    return datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "labels": datasets.Sequence(datasets.Value("int32")),
+        "row": datasets.Value("int64"),
+        "error": datasets.Value("string"),
+        "length": datasets.Value("int32"),
+        "num_targets": datasets.Value("int32"),
+    })
+
+
+def encode_row(raw: dict, index: int, *, tok, fmt: str, columns: dict, roles: dict, blank_ok: bool,
+               opts: EncodeOptions) -> dict:
+    """One raw row -> its tokenised columns. Module level, so `map` can send it to worker processes."""
+    if RAW_COL in raw:
+        row_no = raw[ROW_COL]
+        try:
+            row = json.loads(raw[RAW_COL])
+        except json.JSONDecodeError as e:
+            return _bad(row_no, f"malformed JSON: {e.msg} (column {e.colno})")
+    else:
+        row_no, row = index + 1, raw
+    try:
+        sample = to_sample(row, fmt, columns, roles, blank_ok)
+        if sample is None:  # a blank line of a text file: not a row
+            return {"input_ids": [], "labels": [], "row": row_no, "error": "", "length": 0, "num_targets": 0}
+        ids, labels = encode(tok, sample, opts)
+    except RowError as e:
+        return _bad(row_no, str(e))
+    except Exception as e:  # anything else a strange row provokes (the template, the tokenizer): name it
+        return _bad(row_no, f"{type(e).__name__}: {e}".splitlines()[0])
+    return {"input_ids": ids, "labels": labels, "row": row_no, "error": "", "length": len(ids),
+            "num_targets": sum(1 for x in labels if x != IGNORE)}
+
+
+def _bad(row_no: int, msg: str) -> dict:
+    return {"input_ids": [], "labels": [], "row": row_no, "error": msg, "length": 0, "num_targets": 0}
+
+
+def cache_root(cfg) -> str:
+    import datasets
+
+    return str(Path(cfg.cache_dir).expanduser()) if cfg.cache_dir else str(datasets.config.HF_DATASETS_CACHE)
+
+
+def tokenise(part: RawPart, tok, opts: EncodeOptions, root: str, num_proc: int | None, fail_fast: bool):
+    """The tokenised dataset of one raw part (from the cache when it is there)."""
+    src = part.source
+    if src.format != "text" and src.format != "prompt_completion" and not tok.chat_template:
+        raise MegatrainError(f"{src.key}: format '{src.format}' is rendered with the tokenizer's chat template, "
+                             f"but the tokenizer has none; set data.chat_template")
+    kwargs = dict(tok=tok, fmt=src.format, columns=src.columns, roles=src.roles,
+                  blank_ok=part.file.suffix.lower() == ".txt", opts=opts)
+    key = json.dumps({"part": part.identity, "tok": tokenizer_fingerprint(tok), "fmt": src.format,
+                      "columns": src.columns, "roles": src.roles, "blank_ok": kwargs["blank_ok"],
+                      "opts": asdict(opts), "v": ENCODER_VERSION}, sort_keys=True)
+    fp = hashlib.sha256(key.encode()).hexdigest()[:20]
+    out = Path(root) / "megatrain" / f"tokens-{fp}.arrow"
+    ds = part.dataset
+    if fail_fast and len(ds) and not out.exists():  # a wrong format or column shows on row 1: stop before mapping
+        first = encode_row(ds[0], 0, **kwargs)
+        if first["error"]:
+            raise MegatrainError(f"{part.where(first['row'])}: {first['error']}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    nproc = num_proc if num_proc and num_proc > 1 and len(ds) >= 2 * num_proc else None
+    return ds.map(encode_row, with_indices=True, fn_kwargs=kwargs, remove_columns=ds.column_names,
+                  features=_features(), cache_file_name=str(out), load_from_cache_file=True, new_fingerprint=fp,
+                  num_proc=nproc, desc=f"Tokenising {part.file.name}")

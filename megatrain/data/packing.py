@@ -1,0 +1,87 @@
+"""Rows of documents -> a Batch; and the two ways of packing documents into rows of max_seq_len tokens.
+
+In a Batch, position ids restart at 0 at each document, which is how the engine finds document boundaries
+(attention never crosses them), and the label of each document's first token is -100, so the last token of one
+document is never trained to predict the first of the next. Padding goes on the right: pad id, label -100, and
+positions that continue the row's last document (pads come after every real token, so no real token attends to
+them); it is never counted in `num_real_tokens`.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+
+from .template import IGNORE
+
+
+def pack_greedy(order: np.ndarray, lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Fill rows in the given order, starting a new row when the next document does not fit (next-fit)."""
+    rows: list[list[int]] = []
+    room = 0
+    for k in order.tolist():
+        n = int(lengths[k])
+        if n > room:
+            rows.append([])
+            room = capacity
+        rows[-1].append(k)
+        room -= n
+    return rows
+
+
+def pack_best_fit(order: np.ndarray, lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: longest documents first, each into the open row it fills most tightly.
+
+    Rows are bucketed by their free space; `spaces` is the sorted list of free-space values that have a row, so
+    finding the tightest fit is one bisect. Ties keep the given (shuffled) order, so the result depends on it.
+    """
+    by_len = order[np.argsort(-lengths[order], kind="stable")]
+    rows: list[list[int]] = []
+    buckets: dict[int, list[int]] = {}
+    spaces: list[int] = []
+    for k in by_len.tolist():
+        n = int(lengths[k])
+        i = bisect.bisect_left(spaces, n)
+        if i < len(spaces):
+            space = spaces[i]
+            r = buckets[space].pop()
+            if not buckets[space]:
+                del buckets[space], spaces[i]
+        else:
+            r, space = len(rows), capacity
+            rows.append([])
+        rows[r].append(k)
+        left = space - n
+        if left > 0:
+            if left not in buckets:
+                buckets[left] = []
+                bisect.insort(spaces, left)
+            buckets[left].append(r)
+    return rows
+
+
+def collate(rows: list[list[tuple[np.ndarray, np.ndarray]]], pad_id: int) -> dict:
+    """Rows (each a list of (input_ids, labels) documents) -> a Batch of int64 tensors [B, T], T the longest row."""
+    T = max(sum(len(ids) for ids, _ in docs) for docs in rows)
+    B = len(rows)
+    input_ids = np.full((B, T), pad_id, dtype=np.int64)
+    labels = np.full((B, T), IGNORE, dtype=np.int64)
+    position_ids = np.zeros((B, T), dtype=np.int64)
+    real = 0
+    for b, docs in enumerate(rows):
+        t = 0
+        for ids, lab in docs:
+            n = len(ids)
+            input_ids[b, t: t + n] = ids
+            labels[b, t: t + n] = lab
+            labels[b, t] = IGNORE  # nothing before a document's first token belongs to it
+            position_ids[b, t: t + n] = np.arange(n)
+            t += n
+        real += t
+        if t < T:  # padding continues the last document's positions
+            start = position_ids[b, t - 1] + 1 if t else 0
+            position_ids[b, t:] = np.arange(start, start + T - t)
+    return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
+            "position_ids": torch.from_numpy(position_ids), "num_real_tokens": torch.tensor(real, dtype=torch.int64)}

@@ -1,0 +1,133 @@
+"""The order of examples: seeded, epoch-aware, resumable to the exact next micro-batch.
+
+Each epoch's plan is a pure function of (seed, epoch, example lengths, sources' quotas, batch shape), so the state
+of the sampler is just (epoch, cursor): the number of micro-batches of the epoch already handed out. Restoring it
+recomputes the epoch's plan and continues at the cursor.
+
+An epoch draws each source's quota (weight x its size, or num_samples): whole copies of the source plus a fresh
+random subset for the fraction, then shuffles everything. The plan then groups examples into micro-batches:
+- packing: documents packed into rows of max_seq_len (best-fit decreasing then rows shuffled, or greedy in the
+  shuffled order), micro_batch_size rows per micro-batch;
+- no packing, group_by_length: the shuffled order is cut into windows of 64 micro-batches, each window sorted by
+  length and cut into micro-batches (little padding), the micro-batches shuffled, the largest moved to the front
+  (an out-of-memory shows at the first step, not hours later);
+- otherwise: micro-batches in the shuffled order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import MegatrainError
+from .packing import pack_best_fit, pack_greedy
+
+GROUP_WINDOW = 64  # micro-batches per length-sorting window
+
+Plan = list[list[list[int]]]  # micro-batches -> rows -> example indices
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    micro_batch_size: int
+    max_seq_len: int
+    packing: bool = False
+    packing_strategy: str = "best_fit"
+    group_by_length: bool = True
+
+
+def _rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([seed % (1 << 63), epoch, stream]))
+
+
+class EpochPlanner:
+    def __init__(self, lengths: np.ndarray, source: np.ndarray, quotas: list[int], seed: int, shape: BatchShape):
+        self.lengths, self.source, self.quotas, self.seed, self.shape = lengths, source, quotas, seed, shape
+        self._by_source = [np.flatnonzero(source == s) for s in range(len(quotas))]
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The examples of this epoch (each source's quota), shuffled."""
+        rng = _rng(self.seed, epoch, 0)
+        picks = []
+        for idx, q in zip(self._by_source, self.quotas):
+            if len(idx) == 0:
+                continue
+            copies, rest = divmod(q, len(idx))
+            picks += [np.tile(idx, copies), np.sort(rng.choice(idx, rest, replace=False))]
+        return rng.permutation(np.concatenate(picks))
+
+    def plan(self, epoch: int) -> Plan:
+        sh, L = self.shape, self.lengths
+        order = self.order(epoch)
+        rng = _rng(self.seed, epoch, 1)
+        B = sh.micro_batch_size
+        if sh.packing:
+            if sh.packing_strategy == "best_fit":
+                rows = pack_best_fit(order, L, sh.max_seq_len)
+                rows = [rows[i] for i in rng.permutation(len(rows))]
+            else:
+                rows = pack_greedy(order, L, sh.max_seq_len)
+            return [rows[j: j + B] for j in range(0, len(rows), B)]
+        if not sh.group_by_length:
+            return [[[k] for k in order[j: j + B].tolist()] for j in range(0, len(order), B)]
+        window = B * GROUP_WINDOW
+        mbs = []
+        for w in range(0, len(order), window):
+            chunk = order[w: w + window]
+            chunk = chunk[np.argsort(-L[chunk], kind="stable")]
+            mbs += [chunk[j: j + B] for j in range(0, len(chunk), B)]
+        mbs = [mbs[i] for i in rng.permutation(len(mbs))]
+        biggest = int(np.argmax([len(mb) * L[mb].max() for mb in mbs]))
+        mbs.insert(0, mbs.pop(biggest))
+        return [[[k] for k in mb.tolist()] for mb in mbs]
+
+
+def plan_efficiency(plan: Plan, lengths: np.ndarray) -> tuple[int, int]:
+    """(real tokens, tokens in the padded micro-batches) of a plan."""
+    real = padded = 0
+    for mb in plan:
+        row_lens = [int(lengths[row].sum()) for row in mb]
+        real += sum(row_lens)
+        padded += len(row_lens) * max(row_lens)
+    return real, padded
+
+
+class ResumableSampler:
+    """Hands out the micro-batches of epoch after epoch; its state is (epoch, cursor) plus checks."""
+
+    def __init__(self, planner: EpochPlanner):
+        self.planner = planner
+        self.epoch, self.cursor = 0, 0
+        self._plan: Plan | None = None
+
+    @property
+    def plan(self) -> Plan:
+        if self._plan is None:
+            self._plan = self.planner.plan(self.epoch)
+        return self._plan
+
+    def next(self) -> list[list[int]]:
+        if self.cursor >= len(self.plan):
+            self.epoch, self.cursor, self._plan = self.epoch + 1, 0, None
+        mb = self.plan[self.cursor]
+        self.cursor += 1
+        return mb
+
+    def _identity(self) -> dict:
+        p = self.planner
+        return {"seed": p.seed, "examples": int(len(p.lengths)), "tokens": int(p.lengths.sum()),
+                "quotas": [int(q) for q in p.quotas], "micro_batch_size": p.shape.micro_batch_size,
+                "max_seq_len": p.shape.max_seq_len, "packing": p.shape.packing,
+                "packing_strategy": p.shape.packing_strategy, "group_by_length": p.shape.group_by_length}
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, **self._identity()}
+
+    def load_state_dict(self, state: dict) -> None:
+        now = self._identity()
+        for k, v in now.items():
+            if k in state and state[k] != v:
+                raise MegatrainError(f"data: cannot resume the exact sample order: {k} was {state[k]} in the "
+                                     f"checkpoint and is {v} now (the data or batch settings changed)")
+        self.epoch, self.cursor, self._plan = int(state["epoch"]), int(state["cursor"]), None

@@ -1,0 +1,248 @@
+"""Where rows come from: config entries -> resolved `Source`s -> files -> raw `datasets.Dataset`s (one per file).
+
+Every file is loaded on its own, so an error can name the file and the row. JSON and JSON-lines files are read by
+our own generator into one JSON string per row (no Arrow schema inference to trip over mixed types; the exact line
+of a malformed row is known); parquet, csv and text files go through the datasets builders; save_to_disk
+directories through `load_from_disk`. Everything lands in the datasets cache, so a second run reads Arrow files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import MegatrainError
+from .config import DEFAULT_COLUMNS, DEFAULT_ROLES, DataConfig, DatasetSpec
+
+EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+READER_VERSION = "1"
+# Columns of a raw JSON part: the row's line (JSON lines) or 1-based item number (JSON array), and the row itself.
+ROW_COL, RAW_COL = "_mt_row", "_mt_raw"
+
+
+@dataclass
+class Source:
+    key: str  # the config key that named it, for messages: data.path, data.datasets[1], ...
+    name: str
+    path: Path
+    format: str
+    columns: dict[str, str]  # every logical column of the format -> its name in the data
+    roles: dict[str, str] = field(default_factory=dict)  # data role -> canonical role
+    weight: float = 1.0
+    num_samples: int | None = None
+    sample_by: str = "line"
+    split: str = "train"
+
+
+@dataclass
+class RawPart:
+    """One file (or saved dataset) of a source, loaded by datasets."""
+
+    source: Source
+    file: Path
+    dataset: object  # datasets.Dataset
+    identity: str  # changes whenever the file's content may have changed
+    line_based: bool  # row numbers are line numbers (JSON lines, .txt by line)
+
+    def where(self, row: int) -> str:
+        return f"{self.file}:{row}" if self.line_based else f"{self.file} row {row}"
+
+
+# ---- config -> sources -------------------------------------------------------------------------------------------
+def _registry(cfg: DataConfig) -> tuple[Path, dict]:
+    p = Path(cfg.dataset_info).expanduser()
+    f = p / "dataset_info.json" if p.is_dir() else p
+    if not f.is_file():
+        raise MegatrainError(f"data.dataset_info: {f} does not exist")
+    try:
+        reg = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise MegatrainError(f"{f}:{e.lineno}: malformed JSON: {e.msg}") from None
+    if not isinstance(reg, dict):
+        raise MegatrainError(f"{f}: expected a JSON object of dataset entries")
+    return f, reg
+
+
+def _from_registry(reg_file: Path, entry: dict, name: str) -> dict:
+    """A LLaMA-Factory dataset_info.json entry -> our source fields (format, path, columns, roles, ...)."""
+    where = f"{reg_file}: dataset '{name}'"
+    if not isinstance(entry, dict):
+        raise MegatrainError(f"{where}: expected an object")
+    remote = [k for k in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name") if k in entry]
+    if "file_name" not in entry:
+        what = f" ({remote[0]})" if remote else ""
+        raise MegatrainError(f"{where}: has no local file_name{what}; megatrain reads local data only")
+    if entry.get("ranking"):
+        raise MegatrainError(f"{where}: is preference (ranking) data; megatrain trains on SFT/pretraining data")
+    if entry.get("load_from", "file") != "file":
+        raise MegatrainError(f"{where}: load_from '{entry['load_from']}' is not supported (local files only)")
+    cols = entry.get("columns") or {}
+    tags = entry.get("tags") or {}
+    out: dict = {"path": str(reg_file.parent / entry["file_name"])}
+    if entry.get("formatting", "alpaca") == "sharegpt":
+        out["format"] = "sharegpt"
+        out["columns"] = {k: cols[k] for k in ("messages", "system", "tools") if k in cols}
+        for lf, ours in (("role_tag", "role"), ("content_tag", "content")):
+            if lf in tags:
+                out["columns"][ours] = tags[lf]
+        roles = {}
+        for lf, ours in (("user_tag", "user"), ("assistant_tag", "assistant"), ("observation_tag", "tool"),
+                         ("function_tag", "assistant"), ("system_tag", "system")):
+            if lf in tags:
+                roles[tags[lf]] = ours
+        out["roles"] = roles
+    elif "prompt" in cols and "response" not in cols and "query" not in cols:
+        out["format"], out["columns"] = "text", {"text": cols["prompt"]}  # LLaMA-Factory's pretraining entries
+    else:
+        out["format"] = "alpaca"
+        names = {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
+                 "history": "history"}
+        out["columns"] = {names[k]: v for k, v in cols.items() if k in names}
+    if "split" in entry:
+        out["split"] = entry["split"]
+    if "num_samples" in entry:
+        out["num_samples"] = int(entry["num_samples"])
+    return out
+
+
+def _source(cfg: DataConfig, key: str, spec: DatasetSpec | None, path: str | None, registry) -> Source:
+    """Merge an entry over the registry over the inline settings; fill every column and role default."""
+    fields: dict = {}
+    if spec is not None and spec.name is not None:
+        reg_file, reg = registry
+        if spec.name not in reg:
+            import difflib
+
+            close = difflib.get_close_matches(spec.name, list(reg), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise MegatrainError(f"{key}: dataset '{spec.name}' is not in {reg_file}{hint}")
+        fields = _from_registry(reg_file, reg[spec.name], spec.name)
+    explicit = spec.model_dump(exclude_none=True) if spec is not None else {}
+    fmt = explicit.get("format") or fields.get("format") or cfg.format
+    inherits = "format" not in explicit and "format" not in fields
+    columns = dict(DEFAULT_COLUMNS[fmt])
+    columns.update(cfg.columns if inherits else {})
+    columns.update(fields.get("columns", {}))
+    columns.update(explicit.get("columns", {}))
+    roles = dict(DEFAULT_ROLES.get(fmt, {}))
+    roles.update(cfg.roles)
+    roles.update(fields.get("roles", {}))
+    roles.update(explicit.get("roles", {}))
+    p = Path(explicit.get("path") or fields.get("path") or path).expanduser()
+    name = explicit.get("name") or p.name
+    return Source(key=key, name=name, path=p, format=fmt, columns=columns, roles=roles,
+                  weight=explicit.get("weight", 1.0), num_samples=explicit.get("num_samples", fields.get("num_samples")),
+                  sample_by=explicit.get("sample_by") or cfg.sample_by,
+                  split=explicit.get("split") or fields.get("split") or cfg.split)
+
+
+def resolve_sources(cfg: DataConfig, eval: bool = False) -> list[Source]:
+    """The training (or evaluation) sources named by the config; [] when none is given."""
+    inline, specs, key = (cfg.eval_path, cfg.eval_datasets, "data.eval_datasets") if eval else \
+        (cfg.path, cfg.datasets, "data.datasets")
+    if inline:
+        return [_source(cfg, "data.eval_path" if eval else "data.path", None, inline, None)]
+    registry = _registry(cfg) if cfg.dataset_info and any(s.name for s in specs or []) else None
+    return [_source(cfg, f"{key}[{i}]", s, None, registry) for i, s in enumerate(specs or [])]
+
+
+# ---- source -> files ---------------------------------------------------------------------------------------------
+def is_saved_dataset(p: Path) -> bool:
+    return p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file())
+
+
+def source_files(src: Source) -> list[Path]:
+    """The files of a source (or [its folder] for a save_to_disk directory), checked to exist and be non-empty."""
+    p = src.path
+    if not p.exists():
+        raise MegatrainError(f"{src.key}: {p} does not exist")
+    if is_saved_dataset(p):
+        return [p]
+    if p.is_file():
+        if p.suffix.lower() not in EXTENSIONS:
+            raise MegatrainError(f"{src.key}: {p}: unsupported file type '{p.suffix}' "
+                                 f"(supported: {', '.join(EXTENSIONS)})")
+        files = [p]
+    else:
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in EXTENSIONS
+                       and f.name != "dataset_info.json" and not any(x.startswith(".") for x in f.relative_to(p).parts))
+        if not files:
+            raise MegatrainError(f"{src.key}: directory {p} holds no data files ({', '.join(EXTENSIONS)}) "
+                                 f"and is not a datasets save_to_disk directory")
+    for f in files:
+        if f.stat().st_size == 0:
+            raise MegatrainError(f"{src.key}: file {f} is empty")
+    return files
+
+
+# ---- file -> raw dataset -----------------------------------------------------------------------------------------
+def _json_rows(path: str):
+    """Rows of a JSON array or JSON-lines file as JSON strings; a bad line becomes a row holding the bad text."""
+    with open(path, "rb") as fh:
+        head = fh.read(4096).lstrip()
+    if head.startswith(b"["):  # one JSON array: it parses whole or not at all
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise MegatrainError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+        for n, item in enumerate(items, 1):
+            yield {ROW_COL: n, RAW_COL: json.dumps(item, ensure_ascii=False)}
+        return
+    with open(path, "rb") as fh:
+        for n, line in enumerate(fh, 1):
+            if line.strip():
+                yield {ROW_COL: n, RAW_COL: line.decode("utf-8", errors="replace").rstrip("\r\n")}
+
+
+def _stamp(p: Path) -> str:
+    st = p.stat()
+    return f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def _cause(e: BaseException) -> MegatrainError | None:
+    while e is not None:
+        if isinstance(e, MegatrainError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def load_raw(src: Source, file: Path, cache_dir: str) -> RawPart:
+    import datasets
+
+    kind = "saved" if is_saved_dataset(file) else EXTENSIONS[file.suffix.lower()]
+    try:
+        if kind == "saved":
+            ds = datasets.load_from_disk(str(file))
+            if isinstance(ds, datasets.DatasetDict):
+                if src.split not in ds:
+                    raise MegatrainError(f"{src.key}: {file} has no split '{src.split}' (it has: "
+                                         f"{', '.join(ds)}); choose one with split:")
+                ds = ds[src.split]
+            return RawPart(src, file, ds, f"saved|{file.resolve()}|{ds._fingerprint}", False)
+        if kind == "json":
+            ident = hashlib.sha256(f"json|{READER_VERSION}|{_stamp(file)}".encode()).hexdigest()[:16]
+            features = datasets.Features({ROW_COL: datasets.Value("int64"), RAW_COL: datasets.Value("string")})
+            ds = datasets.Dataset.from_generator(_json_rows, features=features, gen_kwargs={"path": str(file)},
+                                                 cache_dir=cache_dir, fingerprint=f"megatrain-json-{ident}")
+            return RawPart(src, file, ds, ident, file.suffix.lower() == ".jsonl" or not _is_array(file))
+        kw = {"sample_by": src.sample_by} if kind == "text" else {}
+        ds = datasets.load_dataset(kind, data_files=str(file), split="train", cache_dir=cache_dir, **kw)
+        line_based = kind == "text" and src.sample_by == "line"
+        return RawPart(src, file, ds, f"{kind}|{src.sample_by}|{_stamp(file)}", line_based)
+    except MegatrainError:
+        raise
+    except Exception as e:  # datasets wraps reader errors; ours (a malformed JSON array) is inside
+        inner = _cause(e)
+        if inner is not None:
+            raise MegatrainError(str(inner)) from None
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MegatrainError(f"{src.key}: cannot read {file}: {msg}") from None
+
+
+def _is_array(file: Path) -> bool:
+    with open(file, "rb") as fh:
+        return fh.read(4096).lstrip().startswith(b"[")

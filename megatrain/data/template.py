@@ -1,0 +1,116 @@
+"""Samples -> token ids and labels, through the tokenizer's own chat template.
+
+Conversations are rendered incrementally: for each assistant turn i, the text of messages[:i] with the generation
+prompt must be a prefix of the text of messages[:i+1], and each render a prefix of the next. The difference is the
+assistant's reply as the template writes it (content plus its end-of-turn marker). The whole conversation is then
+tokenised once, as `apply_chat_template(tokenize=True)` would at inference, and a token carries a label when its
+characters overlap a reply that is trained on. A template that renders earlier turns differently later (not
+prefix-stable) is reported instead of silently mislabelled.
+
+Labels follow Hugging Face: unshifted, -100 where no loss. The first token of every example is -100 as well: it
+has no predecessor in its document, so nothing predicts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .formats import RowError
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    train_on_prompt: bool = False
+    mask_history: bool = False
+    add_eos: bool = True
+
+
+def _render(tok, messages: list[dict], tools, generation_prompt: bool) -> str:
+    try:
+        return tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                       add_generation_prompt=generation_prompt)
+    except Exception as e:  # jinja2 TemplateError (raise_exception in the template), TypeError, ...
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RowError(f"the chat template rejected this conversation: {msg}") from None
+
+
+def chat_pieces(tok, messages: list[dict], tools=None, loss_from: int = 0,
+                mask_history: bool = False) -> list[tuple[str, bool]]:
+    """The rendered conversation as consecutive (text, trained) pieces; trained pieces are assistant replies."""
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= loss_from]
+    trained = set(replies[-1:] if mask_history else replies)
+    pieces: list[tuple[str, bool]] = []
+    done, done_what = "", "nothing"
+
+    def extend(text: str, what: str, train: bool):
+        nonlocal done, done_what
+        if not text.startswith(done):
+            raise RowError(f"the chat template is not prefix-stable: the rendering of {done_what} is not a prefix "
+                           f"of the rendering of {what}, so turns cannot be masked; use a template that renders "
+                           f"earlier turns unchanged (data.chat_template)")
+        pieces.append((text[len(done):], train))
+        done, done_what = text, what
+
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        extend(_render(tok, messages[:i], tools, True), f"messages 1-{i} with the generation prompt", False)
+        extend(_render(tok, messages[: i + 1], tools, False), f"messages 1-{i + 1}", i in trained)
+    if len(done) == 0 or messages[-1]["role"] != "assistant":
+        extend(_render(tok, messages, tools, False), f"messages 1-{len(messages)}", False)
+    return [(t, tr) for t, tr in pieces if t]
+
+
+def tokenize_pieces(tok, pieces: list[tuple[str, bool]], add_special_tokens: bool) -> tuple[list[int], list[int]]:
+    """Tokenise the concatenated pieces in one call; a token is labelled if it overlaps a trained piece."""
+    text = "".join(t for t, _ in pieces)
+    if not getattr(tok, "is_fast", False):  # no offsets: tokenise piece by piece (may differ at piece borders)
+        ids, labels = [], []
+        for k, (t, train) in enumerate(pieces):
+            part = tok(t, add_special_tokens=add_special_tokens and k == 0)["input_ids"]
+            ids += part
+            labels += part if train else [IGNORE] * len(part)
+        return ids, labels
+    enc = tok(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    char_trained = np.zeros(len(text) + 1, dtype=np.int64)
+    pos = 0
+    for t, train in pieces:
+        if train:
+            char_trained[pos + 1: pos + len(t) + 1] = 1
+        pos += len(t)
+    cum = np.cumsum(char_trained)  # cum[j] = trained characters among text[:j]
+    off = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    hit = cum[off[:, 1]] - cum[off[:, 0]] > 0 if len(ids) else np.zeros(0, dtype=bool)
+    labels = [i if h else IGNORE for i, h in zip(ids, hit.tolist())]
+    return ids, labels
+
+
+def encode(tok, sample: dict, opts: EncodeOptions) -> tuple[list[int], list[int]]:
+    """A sample (see formats.py) -> (input_ids, labels)."""
+    kind = sample["kind"]
+    eos = tok.eos_token_id
+    if kind == "text":
+        ids = list(tok(sample["text"], add_special_tokens=True)["input_ids"])
+        if opts.add_eos and eos is not None and (not ids or ids[-1] != eos):
+            ids.append(eos)
+        labels = list(ids)
+    elif kind == "completion":
+        pieces = [(sample["prompt"], opts.train_on_prompt), (sample["completion"], True)]
+        ids, labels = tokenize_pieces(tok, pieces, add_special_tokens=True)
+        if opts.add_eos and eos is not None and (not ids or ids[-1] != eos):
+            ids.append(eos)
+            labels.append(eos)
+    else:
+        pieces = chat_pieces(tok, sample["messages"], sample.get("tools"), sample.get("loss_from", 0),
+                             opts.mask_history)
+        ids, labels = tokenize_pieces(tok, pieces, add_special_tokens=False)  # the template writes BOS itself
+        if opts.train_on_prompt:
+            labels = list(ids)
+    if labels:
+        labels[0] = IGNORE
+    return ids, labels

@@ -1,0 +1,69 @@
+"""Loading the run's tokenizer, and what about it decides how data is tokenised (its fingerprint)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from ..errors import MegatrainError
+
+
+def load_tokenizer(path: str | Path):
+    """AutoTokenizer from a local folder, with one-line errors that name the folder."""
+    from transformers import AutoTokenizer
+
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise MegatrainError(f"tokenizer: directory {p} does not exist")
+    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                                           "vocab.json", "vocab.txt")):
+        raise MegatrainError(f"tokenizer: {p} holds no tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
+    try:
+        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for broken tokenizers
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MegatrainError(f"tokenizer: cannot load the tokenizer in {p}: {msg}") from None
+
+
+def apply_chat_template_override(tokenizer, template: str | None) -> None:
+    """Set `data.chat_template` (a template or a file holding one) on the run's tokenizer, so exports carry it."""
+    if not template:
+        return
+    if "{" not in template:
+        f = Path(template).expanduser()
+        if not f.is_file():
+            raise MegatrainError(f"data.chat_template: file {f} does not exist (or give the template itself)")
+        template = f.read_text()
+    tokenizer.chat_template = template
+
+
+def pad_id(tokenizer) -> int:
+    """Token used to fill padding (never attended to, never a label, so any valid id works)."""
+    for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
+        if t is not None:
+            return int(t)
+    return 0
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of everything in the tokenizer that changes token ids: vocabulary, merges, normaliser, special tokens,
+    BOS/EOS handling and the chat template. Part of the tokenisation cache key."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:  # slow tokenizer: let datasets hash the whole object
+        from datasets.fingerprint import Hasher
+
+        h.update(Hasher.hash(tokenizer).encode())
+    extra = {
+        "class": type(tokenizer).__name__,
+        "chat_template": tokenizer.chat_template,
+        "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+        "added": sorted((str(k), int(v)) for k, v in tokenizer.get_added_vocab().items()),
+        "bos": getattr(tokenizer, "add_bos_token", None),
+        "eos": getattr(tokenizer, "add_eos_token", None),
+    }
+    h.update(json.dumps(extra, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,128 @@
+"""Packing: rows respect max_seq_len, documents stay apart (positions, labels), and a packed row trains exactly
+as its documents would separately."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_model_dir
+from data_fixtures.helpers import chat, config, tokenizer, write_jsonl
+
+from megatrain.data import build_train_loader
+from megatrain.data.packing import collate, pack_best_fit, pack_greedy
+from megatrain.data.template import IGNORE
+
+ROWS = [chat("Hello! How are you?", "I am fine, thank you."),
+        chat("Name a colour.", "Blue.", "Name another.", "Green."),
+        {"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                      {"role": "user", "content": "Add two and three."},
+                      {"role": "assistant", "content": "Two plus three is five."}]}]
+
+
+@pytest.mark.parametrize("pack", [pack_best_fit, pack_greedy])
+def test_packers_place_every_document_once_within_capacity(pack):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 100, size=500)
+    order = rng.permutation(500)
+    rows = pack(order, lengths, 128)
+    assert sorted(k for r in rows for k in r) == list(range(500))
+    assert all(lengths[r].sum() <= 128 for r in rows)
+
+
+def test_best_fit_packs_tighter_than_greedy():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 1000, size=2000)
+    order = rng.permutation(2000)
+    best, greedy = pack_best_fit(order, lengths, 1024), pack_greedy(order, lengths, 1024)
+    assert len(best) < len(greedy)
+    assert lengths.sum() / (len(best) * 1024) > 0.97  # best-fit decreasing leaves almost no room
+
+
+def test_collate_restarts_positions_and_masks_document_starts_and_padding():
+    a = (np.array([1, 10, 11, 12]), np.array([IGNORE, 10, 11, 12]))
+    b = (np.array([1, 20, 21]), np.array([IGNORE, IGNORE, 21]))
+    c = (np.array([1, 30]), np.array([31, 30]))  # a label at its first token is removed
+    batch = collate([[a, b], [c]], pad_id=0)
+    assert batch["input_ids"].tolist() == [[1, 10, 11, 12, 1, 20, 21], [1, 30, 0, 0, 0, 0, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6]]
+    assert batch["labels"].tolist() == [[IGNORE, 10, 11, 12, IGNORE, IGNORE, 21],
+                                        [IGNORE, 30, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE]]
+    assert batch["num_real_tokens"].item() == 9 and batch["num_real_tokens"].dim() == 0
+    assert all(t.dtype == torch.int64 for t in batch.values())
+
+
+def test_packed_loader_rows_hold_several_documents_within_max_seq_len(tmp_path):
+    tok = tokenizer()
+    rows = ROWS * 10
+    cfg = config(tmp_path, path=str(write_jsonl(tmp_path / "c.jsonl", rows)), format="messages", packing=True,
+                 max_seq_len=256)
+    loader = build_train_loader(cfg, tok, seed=0, micro_batch_size=2, grad_accum_steps=3)
+    docs = 0
+    for mb in loader.next_step():
+        assert mb["input_ids"].shape[1] <= 256
+        real = mb["labels"].ne(IGNORE) | (mb["position_ids"] == 0)
+        docs += int((mb["position_ids"] == 0).sum())
+        for b in range(mb["input_ids"].shape[0]):  # every document starts with BOS and an unlabelled position
+            starts = torch.nonzero(mb["position_ids"][b] == 0).flatten()
+            assert (mb["input_ids"][b, starts] == tok.bos_token_id).all()
+            assert (mb["labels"][b, starts] == IGNORE).all()
+        assert real.any()
+    assert docs > 6  # more documents than rows: they were packed
+    assert "packing efficiency" in loader.summary()
+
+
+def _engine(model_dir):
+    from megatrain.engine import CollectGrads, Engine
+    from megatrain.models import get_adapter, load_hf_config
+    from megatrain.store import HostStore
+
+    ad = get_adapter(load_hf_config(model_dir))
+    st = HostStore(ad, torch.float32)
+    st.load_safetensors(model_dir)
+    return Engine(st, ad, torch.device("cpu")), CollectGrads
+
+
+def _run(engine, sink_cls, ids, labels, positions):
+    """Sum of token losses and of gradients (the engine divides both by the number of targets)."""
+    from megatrain.engine import MicroBatch
+
+    mb = MicroBatch.from_labels(ids, labels, positions)
+    sink = sink_cls()
+    out = engine.train_step([mb], sink)
+    n = mb.num_targets
+    return float(out.loss_sum) * n, {u: g * n for u, g in sink.grads.items()}, n
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_packed_row_loss_and_grads_equal_the_sum_over_its_documents(tmp_path, family):
+    """The contamination test: a row packed by the loader trains exactly as its documents run one by one. If any
+    attention crossed a document border, or a document's last token predicted the next one's first, this breaks."""
+    tok = tokenizer()
+    cfg = config(tmp_path, path=str(write_jsonl(tmp_path / "c.jsonl", ROWS)), format="messages", packing=True,
+                 max_seq_len=512)
+    batch = build_train_loader(cfg, tok, seed=0, micro_batch_size=1, grad_accum_steps=1).next_step()[0]
+    ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
+    starts = torch.nonzero(pos[0] == 0).flatten().tolist()
+    assert len(starts) == 3 and batch["num_real_tokens"].item() == ids.shape[1]  # one row, three documents
+
+    d = tmp_path / "model"
+    make_model_dir(d, family, layers=2, vocab=len(tok))
+    engine, sink = _engine(d)
+    packed_loss, packed_grads, packed_n = _run(engine, sink, ids, labels, pos)
+
+    bounds = starts + [ids.shape[1]]
+    loss_sum, grads_sum, n_sum = 0.0, None, 0
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        loss, grads, n = _run(engine, sink, ids[:, s:e], labels[:, s:e], pos[:, s:e])
+        assert (pos[0, s:e] == torch.arange(e - s)).all()
+        loss_sum, n_sum = loss_sum + loss, n_sum + n
+        grads_sum = grads if grads_sum is None else {u: grads_sum[u] + g for u, g in grads.items()}
+    assert packed_n == n_sum
+    assert packed_loss == pytest.approx(loss_sum, rel=1e-5)
+    for u, g in packed_grads.items():
+        torch.testing.assert_close(g, grads_sum[u], rtol=1e-4, atol=1e-5)
+
+    # the test has teeth: the same row without document boundaries (attention across documents) differs
+    leaky_loss, _, _ = _run(engine, sink, ids, labels, torch.arange(ids.shape[1])[None])
+    assert abs(leaky_loss - loss_sum) > 1e-3 * abs(loss_sum)
