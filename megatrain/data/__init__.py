@@ -1,15 +1,44 @@
-"""Data: files -> examples -> tokens with label masks -> micro-batches, in a resumable order.
+"""Data: files -> rows -> samples -> tokens with label masks -> packed or length-grouped micro-batches, in a
+seeded order that resumes exactly.
 
-Interface used by the trainer (and nothing else of this package):
-    validate_inputs(cfg)                              cheap checks before anything is written
+Modules, one job each:
+    config.py     the `data:` config section (DataConfig, DatasetSpec)
+    sources.py    config -> sources -> files -> raw datasets (JSON/JSONL/parquet/csv/txt, save_to_disk dirs,
+                  LLaMA-Factory dataset_info.json registries)
+    formats.py    a row of text/alpaca/sharegpt/messages/prompt_completion -> one canonical sample
+    template.py   a sample -> input_ids and labels through the tokenizer's chat template (incremental rendering)
+    encode.py     tokenising whole files with datasets.map, cached under a fingerprint of tokenizer and settings
+    examples.py   bad rows, over-long rows and the evaluation hold-out -> the examples of a run, with counts
+    packing.py    packing documents into rows; rows -> a Batch
+    sampler.py    seeded, epoch-aware, resumable order of micro-batches
+    preview.py    what `megatrain data CONFIG --preview N` prints; the run-start summary lines
+    tokenizer.py  load_tokenizer; the tokenizer fingerprint; chat template override
+    loader.py     the interface below
+
+Interface used by the trainer and the command line (and nothing else of this package):
+    load_tokenizer(path) -> PreTrainedTokenizerBase     AutoTokenizer, MegatrainError if missing or unreadable
+    validate_inputs(cfg)                                cheap checks before anything is written
     build_train_loader(cfg, tokenizer, seed=, micro_batch_size=, grad_accum_steps=) -> StepLoader
+        .next_step() -> list[Batch] (grad_accum_steps micro-batches), .state_dict(), .load_state_dict(state),
+        .summary() -> str, .epoch
     build_eval_batches(cfg, tokenizer, micro_batch_size=) -> list[Batch] | None
     preview(cfg, tokenizer, n) -> str
-A Batch is a dict of CPU int64 tensors [B, T]: input_ids, labels (unshifted, -100 = no loss), position_ids.
+The loader and preview functions set `data.chat_template`, when given, on the tokenizer object they receive, so a
+tokenizer saved with the exported model chats the way it was trained.
+
+A Batch is a dict of CPU int64 tensors:
+    input_ids       [B, T]  right-padded
+    labels          [B, T]  Hugging Face convention: unshifted, -100 where no loss (prompts, template text,
+                            padding, and the first token of every document)
+    position_ids    [B, T]  restart at 0 at every packed document: a new document starts wherever
+                            position_ids == 0 (padding continues the positions of its row's last document)
+    num_real_tokens []      scalar: tokens that are not padding (padding is never counted as tokens)
+All errors are MegatrainError with one-line messages naming the key, file and row.
 """
 
-from .config import DataConfig
+from .config import DataConfig, DatasetSpec
 from .loader import Batch, StepLoader, build_eval_batches, build_train_loader, preview, validate_inputs
+from .tokenizer import load_tokenizer
 
-__all__ = ["Batch", "DataConfig", "StepLoader", "build_eval_batches", "build_train_loader", "preview",
-           "validate_inputs"]
+__all__ = ["Batch", "DataConfig", "DatasetSpec", "StepLoader", "build_eval_batches", "build_train_loader",
+           "load_tokenizer", "preview", "validate_inputs"]
