@@ -138,6 +138,8 @@ class Engine:
         """Start bringing these units' weights to the device; returns at once (the copy is asynchronous)."""
         tiles = [self.tiles[i] for i in unit_indices]
         if not self.cuda:
+            for i in unit_indices:
+                self.wait_for_update(i)
             return _Loaded([t.views(t.stream) for t in tiles])
         key = (tuple(unit_indices), self.weights_version)
         # Slots are used strictly in ring order, so the slot taken here is the one released longest ago. If it

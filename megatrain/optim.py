@@ -14,7 +14,11 @@ import torch
 
 from .store import LayerTile
 
-CHUNK = 1 << 20  # elements per fused call: 16 MiB of fp32 state per array stays in the last-level cache
+# Elements per fused call: 16 MiB of fp32 state per array stays in the last-level cache. Calls always cover
+# absolute CHUNK-aligned blocks of a tile: the kernel's rounding depends on how its range is split (vector body
+# vs scalar tail), so an update in pieces whose boundaries are multiples of CHUNK is bit-identical to one call
+# per tile.
+CHUNK = 1 << 20
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
@@ -45,28 +49,36 @@ class CpuAdamW:
         self.eps = eps
         self.weight_decay = weight_decay
 
-    def update(self, tile: LayerTile, grad: torch.Tensor, *, lr: float, clip_coef: float = 1.0) -> None:
-        """One exact AdamW step of `tile` from its fp32 host gradient `grad` (flat, laid out like the tile).
+    def update(self, tile: LayerTile, grad: torch.Tensor, *, lr: float, clip_coef: float = 1.0,
+               offset: int = 0, new_step: bool = True) -> None:
+        """One exact AdamW step of `tile[offset : offset + len(grad)]` from its fp32 host gradient `grad`.
 
-        The gradient is read as grad * clip_coef (folded into the kernel's grad_scale, no extra pass). The
-        streaming copy is rewritten chunk by chunk in the same pass.
+        A tile may be updated in pieces (large embeddings pass through bounded landing buffers): the first
+        piece of a step has new_step=True and advances the tile's step count. The gradient is read as
+        grad * clip_coef (folded into the kernel's grad_scale, no extra pass). The streaming copy is rewritten
+        chunk by chunk in the same pass.
         """
-        assert grad.dtype == torch.float32 and grad.numel() == tile.numel and grad.device.type == "cpu"
-        tile.step += 1
+        assert grad.dtype == torch.float32 and grad.device.type == "cpu"
+        assert 0 <= offset and offset + grad.numel() <= tile.numel
+        if new_step:
+            tile.step += 1
         # _fused_adamw_ divides the gradient by grad_scale: clipping is multiplying by clip_coef.
         grad_scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef, dtype=torch.float32)
         split = tile.unit.decay_numel
         separate_copy = tile.stream.data_ptr() != tile.master.data_ptr()
-        n = tile.numel
-        for start in range(0, n, CHUNK):
-            end = min(n, start + CHUNK)
+        n = offset + grad.numel()
+        start = offset
+        while start < n:
+            end = min(n, (start // CHUNK + 1) * CHUNK)
             for a, b, wd in ((start, min(end, split), self.weight_decay), (max(start, split), end, 0.0)):
                 if a >= b:
                     continue
                 torch._fused_adamw_(
-                    [tile.master[a:b]], [grad[a:b]], [tile.exp_avg[a:b]], [tile.exp_avg_sq[a:b]], [], [tile.step],
+                    [tile.master[a:b]], [grad[a - offset: b - offset]], [tile.exp_avg[a:b]],
+                    [tile.exp_avg_sq[a:b]], [], [tile.step],
                     lr=lr, beta1=self.beta1, beta2=self.beta2, weight_decay=wd, eps=self.eps,
                     amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None,
                 )
             if separate_copy:
                 tile.stream[start:end].copy_(tile.master[start:end])
+            start = end

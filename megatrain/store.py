@@ -76,6 +76,11 @@ class HostStore:
         self.separate_stream_copy = stream_dtype != torch.float32
         self.stream = _aligned_empty(total, stream_dtype, zero=False) if self.separate_stream_copy else self.master
         self.tiles: list[LayerTile] = []
+        ends = [s + u.numel for u, s in zip(self.units, starts)]
+        for a, b in zip(ends, starts[1:] + [total]):  # alignment padding: zero, so whole buffers are deterministic
+            self.master[a:b].zero_()
+            if self.separate_stream_copy:
+                self.stream[a:b].zero_()
         for u, s in zip(self.units, starts):
             sl = slice(s, s + u.numel)
             self.tiles.append(LayerTile(u, self.master[sl], self.exp_avg[sl], self.exp_avg_sq[sl], self.stream[sl]))

@@ -15,10 +15,11 @@ import torch
 
 from . import data as data_lib
 from .config import Config
-from .engine import CollectGrads, Engine, MicroBatch
+from .engine import Engine, MicroBatch
 from .errors import MegatrainError
 from .metrics import MetricsLogger
 from .models import get_adapter, load_hf_config
+from .offload import OptimizerPipeline
 from .optim import CpuAdamW, clip_coefficient, lr_at
 from .store import HostStore
 
@@ -44,7 +45,7 @@ class Run:
     adapter: object
     store: HostStore
     engine: Engine
-    optimizer: CpuAdamW
+    pipeline: OptimizerPipeline
     loader: object
     eval_batches: list | None
     exact_match: list | None
@@ -96,7 +97,9 @@ def prepare(cfg: Config) -> Run:
         store.pin()
     engine = Engine(store, adapter, device, cfg.engine.loss_chunk_tokens, cfg.engine.num_slots)
     optimizer = CpuAdamW(betas=cfg.train.betas, eps=cfg.train.eps, weight_decay=cfg.train.weight_decay)
-    return Run(cfg, adapter, store, engine, optimizer, loader, eval_batches, exact, tokenizer, out_dir)
+    pipeline = OptimizerPipeline(store, optimizer, device)
+    engine.wait_for_update = pipeline.wait_for_update
+    return Run(cfg, adapter, store, engine, pipeline, loader, eval_batches, exact, tokenizer, out_dir)
 
 
 def _load_tokenizer(path: str):
@@ -125,17 +128,21 @@ def _load_exact_match(path: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def optimizer_step(run: Run, grads: dict[int, torch.Tensor], step: int, grad_norm: float) -> float:
-    """Clip by the global norm and update every tile in forward order; returns the learning rate used."""
+def train_step(run: Run, step: int, batches) -> tuple[float, float, float]:
+    """One optimizer step: the engine's waves, then the CPU update handed to the pipeline, which overlaps it
+    with the next step's forward. Returns (loss, grad norm, lr)."""
     t = run.cfg.train
+    out = run.engine.train_step(to_microbatches(batches), run.pipeline)
+    grad_norm = math.sqrt(out.grad_sq_norm.item())  # the step's GPU work is all queued: this wait costs nothing
+    loss = out.loss_sum.item()
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise MegatrainError(f"step {step + 1}: loss {loss}, grad norm {grad_norm}; the update was not applied. "
+                             f"Lower train.lr or check the data.")
     lr = lr_at(step, lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, schedule=t.lr_schedule,
                min_lr_ratio=t.min_lr_ratio)
-    coef = clip_coefficient(grad_norm, t.max_grad_norm)
-    for i, tile in enumerate(run.store.tiles):
-        g = grads.pop(i)
-        run.optimizer.update(tile, g if g.device.type == "cpu" else g.cpu(), lr=lr, clip_coef=coef)
+    run.pipeline.finish_step(lr=lr, clip_coef=clip_coefficient(grad_norm, t.max_grad_norm))
     run.engine.weights_version += 1
-    return lr
+    return loss, grad_norm, lr
 
 
 def evaluate(run: Run, step: int, log: MetricsLogger) -> dict:
@@ -173,13 +180,7 @@ def train(cfg: Config) -> dict:
         for step in range(t.steps):
             t0 = time.perf_counter()
             batches = run.loader.next_step()
-            sink = CollectGrads()
-            out = run.engine.train_step(to_microbatches(batches), sink)
-            grad_norm = math.sqrt(out.grad_sq_norm.item())
-            loss = out.loss_sum.item()
-            if not math.isfinite(loss):
-                raise MegatrainError(f"step {step + 1}: the loss is {loss}; lower train.lr or check the data")
-            lr = optimizer_step(run, sink.grads, step, grad_norm)
+            loss, grad_norm, lr = train_step(run, step, batches)
             dt = time.perf_counter() - t0
             tokens = real_tokens(batches)
             losses.append(loss)
@@ -189,7 +190,9 @@ def train(cfg: Config) -> dict:
             if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
                 evaluate(run, step + 1, log)
         summary["last_eval"] = evaluate(run, t.steps, log)
+        run.pipeline.drain()
     finally:
+        run.pipeline.close()
         log.close()
         run.store.unpin()
     summary["first_loss"], summary["last_loss"] = losses[0], losses[-1]

@@ -1,0 +1,157 @@
+"""Gradients out, updates in: the CPU optimizer overlapped with the GPU.
+
+`OptimizerPipeline` is the engine's gradient sink. During backward it only remembers each unit's finished fp32
+gradient (still on the device) and the event after which it is complete. When the step's backward has been
+queued, `finish_step` hands the whole step to a worker thread, which, in forward order (embed, layer 0, ...,
+head):
+
+    1. copies the unit's gradient to a pinned landing buffer on the d2h stream (after the unit's event),
+       the next unit's copy already in flight while the current one is updated;
+    2. runs AdamW on the unit's tile (global-norm clip folded in), rewriting its streaming copy;
+    3. marks the unit ready: the engine's `wait_for_update(u)`, called before it streams unit u for the next
+       step's forward, returns.
+
+So layer l of step t+1 waits only for the update of layer l of step t; the result is the same AdamW as
+updating everything after backward (tested bit for bit on CPU). Landing buffers are a bounded pool (two
+buffers of the largest layer); larger units (embedding, head) pass through in pieces.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+from .optim import CpuAdamW
+from .store import HostStore, _aligned_empty
+
+
+class OptimizerPipeline:
+    def __init__(self, store: HostStore, optimizer: CpuAdamW, device: torch.device, num_landing: int = 2,
+                 threaded: bool | None = None):
+        """threaded: run updates on a worker thread (default on CUDA). On a CPU-only machine the optimizer and
+        the engine share the same cores, so by default updates run inline in `finish_step` (the same result)."""
+        self.store, self.optimizer, self.device = store, optimizer, torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.threaded = self.cuda if threaded is None else threaded
+        self.order = list(range(len(store.tiles)))  # forward order: embed, layers, head
+        self._grads: dict[int, tuple[torch.Tensor, object]] = {}
+        self._ready = [threading.Event() for _ in self.order]
+        for e in self._ready:
+            e.set()  # the initial weights are ready
+        self._jobs: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._registered: list[int] = []
+        if self.cuda:
+            from . import optim
+
+            layer_max = max((t.numel for t in store.tiles if t.unit.kind == "layer"), default=store.max_unit_numel)
+            # pieces on CHUNK boundaries keep a piecewise update bit-identical to a whole-tile one
+            self.piece = max(optim.CHUNK, layer_max // optim.CHUNK * optim.CHUNK)
+            self.landing = [_aligned_empty(self.piece, torch.float32, zero=False) for _ in range(num_landing)]
+            cudart = torch.cuda.cudart()
+            for buf in self.landing:
+                cudart.cudaHostRegister(buf.data_ptr(), buf.numel() * 4, 0)
+                self._registered.append(buf.data_ptr())
+            self.d2h = torch.cuda.Stream(self.device)
+            self.compute = torch.cuda.current_stream(self.device)
+        self._worker = None
+        if self.threaded:
+            self._worker = threading.Thread(target=self._run, name="megatrain-optimizer", daemon=True)
+            self._worker.start()
+
+    # ---- engine side ------------------------------------------------------------------------------
+    def put(self, unit_index: int, grad: torch.Tensor) -> None:
+        """Called on the compute stream's timeline when a unit's gradient is complete (no synchronisation)."""
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(self.compute)
+        self._grads[unit_index] = (grad, event)
+
+    def wait_for_update(self, unit_index: int) -> None:
+        """Blocks the scheduling thread until the last step's update of this unit has been written."""
+        while not self._ready[unit_index].wait(timeout=1.0):
+            self._raise_if_failed()
+        self._raise_if_failed()
+
+    # ---- trainer side -----------------------------------------------------------------------------
+    def finish_step(self, *, lr: float, clip_coef: float) -> None:
+        """Queue the update of every unit, in forward order; returns at once."""
+        self._raise_if_failed()
+        missing = [i for i in self.order if i not in self._grads]
+        if missing:
+            raise RuntimeError(f"no gradient for units {missing}")
+        grads, self._grads = self._grads, {}
+        for e in self._ready:
+            e.clear()
+        self._jobs.put((grads, lr, clip_coef))
+        if not self.threaded:
+            self._jobs.put(None)
+            self._run()
+
+    def drain(self) -> None:
+        """Wait until every queued update has been written (before evaluation, checkpoints, exit)."""
+        for i in self.order:
+            self.wait_for_update(i)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._jobs.put(None)
+            self._worker.join(timeout=60)
+        if self._registered:
+            cudart = torch.cuda.cudart()
+            for ptr in self._registered:
+                cudart.cudaHostUnregister(ptr)
+            self._registered.clear()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the optimizer thread failed") from self._error
+
+    # ---- worker ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while (job := self._jobs.get()) is not None:
+                grads, lr, coef = job
+                if self.cuda:
+                    self._update_from_device(grads, lr, coef)
+                else:
+                    for i in self.order:
+                        grad, _ = grads.pop(i)
+                        self.optimizer.update(self.store.tiles[i], grad, lr=lr, clip_coef=coef)
+                        self._ready[i].set()
+        except BaseException as e:  # surfaced on the training thread by wait_for_update / finish_step
+            self._error = e
+            for ev in self._ready:
+                ev.set()
+
+    def _update_from_device(self, grads: dict, lr: float, coef: float) -> None:
+        # The work list: (unit, offset, length) pieces no larger than a landing buffer, in forward order.
+        pieces = [(i, a, min(self.piece, self.store.tiles[i].numel - a))
+                  for i in self.order for a in range(0, self.store.tiles[i].numel, self.piece)]
+        done_events: list = [None] * len(self.landing)
+
+        def issue(k: int) -> None:
+            i, a, n = pieces[k]
+            grad, ready = grads[i]
+            buf = self.landing[k % len(self.landing)]
+            with torch.cuda.stream(self.d2h):
+                self.d2h.wait_event(ready)
+                buf[:n].copy_(grad[a: a + n], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.d2h)
+            done_events[k % len(self.landing)] = ev
+
+        issue(0)
+        for k, (i, a, n) in enumerate(pieces):
+            if k + 1 < len(pieces):
+                issue(k + 1)  # the next copy overlaps this update (its buffer was freed by update k-1)
+            done_events[k % len(self.landing)].synchronize()
+            tile = self.store.tiles[i]
+            self.optimizer.update(tile, self.landing[k % len(self.landing)][:n], lr=lr, clip_coef=coef,
+                                  offset=a, new_step=(a == 0))
+            if a + n == tile.numel:
+                grads.pop(i)  # the device gradient is free once its last piece has landed
+                self._ready[i].set()
