@@ -49,7 +49,7 @@ def encode_row(raw: dict, index: int, *, tok, fmt: str, columns: dict, roles: di
         except json.JSONDecodeError as e:
             return _bad(row_no, f"malformed JSON: {e.msg} (column {e.colno})")
     else:
-        row_no, row = index + 1, raw
+        row_no, row = index + 1, dict(raw)  # datasets hands a lazy mapping
     try:
         sample = to_sample(row, fmt, columns, roles, blank_ok)
         if sample is None:  # a blank line of a text file: not a row
