@@ -12,6 +12,7 @@ random subset for the fraction, then shuffles everything. The plan then groups e
   length and cut into micro-batches (little padding), the micro-batches shuffled, the largest moved to the front
   (an out-of-memory shows at the first step, not hours later);
 - otherwise: micro-batches in the shuffled order.
+Only the last micro-batch of an epoch may hold fewer than micro_batch_size rows.
 """
 
 from __future__ import annotations
@@ -77,10 +78,12 @@ class EpochPlanner:
             chunk = order[w: w + window]
             chunk = chunk[np.argsort(-L[chunk], kind="stable")]
             mbs += [chunk[j: j + B] for j in range(0, len(chunk), B)]
+        short = [mbs.pop()] if len(mbs[-1]) < B else []  # the remainder of the epoch stays last
         mbs = [mbs[i] for i in rng.permutation(len(mbs))]
-        biggest = int(np.argmax([len(mb) * L[mb].max() for mb in mbs]))
-        mbs.insert(0, mbs.pop(biggest))
-        return [[[k] for k in mb.tolist()] for mb in mbs]
+        if mbs:
+            biggest = int(np.argmax([L[mb].max() for mb in mbs]))
+            mbs.insert(0, mbs.pop(biggest))
+        return [[[k] for k in mb.tolist()] for mb in mbs + short]
 
 
 def plan_efficiency(plan: Plan, lengths: np.ndarray) -> tuple[int, int]:
