@@ -107,6 +107,7 @@ class _Slot:
 class _Loaded:
     weights: list[dict[str, torch.Tensor]]  # per tile: views of the slot (or of the host tile on CPU)
     slot: _Slot | None = None
+    busy_from: object = None  # timeline event when compute began using the slot
 
 
 class Engine:
@@ -121,6 +122,7 @@ class Engine:
         self.loss_chunk = loss_chunk_tokens or max(128, (1 << 28) // V)  # ~1 GiB of fp32 logits per chunk
         self.weights_version = 0  # bumped by the trainer whenever the optimizer rewrote the tiles
         self.wait_for_update: Callable[[int], None] = lambda unit_index: None
+        self.timeline = None  # a megatrain.timeline.Timeline to measure stream busy shares (CUDA only)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             head_uses = [self.head_i, self.embed_i] if adapter.tied else [self.head_i]
@@ -151,10 +153,11 @@ class Engine:
                 self.wait_for_update(i)
             with torch.cuda.stream(self.h2d):
                 self.h2d.wait_event(slot.free)
-                off = 0
-                for t in tiles:
-                    slot.buf[off: off + t.numel].copy_(t.stream, non_blocking=True)
-                    off += t.numel
+                with self._span("h2d", self.h2d):
+                    off = 0
+                    for t in tiles:
+                        slot.buf[off: off + t.numel].copy_(t.stream, non_blocking=True)
+                        off += t.numel
                 slot.ready.record(self.h2d)
             slot.holds = key
         views, off = [], 0
@@ -166,11 +169,21 @@ class Engine:
     def _acquire(self, loaded: _Loaded) -> list[dict[str, torch.Tensor]]:
         if loaded.slot is not None:
             self.compute.wait_event(loaded.slot.ready)
+            if self.timeline is not None:
+                loaded.busy_from = self.timeline.marker(self.compute)
         return loaded.weights
 
     def _release(self, loaded: _Loaded) -> None:
         if loaded.slot is not None:
             loaded.slot.free.record(self.compute)
+            if self.timeline is not None and loaded.busy_from is not None:
+                end = self.timeline.marker(self.compute)
+                self.timeline.add("compute", loaded.busy_from, end)
+
+    def _span(self, name: str, stream):
+        from contextlib import nullcontext
+
+        return self.timeline.span(name, stream) if self.timeline is not None else nullcontext()
 
     def _grad_buffer(self, tile: LayerTile) -> torch.Tensor:
         return torch.zeros(tile.numel, dtype=torch.float32, device=self.device)
@@ -185,34 +198,35 @@ class Engine:
         L = len(self.layer_is)
         schedule = [[self.embed_i]] + [[i] for i in self.layer_is] + [self._head_units()] + \
                    [[i] for i in reversed(self.layer_is)]
-        prefetched = self._fetch(schedule[0])
+        # Use k's weights were fetched when use k-1 finished queueing its compute: the copy overlaps that
+        # compute, and a wait for the optimizer (wait_for_update) never delays kernels already decided.
+        pending = [self._fetch(schedule[0])]
 
-        def next_weights(k: int) -> _Loaded:
-            nonlocal prefetched
-            current = prefetched
+        def weights(k: int) -> _Loaded:
+            return pending[k]
+
+        def done(k: int) -> None:
+            self._release(pending[k])
+            pending[k] = None
             if k + 1 < len(schedule):
-                prefetched = self._fetch(schedule[k + 1])  # the copy of use k+1 overlaps compute of use k
-            return current
+                pending.append(self._fetch(schedule[k + 1]))
 
         sq_norms: list[torch.Tensor] = []
 
         # forward wave
         with torch.no_grad():
-            loaded = next_weights(0)
-            (w_embed,) = self._acquire(loaded)
+            (w_embed,) = self._acquire(weights(0))
             hidden = [F.embedding(mb.input_ids, w_embed["weight"]) for mb in mbs]
-            self._release(loaded)
+            done(0)
             checkpoints: list[list[torch.Tensor]] = []
             for li in range(L):
-                loaded = next_weights(1 + li)
-                (w,) = self._acquire(loaded)
+                (w,) = self._acquire(weights(1 + li))
                 checkpoints.append(hidden)
                 hidden = [self.adapter.layer_forward(w, h, c) for h, c in zip(hidden, ctxs)]
-                self._release(loaded)
+                done(1 + li)
 
         # head: loss and its backward, chunked over target tokens
-        loaded = next_weights(1 + L)
-        head_w = self._acquire(loaded)
+        head_w = self._acquire(weights(1 + L))
         head_tile = self.tiles[self.head_i]
         head_grad = self._grad_buffer(head_tile)
         embed_grad = self._grad_buffer(self.tiles[self.embed_i])
@@ -226,22 +240,22 @@ class Engine:
             loss, dh = self._head_loss(h, mb, norm_w, lm_w, norm_grad, lm_grad, 1.0 / num_targets)
             loss_sum += loss
             grads_out.append(dh)
-        self._release(loaded)
+        done(1 + L)
         del hidden
         sq_norms.append(self._emit(sink, self.head_i, head_grad))
 
         # backward wave
         for li in reversed(range(L)):
             unit_index = self.layer_is[li]
-            loaded = next_weights(2 + L + (L - 1 - li))
-            (w,) = self._acquire(loaded)
+            k = 2 + L + (L - 1 - li)
+            (w,) = self._acquire(weights(k))
             grad = self._grad_buffer(self.tiles[unit_index])
             gviews = list(self.tiles[unit_index].views(grad).values())
             ckpt = checkpoints[li]
             for m, (c, dh) in enumerate(zip(ctxs, grads_out)):
                 grads_out[m] = self._layer_backward(w, ckpt[m], c, dh, gviews)
                 ckpt[m] = None  # this checkpoint is spent
-            self._release(loaded)
+            done(k)
             sq_norms.append(self._emit(sink, unit_index, grad))
 
         # embedding backward: scatter-add of the input gradient; needs no weights

@@ -56,6 +56,7 @@ class OptimizerPipeline:
                 self._registered.append(buf.data_ptr())
             self.d2h = torch.cuda.Stream(self.device)
             self.compute = torch.cuda.current_stream(self.device)
+        self.timeline = None  # set with the engine's, to measure the d2h stream's busy share
         self._worker = None
         if self.threaded:
             self._worker = threading.Thread(target=self._run, name="megatrain-optimizer", daemon=True)
@@ -139,7 +140,11 @@ class OptimizerPipeline:
             buf = self.landing[k % len(self.landing)]
             with torch.cuda.stream(self.d2h):
                 self.d2h.wait_event(ready)
-                buf[:n].copy_(grad[a: a + n], non_blocking=True)
+                if self.timeline is not None:
+                    with self.timeline.span("d2h", self.d2h):
+                        buf[:n].copy_(grad[a: a + n], non_blocking=True)
+                else:
+                    buf[:n].copy_(grad[a: a + n], non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self.d2h)
             done_events[k % len(self.landing)] = ev

@@ -1,0 +1,125 @@
+"""megatrain's step on one GPU: step time, tokens/s, TFLOP/s (6·N and MFU with attention), GPU peak, host peak
+RSS and bytes/param, and the busy shares of the compute, H2D and D2H streams.
+
+    python bench/bench_megatrain.py --model bench/model-configs/qwen2.5-7b --seq 1024 --seqs 158 --micro 32
+
+Random-initialised weights, random tokens (full-length rows, every token a target). The first --warmup steps
+are not measured. Prints a table last and writes JSON (--json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import H200_BF16_PEAK, hf_config, peak_rss_bytes, rss_bytes, table, write_json  # noqa: E402
+from megatrain.engine import Engine, MicroBatch  # noqa: E402
+from megatrain.models import get_adapter  # noqa: E402
+from megatrain.offload import OptimizerPipeline  # noqa: E402
+from megatrain.optim import CpuAdamW, clip_coefficient  # noqa: E402
+from megatrain.store import HostStore  # noqa: E402
+from megatrain.timeline import Timeline  # noqa: E402
+from megatrain.trainer import flops_per_token  # noqa: E402
+
+
+def split(total: int, micro: int) -> list[int]:
+    sizes = [micro] * (total // micro)
+    if total % micro:
+        sizes.append(total % micro)
+    return sizes
+
+
+def run(args) -> dict:
+    cfg = hf_config(args.model, num_hidden_layers=args.layers, hidden_size=args.hidden,
+                    intermediate_size=args.intermediate)
+    adapter = get_adapter(cfg)
+    device = torch.device("cuda")
+    t0 = time.perf_counter()
+    store = HostStore(adapter, torch.bfloat16 if args.precision == "bf16" else torch.float32)
+    store.init_random(0, 0.02)
+    store.pin()
+    init_s = time.perf_counter() - t0
+    engine = Engine(store, adapter, device, num_slots=args.slots)
+    pipeline = OptimizerPipeline(store, CpuAdamW(weight_decay=0.1), device)
+    engine.wait_for_update = pipeline.wait_for_update
+    timeline = Timeline()
+    engine.timeline = pipeline.timeline = timeline
+    n_params = store.num_params
+    fpt6, fpt_model = flops_per_token(adapter, args.seq)
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for step in range(args.warmup + args.steps):
+        mbs = []
+        for b in split(args.seqs, args.micro):
+            ids = torch.randint(0, adapter.vocab_size, (b, args.seq), generator=g)
+            mbs.append(MicroBatch.from_labels(ids, ids))
+        start = timeline.marker()
+        t = time.perf_counter()
+        out = engine.train_step(mbs, pipeline)
+        norm = out.grad_sq_norm.sqrt().item()
+        loss = out.loss_sum.item()
+        end = timeline.marker()
+        dt = time.perf_counter() - t
+        pipeline.finish_step(lr=1e-5, clip_coef=clip_coefficient(norm, 1.0))
+        engine.weights_version += 1
+        shares = timeline.shares(start, end)
+        tokens = args.seqs * args.seq
+        rec = {"step": step, "loss": loss, "grad_norm": norm, "step_s": dt, "tokens_per_s": tokens / dt,
+               "tflops_6n": fpt6 * tokens / dt / 1e12, "mfu": fpt_model * tokens / dt / H200_BF16_PEAK,
+               "busy_compute": shares.get("compute", 0.0), "busy_h2d": shares.get("h2d", 0.0),
+               "busy_d2h": shares.get("d2h", 0.0)}
+        rec["gpu_idle"] = 1.0 - rec["busy_compute"]
+        records.append(rec)
+        print(f"step {step}: {dt:.2f}s loss {loss:.3f} {rec['tflops_6n']:.0f} TFLOP/s(6N) "
+              f"compute {rec['busy_compute']:.2f} h2d {rec['busy_h2d']:.2f} d2h {rec['busy_d2h']:.2f}", flush=True)
+    pipeline.drain()
+    pipeline.close()
+    measured = records[args.warmup:]
+    mean = lambda k: sum(r[k] for r in measured) / len(measured)
+    return {
+        "label": args.label, "model": Path(args.model).name, "layers": adapter.num_layers,
+        "hidden": adapter.hidden_size, "params": n_params, "seq": args.seq, "seqs_per_step": args.seqs,
+        "micro": args.micro, "tokens_per_step": args.seqs * args.seq, "precision": args.precision,
+        "step_s": mean("step_s"), "tokens_per_s": mean("tokens_per_s"), "tflops_6n": mean("tflops_6n"),
+        "mfu": mean("mfu"), "busy_compute": mean("busy_compute"), "busy_h2d": mean("busy_h2d"),
+        "busy_d2h": mean("busy_d2h"), "gpu_idle": mean("gpu_idle"),
+        "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "gpu_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "host_peak_rss_gib": peak_rss_bytes() / 2**30, "host_rss_gib": rss_bytes() / 2**30,
+        "host_bytes_per_param": peak_rss_bytes() / n_params, "init_s": init_s, "steps": records,
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True, help="folder with config.json")
+    p.add_argument("--label", default=None)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--seqs", type=int, default=158, help="sequences per optimizer step")
+    p.add_argument("--micro", type=int, default=32, help="sequences per micro-batch")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--intermediate", type=int, default=None)
+    p.add_argument("--slots", type=int, default=2)
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    args.label = args.label or Path(args.model).name
+    res = run(args)
+    write_json(args.json, {"command": " ".join(sys.argv), "result": res})
+    cols = ["label", "params", "tokens_per_step", "step_s", "tokens_per_s", "tflops_6n", "mfu", "gpu_idle",
+            "busy_h2d", "busy_d2h", "gpu_peak_gib", "host_peak_rss_gib", "host_bytes_per_param"]
+    print(table([res], cols))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Shared by the GPU benchmarks: model construction from a config.json, memory readings, the table."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+H200_BF16_PEAK = 989.4e12  # dense bf16 FLOP/s, H200 SXM datasheet (measured 8192^3 matmul: ~790e12)
+HERE = Path(__file__).resolve().parent
+
+
+def hf_config(path: str, **overrides):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    for k, v in overrides.items():
+        if v is not None:
+            setattr(cfg, k, v)
+    if "num_hidden_layers" in overrides and getattr(cfg, "layer_types", None):
+        cfg.layer_types = [cfg.layer_types[0]] * cfg.num_hidden_layers
+    return cfg
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def git_rev() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True).strip()
+    except Exception:
+        return os.environ.get("MEGATRAIN_REV", "unknown")
+
+
+def machine() -> str:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{gpu}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    payload = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "git": git_rev(), **payload}
+    text = json.dumps(payload, indent=2)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    widths = [max(len(c), *(len(_f(r.get(c))) for r in rows)) for c in cols]
+    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))
+    return "\n".join([line(cols)] + [line([_f(r.get(c)) for c in cols]) for r in rows])
+
+
+def _f(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return "-" if v is None else str(v)
