@@ -90,7 +90,8 @@ def tokenise(part: RawPart, tok, opts: EncodeOptions, root: str, num_proc: int |
     if fail_fast and len(ds) and not out.exists():  # a wrong format or column shows on row 1: stop before mapping
         first = encode_row(ds[0], 0, **kwargs)
         if first["error"]:
-            raise MegatrainError(f"{part.where(first['row'])}: {first['error']}")
+            raise MegatrainError(f"{part.where(first['row'])}: {first['error']} "
+                                 f"(set data.skip_bad_rows: true to skip and count such rows)")
     out.parent.mkdir(parents=True, exist_ok=True)
     nproc = num_proc if num_proc and num_proc > 1 and len(ds) >= 2 * num_proc else None
     return ds.map(encode_row, with_indices=True, fn_kwargs=kwargs, remove_columns=ds.column_names,

@@ -222,7 +222,8 @@ def load_raw(src: Source, file: Path, cache_dir: str) -> RawPart:
                     raise MegatrainError(f"{src.key}: {file} has no split '{src.split}' (it has: "
                                          f"{', '.join(ds)}); choose one with split:")
                 ds = ds[src.split]
-            return RawPart(src, file, ds, f"saved|{file.resolve()}|{ds._fingerprint}", False)
+            meta = file / ("state.json" if (file / "state.json").is_file() else "dataset_dict.json")
+            return RawPart(src, file, ds, f"saved|{src.split}|{ds._fingerprint}|{_stamp(meta)}", False)
         if kind == "json":
             ident = hashlib.sha256(f"json|{READER_VERSION}|{_stamp(file)}".encode()).hexdigest()[:16]
             features = datasets.Features({ROW_COL: datasets.Value("int64"), RAW_COL: datasets.Value("string")})
