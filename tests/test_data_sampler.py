@@ -7,7 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from data_fixtures.helpers import chat, config, tokenizer, write_jsonl
+from data_fixtures.helpers import config, tokenizer, write_jsonl
 
 from megatrain.data import build_train_loader
 from megatrain.data.sampler import BatchShape, EpochPlanner, ResumableSampler
