@@ -26,7 +26,7 @@ from megatrain.offload import OptimizerPipeline  # noqa: E402
 from megatrain.optim import CpuAdamW, clip_coefficient  # noqa: E402
 from megatrain.store import HostStore  # noqa: E402
 from megatrain.timeline import Timeline  # noqa: E402
-from megatrain.trainer import flops_per_token  # noqa: E402
+from megatrain.flops import flops_per_token  # noqa: E402
 
 
 def split(total: int, micro: int) -> list[int]:

@@ -61,13 +61,13 @@ class MicroBatch:
         """From Hugging Face style (input_ids, labels): labels are unshifted, -100 where no loss is taken."""
         B, T = input_ids.shape
         if position_ids is None:
-            position_ids = torch.arange(T).expand(B, T)
+            position_ids = torch.arange(T).repeat(B, 1)
         shifted = torch.full_like(labels, IGNORE_INDEX)
         shifted[:, :-1] = labels[:, 1:]
         flat = shifted.reshape(-1)
         index = torch.nonzero(flat != IGNORE_INDEX).squeeze(1)
         packed = bool((position_ids != torch.arange(T)).any())
-        return cls(input_ids.long(), position_ids.long(), index, flat[index].long(), packed)
+        return cls(input_ids.long().contiguous(), position_ids.long().contiguous(), index, flat[index].long(), packed)
 
     def to(self, device: torch.device) -> "MicroBatch":
         if device.type == "cpu":

@@ -17,6 +17,7 @@ from . import data as data_lib
 from .config import Config
 from .engine import Engine, MicroBatch
 from .errors import MegatrainError
+from .flops import flops_per_token
 from .metrics import MetricsLogger
 from .models import get_adapter, load_hf_config
 from .offload import OptimizerPipeline
@@ -30,19 +31,6 @@ def resolve_device(choice: str) -> torch.device:
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(choice)
-
-
-def flops_per_token(adapter, seq_len: int) -> tuple[float, float]:
-    """Training FLOPs per token: (6·N with N all parameters, as the MegaTrain paper counts; model FLOPs for MFU).
-
-    Model FLOPs = 6 per parameter that multiplies (all but an untied input embedding, a lookup) plus causal
-    attention, 6·layers·heads·head_dim·seq (12·L·d·seq halved by the causal mask). Recompute is not counted.
-    """
-    units = adapter.units()
-    n = sum(u.numel for u in units)
-    lookup = 0 if adapter.tied else sum(u.numel for u in units if u.kind == "embed")
-    attn = 6 * adapter.num_layers * adapter.num_heads * adapter.head_dim * seq_len
-    return 6.0 * n, 6.0 * (n - lookup) + attn
 
 
 @dataclass
