@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from typing import Callable
 
 import torch
 
@@ -57,6 +58,10 @@ class OptimizerPipeline:
             self.d2h = torch.cuda.Stream(self.device)
             self.compute = torch.cuda.current_stream(self.device)
         self.timeline = None  # set with the engine's, to measure the d2h stream's busy share
+        # Called with a unit index right before that unit's tile is modified (first piece of its update). A
+        # background checkpoint writer uses it to finish writing the unit's step-t state before step t+1
+        # overwrites it, so a save needs no copy of the host state.
+        self.before_update: Callable[[int], None] = lambda unit_index: None
         self._worker = None
         if self.threaded:
             self._worker = threading.Thread(target=self._run, name="megatrain-optimizer", daemon=True)
@@ -121,6 +126,7 @@ class OptimizerPipeline:
                 else:
                     for i in self.order:
                         grad, _ = grads.pop(i)
+                        self.before_update(i)
                         self.optimizer.update(self.store.tiles[i], grad, lr=lr, clip_coef=coef)
                         self._ready[i].set()
         except BaseException as e:  # surfaced on the training thread by wait_for_update / finish_step
@@ -155,6 +161,8 @@ class OptimizerPipeline:
                 issue(k + 1)  # the next copy overlaps this update (its buffer was freed by update k-1)
             done_events[k % len(self.landing)].synchronize()
             tile = self.store.tiles[i]
+            if a == 0:
+                self.before_update(i)
             self.optimizer.update(tile, self.landing[k % len(self.landing)][:n], lr=lr, clip_coef=coef,
                                   offset=a, new_step=(a == 0))
             if a + n == tile.numel:
