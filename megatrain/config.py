@@ -54,6 +54,8 @@ class TrainConfig(_Strict):
 class EngineConfig(_Strict):
     loss_chunk_tokens: int = Field(0, ge=0, description="target tokens per LM-head chunk (0: from vocabulary size)")
     num_slots: int = Field(2, ge=2, description="GPU weight slots (double buffering needs 2)")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="torch.compile the layer template (auto: on CUDA only; fuses the elementwise work)")
 
 
 class OutputConfig(_Strict):

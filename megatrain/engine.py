@@ -112,8 +112,12 @@ class _Loaded:
 
 class Engine:
     def __init__(self, store: HostStore, adapter: ModelAdapter, device: torch.device,
-                 loss_chunk_tokens: int = 0, num_slots: int = 2):
+                 loss_chunk_tokens: int = 0, num_slots: int = 2, compile_layers: bool = False):
         self.store, self.adapter, self.device = store, adapter, torch.device(device)
+        # The layer template, optionally compiled: fusing RMSNorm, rope, SwiGLU and the residual adds around
+        # the matmuls. One graph per (grad mode, micro-batch shape); weights are graph inputs, so every layer
+        # shares the graphs.
+        self.layer = torch.compile(adapter.layer_forward, dynamic=False) if compile_layers else adapter.layer_forward
         self.dtype = store.stream_dtype
         self.tiles = store.tiles
         self.embed_i, self.head_i = 0, len(self.tiles) - 1
@@ -222,7 +226,7 @@ class Engine:
             for li in range(L):
                 (w,) = self._acquire(weights(1 + li))
                 checkpoints.append(hidden)
-                hidden = [self.adapter.layer_forward(w, h, c) for h, c in zip(hidden, ctxs)]
+                hidden = [self.layer(w, h, c) for h, c in zip(hidden, ctxs)]
                 done(1 + li)
 
         # head: loss and its backward, chunked over target tokens
@@ -280,7 +284,7 @@ class Engine:
         params = {k: v.detach().requires_grad_(True) for k, v in w.items()}
         x = checkpoint.detach().requires_grad_(True)
         with torch.enable_grad():
-            out = self.adapter.layer_forward(params, x, ctx)
+            out = self.layer(params, x, ctx)
             grads = torch.autograd.grad(out, [x, *params.values()], dh)
         for acc, g in zip(grad_views, grads[1:]):
             acc.add_(g)
@@ -360,6 +364,6 @@ class Engine:
         for i in self.layer_is:
             loaded = self._fetch([i])
             (w,) = self._acquire(loaded)
-            hidden = [self.adapter.layer_forward(w, h, c) for h, c in zip(hidden, ctxs)]
+            hidden = [self.layer(w, h, c) for h, c in zip(hidden, ctxs)]
             self._release(loaded)
         return hidden, mbs

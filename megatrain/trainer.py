@@ -89,7 +89,8 @@ def prepare(cfg: Config) -> Run:
         store.load_safetensors(cfg.model.path)
     if device.type == "cuda":
         store.pin()
-    engine = Engine(store, adapter, device, cfg.engine.loss_chunk_tokens, cfg.engine.num_slots)
+    compile_layers = cfg.engine.compile == "on" or (cfg.engine.compile == "auto" and device.type == "cuda")
+    engine = Engine(store, adapter, device, cfg.engine.loss_chunk_tokens, cfg.engine.num_slots, compile_layers)
     optimizer = CpuAdamW(betas=cfg.train.betas, eps=cfg.train.eps, weight_decay=cfg.train.weight_decay)
     pipeline = OptimizerPipeline(store, optimizer, device)
     engine.wait_for_update = pipeline.wait_for_update
