@@ -111,11 +111,24 @@ def main():
     p.add_argument("--intermediate", type=int, default=None)
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile the layer template")
+    p.add_argument("--attn", default="default", choices=["default", "cudnn", "flash"],
+                   help="preferred SDPA backend (others stay enabled as fallbacks)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--json", default=None)
     args = p.parse_args()
     args.label = args.label or Path(args.model).name
-    res = run(args)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = {"cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION],
+             "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]}.get(args.attn)
+    print("sdpa priority before:", torch._C._get_sdp_priority_order(), flush=True)
+    if order:
+        order += [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        with sdpa_kernel(order, set_priority=True):
+            res = run(args)
+    else:
+        res = run(args)
+    res["attn"] = args.attn
     write_json(args.json, {"command": " ".join(sys.argv), "result": res})
     cols = ["label", "params", "tokens_per_step", "step_s", "tokens_per_s", "tflops_6n", "mfu", "gpu_idle",
             "busy_h2d", "busy_d2h", "gpu_peak_gib", "host_peak_rss_gib", "host_bytes_per_param"]

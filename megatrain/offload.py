@@ -13,7 +13,7 @@ head):
 
 So layer l of step t+1 waits only for the update of layer l of step t; the result is the same AdamW as
 updating everything after backward (tested bit for bit on CPU). Landing buffers are a bounded pool (two
-buffers of the largest layer); larger units (embedding, head) pass through in pieces.
+buffers of at most PIECE_MAX elements); units pass through them in pieces.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ import torch
 
 from .optim import CpuAdamW
 from .store import HostStore, _aligned_empty
+
+
+PIECE_MAX = 64 << 20  # elements per landing buffer
 
 
 class OptimizerPipeline:
@@ -47,9 +50,10 @@ class OptimizerPipeline:
         if self.cuda:
             from . import optim
 
-            layer_max = max((t.numel for t in store.tiles if t.unit.kind == "layer"), default=store.max_unit_numel)
-            # pieces on CHUNK boundaries keep a piecewise update bit-identical to a whole-tile one
-            self.piece = max(optim.CHUNK, layer_max // optim.CHUNK * optim.CHUNK)
+            # Pieces on CHUNK boundaries keep a piecewise update bit-identical to a whole-tile one. 64M elements
+            # (256 MiB) per piece: copies that large run at full PCIe bandwidth, and two such buffers cost 0.5 GiB
+            # of host memory however large the layers are.
+            self.piece = min(PIECE_MAX, max(optim.CHUNK, store.max_unit_numel // optim.CHUNK * optim.CHUNK))
             self.landing = [_aligned_empty(self.piece, torch.float32, zero=False) for _ in range(num_landing)]
             cudart = torch.cuda.cudart()
             for buf in self.landing:
