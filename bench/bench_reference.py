@@ -1,0 +1,80 @@
+"""The in-GPU peer: plain transformers on one GPU for a model that fits in HBM, same tokens per step.
+
+fp32 master weights on the GPU, bf16 autocast, gradient checkpointing (so it recomputes like megatrain), SDPA
+attention, fused GPU AdamW, gradient accumulation over micro-batches, global-norm clipping.
+
+    python bench/bench_reference.py --model bench/model-configs/llama-3b-shape --seq 1024 --seqs 64 --micro 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import H200_BF16_PEAK, hf_config, peak_rss_bytes, table, write_json  # noqa: E402
+from megatrain.flops import flops_per_token  # noqa: E402
+from megatrain.models import get_adapter  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--seqs", type=int, default=64)
+    p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(args.model)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1, fused=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    fpt6, fpt_model = flops_per_token(get_adapter(cfg), args.seq)
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for step in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(args.seqs // args.micro):
+            ids = torch.randint(0, cfg.vocab_size, (args.micro, args.seq), generator=g).cuda(non_blocking=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss / (args.seqs // args.micro)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        tokens = args.seqs * args.seq
+        records.append({"step": step, "step_s": dt, "tokens_per_s": tokens / dt,
+                        "tflops_6n": fpt6 * tokens / dt / 1e12, "mfu": fpt_model * tokens / dt / H200_BF16_PEAK})
+        print(f"step {step}: {dt:.2f}s {records[-1]['tflops_6n']:.0f} TFLOP/s(6N)", flush=True)
+    m = records[args.warmup:]
+    mean = lambda k: sum(r[k] for r in m) / len(m)
+    res = {"label": f"transformers-in-gpu {Path(args.model).name}", "params": n_params, "seq": args.seq,
+           "seqs_per_step": args.seqs, "micro": args.micro, "tokens_per_step": args.seqs * args.seq,
+           "step_s": mean("step_s"), "tokens_per_s": mean("tokens_per_s"), "tflops_6n": mean("tflops_6n"),
+           "mfu": mean("mfu"), "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "host_peak_rss_gib": peak_rss_bytes() / 2**30, "steps": records}
+    write_json(args.json, {"command": " ".join(sys.argv), "result": res})
+    print(table([res], ["label", "params", "tokens_per_step", "step_s", "tokens_per_s", "tflops_6n", "mfu",
+                        "gpu_peak_gib"]))
+
+
+if __name__ == "__main__":
+    main()
