@@ -1,4 +1,4 @@
-"""`megatrain train | data` (plan, probe and export arrive with their issues): parse, validate, call."""
+"""`megatrain train | data | export` (plan and probe arrive with their issue): parse, validate, call."""
 
 from __future__ import annotations
 
@@ -18,6 +18,12 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("config", nargs="?")
     d.add_argument("overrides", nargs="*")
     d.add_argument("--preview", type=int, default=3, metavar="N", help="examples to print")
+    e = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
+    e.add_argument("source", metavar="CHECKPOINT_OR_RUN_DIR",
+                   help="a checkpoint (step-N) or a run's output.dir (its newest complete checkpoint)")
+    e.add_argument("out_dir", metavar="OUT_DIR", help="new (or empty) directory for the model")
+    e.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="dtype of the weights (default bf16)")
+    e.add_argument("--max-shard-mb", type=float, default=5000.0, help="largest shard in MB (default 5000)")
     return p
 
 
@@ -33,6 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     from .config import load_config
 
     try:
+        if args.command == "export":  # reads a checkpoint, not a config
+            from .export import export_checkpoint
+
+            res = export_checkpoint(args.source, args.out_dir, dtype=args.dtype, max_shard_mb=args.max_shard_mb)
+            print(f"megatrain: exported {res['checkpoint']} to {res['path']} ({res['shards']} shard(s), "
+                  f"{res['bytes'] / 1e6:.1f} MB, {res['seconds']:.1f}s)", file=sys.stderr)
+            return 0
         cfg = load_config(*_split(args.config, args.overrides))
         if args.command == "train":
             from .trainer import train

@@ -3,7 +3,7 @@
 Every problem is reported at once, each naming the key, the bad value, what is allowed, and where the key was
 written (file and line, or the command line). Unknown keys are rejected with the nearest valid name.
 Relative input paths (model.path, model.tokenizer, data.*path) are resolved against the config file's folder;
-output.dir is relative to the working directory.
+output.dir, resume and export.dir are relative to the working directory.
 """
 
 from __future__ import annotations
@@ -64,12 +64,29 @@ class OutputConfig(_Strict):
     overwrite: bool = Field(False, description="allow writing into a non-empty output.dir")
 
 
+class CheckpointConfig(_Strict):
+    every: int = Field(0, ge=0, description="steps between checkpoints in output.dir/checkpoints (0: only at the end)")
+    keep: int = Field(2, ge=0, description="newest complete checkpoints kept (0: all)")
+    at_end: bool = Field(True, description="save a checkpoint when training finishes")
+
+
+class ExportConfig(_Strict):
+    at_end: bool = Field(False, description="export a Hugging Face model directory when training finishes")
+    dir: str | None = Field(None, description="where the export goes (default: output.dir/export)")
+    dtype: Literal["bf16", "fp32"] = Field("bf16", description="dtype of the exported weights")
+    max_shard_mb: float = Field(5000.0, gt=0, description="largest safetensors shard, in MB")
+
+
 class Config(_Strict):
     model: ModelConfig
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     engine: EngineConfig = EngineConfig()
     output: OutputConfig = OutputConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    export: ExportConfig = ExportConfig()
+    resume: str | None = Field(None, description="'auto': continue from the newest complete checkpoint in "
+                                                 "output.dir (none yet: start fresh); or a checkpoint directory")
 
 
 INPUT_PATHS = (("model", "path"), ("model", "tokenizer"), ("train", "exact_match_path"))  # data paths: DataConfig.resolve_relative

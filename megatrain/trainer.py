@@ -14,6 +14,9 @@ from pathlib import Path
 import torch
 
 from . import data as data_lib
+from .checkpoint import CheckpointSaver, StopOnSignal
+from .checkpoint import resume as resume_lib
+from .checkpoint.state import model_files_writer, restore_rng, run_state
 from .config import Config
 from .engine import Engine, MicroBatch
 from .errors import MegatrainError
@@ -45,6 +48,7 @@ class Run:
     exact_match: list | None
     tokenizer: object
     out_dir: Path
+    resumed: resume_lib.Resumed | None = None  # the checkpoint this run continues, loaded into the store
 
 
 def to_microbatches(batches) -> list[MicroBatch]:
@@ -68,8 +72,18 @@ def prepare(cfg: Config) -> Run:
                              f"({adapter.sliding_window}), which megatrain does not implement; use at most that")
     data_lib.validate_inputs(cfg.data)
     out_dir = Path(cfg.output.dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not cfg.output.overwrite:
-        raise MegatrainError(f"output.dir: {out_dir} is not empty; choose another or set output.overwrite=true")
+    if out_dir.exists() and any(out_dir.iterdir()) and not cfg.output.overwrite and not cfg.resume:
+        raise MegatrainError(f"output.dir: {out_dir} is not empty; choose another, set output.overwrite=true, "
+                             f"or resume=auto to continue its run")
+    resumed = None
+    if (resume_path := resume_lib.resolve(cfg.resume, out_dir)) is not None:
+        resumed = resume_lib.open_checkpoint(resume_path)
+        resume_lib.check_model_config(resumed, hf_config, cfg.model.path)
+        resume_lib.check_no_newer(resumed, out_dir)
+    if cfg.export.at_end:
+        from .export import check_export_target
+
+        check_export_target(Path(cfg.export.dir or out_dir / "export"), replace_export=True)
     tokenizer = _load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     if len(tokenizer) > adapter.vocab_size:
         raise MegatrainError(f"model.tokenizer: the tokenizer has {len(tokenizer)} tokens but config.json's "
@@ -82,7 +96,10 @@ def prepare(cfg: Config) -> Run:
 
     stream_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     store = HostStore(adapter, stream_dtype)
-    if cfg.model.init == "random":
+    if resumed is not None:  # instead of the model's weights, not after them: the weights are read once
+        resume_lib.load_store(resumed, store)
+        loader.load_state_dict(resumed.state["loader"])
+    elif cfg.model.init == "random":
         std = cfg.train.init_std or getattr(hf_config, "initializer_range", 0.02)
         store.init_random(cfg.train.seed, std)
     else:
@@ -94,7 +111,7 @@ def prepare(cfg: Config) -> Run:
     optimizer = CpuAdamW(betas=cfg.train.betas, eps=cfg.train.eps, weight_decay=cfg.train.weight_decay)
     pipeline = OptimizerPipeline(store, optimizer, device)
     engine.wait_for_update = pipeline.wait_for_update
-    return Run(cfg, adapter, store, engine, pipeline, loader, eval_batches, exact, tokenizer, out_dir)
+    return Run(cfg, adapter, store, engine, pipeline, loader, eval_batches, exact, tokenizer, out_dir, resumed)
 
 
 def _load_tokenizer(path: str):
@@ -162,34 +179,91 @@ def train(cfg: Config) -> dict:
     run.out_dir.mkdir(parents=True, exist_ok=True)
     (run.out_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
     t = cfg.train
-    log = MetricsLogger(run.out_dir, t.steps, tensorboard=cfg.output.tensorboard)
+    start = run.resumed.step if run.resumed else 0
+    resume_lib.trim_metrics(run.out_dir, start if run.resumed else -1)  # continue without duplicate steps
+    log = MetricsLogger(run.out_dir, t.steps, start_step=start, tensorboard=cfg.output.tensorboard)
     n_params = run.store.num_params
     fpt6, fpt_attn = flops_per_token(run.adapter, cfg.data.max_seq_len)
     log.info(f"megatrain: {run.adapter.model_type} {n_params / 1e6:.2f}M params, {run.adapter.num_layers} layers, "
              f"{cfg.train.precision} on {run.engine.device}; host store {run.store.host_bytes() / 2**30:.2f} GiB; "
              f"data: {run.loader.summary()}")
-    first = evaluate(run, 0, log)
-    summary = {"first_eval": first}
-    losses = []
+    saver = CheckpointSaver(run.out_dir / "checkpoints", run.store, run.pipeline, keep=cfg.checkpoint.keep)
+    if run.resumed:
+        notes = resume_lib.config_notes(run.resumed, cfg.model_dump())
+        log.info(f"resuming from {run.resumed.path} (step {start})" + "".join(f"\n  changed: {n}" for n in notes))
+        restore_rng(run.resumed.state["rng"])
+        summary = dict(run.resumed.state.get("summary", {}))
+    else:
+        if cfg.resume == "auto":
+            log.info(f"resume=auto: no checkpoint in {run.out_dir / 'checkpoints'} yet; starting from step 0")
+        if removed := saver.clear():  # an earlier run's checkpoints (output.overwrite): resume=auto must not pick them
+            log.info(f"removed {removed} checkpoint(s) of an earlier run from {saver.root}")
+        summary = {"first_eval": evaluate(run, 0, log)}
+    losses, lr = [], None
+    every = cfg.checkpoint.every
     try:
-        for step in range(t.steps):
-            t0 = time.perf_counter()
-            batches = run.loader.next_step()
-            loss, grad_norm, lr = train_step(run, step, batches)
-            dt = time.perf_counter() - t0
-            tokens = real_tokens(batches)
-            losses.append(loss)
-            log.log({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                     "tokens_per_s": tokens / dt, "step_time_s": dt,
-                     "tflops_6n": fpt6 * tokens / dt / 1e12, "tflops_attn": fpt_attn * tokens / dt / 1e12})
-            if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
-                evaluate(run, step + 1, log)
-        summary["last_eval"] = evaluate(run, t.steps, log)
-        run.pipeline.drain()
+        with StopOnSignal() as stop:
+            for step in range(start, t.steps):
+                t0 = time.perf_counter()
+                batches = run.loader.next_step()
+                loss, grad_norm, lr = train_step(run, step, batches)
+                dt = time.perf_counter() - t0
+                tokens = real_tokens(batches)
+                losses.append(loss)
+                summary.setdefault("first_loss", loss)
+                done = step + 1
+                log.log({"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                         "tokens_per_s": tokens / dt, "step_time_s": dt,
+                         "tflops_6n": fpt6 * tokens / dt / 1e12, "tflops_attn": fpt_attn * tokens / dt / 1e12})
+                if t.eval_every and done % t.eval_every == 0 and done < t.steps:
+                    evaluate(run, done, log)
+                at_end = done == t.steps and (cfg.checkpoint.at_end or cfg.export.at_end)
+                if stop.requested or (every and done % every == 0) or at_end:
+                    save_checkpoint(run, saver, done, lr, summary)  # in the background: the next step starts now
+                if stop.requested:
+                    path = saver.wait()
+                    log.info(f"stopped by {stop.requested} after step {done}: checkpoint saved to {path}; "
+                             f"continue with resume=auto")
+                    summary.update(stopped_at=done, checkpoint=str(path))
+                    return summary
+            if start < t.steps:
+                summary["last_eval"] = evaluate(run, t.steps, log)  # overlaps the final save
+            if (final := saver.wait()) is not None:
+                log.info(f"checkpoint: {final} (saved in {saver.last_seconds:.1f}s)")
+                summary["checkpoint"] = str(final)
+            final = final or (run.resumed.path if run.resumed else None)
+            run.pipeline.drain()
+            if cfg.export.at_end:
+                from .export import export_checkpoint
+
+                res = export_checkpoint(final, cfg.export.dir or run.out_dir / "export", dtype=cfg.export.dtype,
+                                        max_shard_mb=cfg.export.max_shard_mb, replace_export=True)
+                log.info(f"exported a Hugging Face model to {res['path']} ({res['seconds']:.1f}s)")
+                summary["export"] = str(res["path"])
+    except KeyboardInterrupt:
+        saver.abandon()  # a second signal: leave at once; the partial save never becomes a checkpoint
+        raise
     finally:
+        try:
+            saver.wait()  # when training failed, a save in progress still completes: it is a good step's state
+        except MegatrainError as e:
+            log.info(str(e))
         run.pipeline.close()
         log.close()
         run.store.unpin()
-    summary["first_loss"], summary["last_loss"] = losses[0], losses[-1]
-    log.info(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}; metrics in {run.out_dir / 'metrics.jsonl'}")
+    if losses:
+        summary["last_loss"] = losses[-1]
+        log.info(f"done: loss {summary['first_loss']:.4f} -> {losses[-1]:.4f}; metrics in "
+                 f"{run.out_dir / 'metrics.jsonl'}")
+    else:
+        log.info(f"nothing to train: {run.resumed.path} is at step {start}, train.steps is {t.steps}")
     return summary
+
+
+def save_checkpoint(run: Run, saver: CheckpointSaver, step: int, lr: float | None, summary: dict) -> None:
+    """Start saving step `step` (the loop is at that step boundary): the store in the background, the run state
+    (data position, RNG, schedule) captured now."""
+    kept = {k: summary[k] for k in ("first_eval", "first_loss") if k in summary}
+    state = run_state(step=step, lr=lr, config=run.cfg.model_dump(), loader_state=run.loader.state_dict(),
+                      summary=kept)
+    saver.save(step, state, model_files_writer(run.cfg.model.path, run.tokenizer))

@@ -1,0 +1,146 @@
+"""Resuming: which checkpoint, whether it fits this run, and loading it into the store.
+
+The checkpoint replaces the model's weights: the store is filled from it directly (fp32 master, Adam m and v,
+Adam step per unit), never from the model directory first, which then only supplies config.json and the
+tokenizer. Every unit file is checked against the manifest's sha256 in the same pass that reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import MegatrainError
+from .layout import RUN_STATE, complete_checkpoints, locate, newest_checkpoint, read_json, read_manifest, \
+    verify_file
+from .saver import KINDS
+from .tensorfile import TensorFileReader
+
+# config.json keys that say nothing about the model's weights or computation
+IGNORED_MODEL_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache", "architectures"}
+# config sections whose change is expected on resume (where to write, how often to save)
+IGNORED_RUN_KEYS = ("resume", "output", "checkpoint", "export")
+
+
+@dataclass
+class Resumed:
+    path: Path
+    step: int
+    state: dict  # run_state.json
+    manifest: dict
+
+
+def resolve(resume: str | None, out_dir: Path) -> Path | None:
+    """The checkpoint `resume:` names: 'auto' -> newest complete one in output.dir (None: start fresh)."""
+    if not resume:
+        return None
+    if resume == "auto":
+        return newest_checkpoint(Path(out_dir) / "checkpoints")
+    return locate(Path(resume), "resume")
+
+
+def open_checkpoint(path: Path) -> Resumed:
+    manifest = read_manifest(path)
+    state = read_json(path, manifest, RUN_STATE)
+    for k in ("step", "loader", "rng", "config"):
+        if k not in state:
+            raise MegatrainError(f"{Path(path) / RUN_STATE}: key '{k}' is missing")
+    return Resumed(Path(path), int(state["step"]), state, manifest)
+
+
+def check_model_config(r: Resumed, hf_config, model_path: str) -> None:
+    """Refuse a model whose config.json differs from the checkpoint's, naming the differing keys."""
+    from ..models import load_hf_config
+
+    verify_file(r.path, r.manifest, "config.json")
+    saved = {k: v for k, v in load_hf_config(r.path).to_dict().items() if k not in IGNORED_MODEL_KEYS}
+    now = {k: v for k, v in hf_config.to_dict().items() if k not in IGNORED_MODEL_KEYS}
+    diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+    if diff:
+        shown = ", ".join(f"{k} (checkpoint {saved.get(k)!r}, now {now.get(k)!r})" for k in diff[:5])
+        more = f" and {len(diff) - 5} more" if len(diff) > 5 else ""
+        raise MegatrainError(f"resume: {Path(model_path) / 'config.json'} differs from checkpoint {r.path}: "
+                             f"{shown}{more}; resume with the model config it was trained with")
+
+
+def check_no_newer(r: Resumed, out_dir: Path) -> None:
+    """A newer checkpoint left in output.dir would be what a later `resume: auto` picks, not this run's."""
+    newer = [p for s, p in complete_checkpoints(Path(out_dir) / "checkpoints")
+             if s > r.step and p.resolve() != r.path.resolve()]
+    if newer:
+        raise MegatrainError(f"resume: {newer[-1]} is newer than the checkpoint resumed ({r.path}, step {r.step}); "
+                             f"a later resume=auto would pick it: delete it or choose another output.dir")
+
+
+def load_store(r: Resumed, store) -> None:
+    """Fill every tile from the checkpoint, verifying each file's checksum as it is read."""
+    units = r.manifest["units"]
+    if len(units) != len(store.tiles):
+        raise MegatrainError(f"{r.path}: holds {len(units)} units, this model has {len(store.tiles)}")
+    for tile, u in zip(store.tiles, units):
+        dest = {f"{k}/{s.hf_name}": v for k in KINDS
+                for s, v in zip(tile.unit.specs, tile.views(getattr(tile, k)).values())}
+        dest["step"] = tile.step
+        info = r.manifest["files"].get(u["file"])
+        if info is None:
+            raise MegatrainError(f"{r.path / 'manifest.json'}: does not list {u['file']}")
+        reader = TensorFileReader(r.path / u["file"], info["bytes"])
+        seen = set()
+        try:
+            for name, _, _ in reader:
+                if name not in dest:
+                    raise MegatrainError(f"{reader.path}: tensor '{name}' is not part of {tile.unit.name} "
+                                         f"of this model")
+                reader.read_into(dest[name])
+                seen.add(name)
+            reader.finish(info["sha256"])
+        finally:
+            reader.close()
+        missing = sorted(set(dest) - seen)
+        if missing:
+            raise MegatrainError(f"{reader.path}: tensor '{missing[0]}' ({tile.unit.name}) is missing")
+        store.refresh_stream_copy(tile)
+
+
+def config_notes(r: Resumed, config_now: dict) -> list[str]:
+    """Human-readable differences between the checkpoint's run and this one (allowed, but worth saying)."""
+    notes = []
+    for key, (a, b) in sorted(_diff(r.state["config"], config_now).items()):
+        if not key.startswith(IGNORED_RUN_KEYS):
+            notes.append(f"{key}: {a!r} -> {b!r}")
+    from .state import package_versions
+
+    for k, v in package_versions().items():
+        was = r.state.get("versions", {}).get(k)
+        if was is not None and was != v and k != "megatrain":
+            notes.append(f"{k} {was} -> {v} (results may differ in the last bits)")
+    return notes
+
+
+def _diff(a, b, prefix="") -> dict:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = {}
+        for k in a.keys() | b.keys():
+            out.update(_diff(a.get(k), b.get(k), f"{prefix}{k}."))
+        return out
+    return {} if a == b else {prefix[:-1]: (a, b)}
+
+
+def trim_metrics(out_dir: Path, step: int) -> None:
+    """metrics.jsonl keeps the records of steps up to `step` (those after it are re-done): no duplicate steps.
+    step < 0: a fresh start, the file is emptied."""
+    path = Path(out_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line + "\n")
+        except (json.JSONDecodeError, AttributeError):
+            continue  # a line torn by a crash
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)

@@ -1,0 +1,202 @@
+"""Saving step N's state from the live store, in the background, while step N+1 trains.
+
+No copy of the host state is made: a writer thread streams each unit's tiles (fp32 master, Adam m and v, Adam
+step) from the store to disk, in forward order. The optimizer of step N+1 also updates units in forward order,
+and the pipeline calls `before_update(u)` right before it modifies unit u: that call waits until the writer has
+finished unit u. So the files hold exactly step N's state, and training is slowed only where the optimizer
+catches up with the disk. The save is started at a step boundary after `pipeline.drain()` (every update of
+step N written), with the run state (data position, RNG, ...) captured at that same boundary.
+
+Crash safety: everything goes into `.step-N.tmp/`; each file is fsynced, the manifest (sha256 and size of every
+file) is written last, the directory is fsynced and then atomically renamed to `step-N/`. A killed save leaves
+only a `.tmp` directory, which is never read and is removed by the next save. Old checkpoints are renamed away
+before they are deleted, so a half-deleted one is never taken for a checkpoint either.
+
+Test-only: the environment variable MEGATRAIN_TEST_SAVE_DELAY_S (seconds) makes the writer sleep after each
+unit, so tests can catch a save in the middle (kill -9, SIGTERM, the optimizer waiting on the writer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..errors import MegatrainError
+from .layout import FORMAT, MANIFEST, RUN_STATE, complete_checkpoints, unit_file_name
+from .tensorfile import TensorFileWriter, fsync_dir, sha256_file
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")  # the tile buffers saved, all fp32; the streaming copy is derived
+
+
+@dataclass
+class _Job:
+    step: int
+    tmp: Path
+    final: Path
+    written: list[threading.Event]
+    started: float = field(default_factory=time.perf_counter)
+    error: BaseException | None = None
+    cancelled: bool = False
+    seconds: float = 0.0
+    bytes: int = 0
+
+
+def unit_plan(tile) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    plan = [(f"{k}/{s.hf_name}", torch.float32, s.shape) for k in KINDS for s in tile.unit.specs]
+    return plan + [("step", torch.float32, ())]
+
+
+class CheckpointSaver:
+    """Owns output.dir/checkpoints: starts background saves, waits for them, keeps the newest `keep` (0: all)."""
+
+    def __init__(self, root: Path, store, pipeline=None, keep: int = 0):
+        self.root, self.store, self.pipeline, self.keep = Path(root), store, pipeline, keep
+        self._job: _Job | None = None
+        self._thread: threading.Thread | None = None
+        self.last: Path | None = None  # the newest checkpoint this saver completed
+        self.last_seconds = 0.0
+        if pipeline is not None:
+            pipeline.before_update = self.before_update
+
+    # ---- called by the optimizer (any thread) ------------------------------------------------------
+    def before_update(self, unit_index: int) -> None:
+        job = self._job
+        if job is not None:
+            job.written[unit_index].wait()
+
+    # ---- called by the training loop ---------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def save(self, step: int, run_state: dict, write_files: Callable[[Path], None] | None = None) -> None:
+        """Start saving the store as step `step`; returns once the writer runs. A save still running is
+        finished first. `write_files(dir)` adds small files (model config, tokenizer) synchronously."""
+        self.wait()
+        if self.pipeline is not None:
+            self.pipeline.drain()  # every update of this step written: the store is exactly step `step`
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_leftovers()
+        tmp = self.root / f".step-{step}.tmp"
+        tmp.mkdir()
+        (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=1))
+        if write_files is not None:
+            write_files(tmp)
+        job = _Job(step, tmp, self.root / f"step-{step}", [threading.Event() for _ in self.store.tiles])
+        self._job = job
+        self._thread = threading.Thread(target=self._write, args=(job,), name="megatrain-checkpoint", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> Path | None:
+        """Block until the running save (if any) is complete; raise its error. Returns the newest checkpoint."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            job, self._job = self._job, None
+            if job.error is not None:
+                raise MegatrainError(f"checkpoint: saving step {job.step} to {job.final} failed: "
+                                     f"{type(job.error).__name__}: {job.error}") from job.error
+            self.last, self.last_seconds = job.final, job.seconds
+        return self.last
+
+    def clear(self) -> int:
+        """Remove every checkpoint under root (a fresh run in a reused output.dir); returns how many."""
+        found = complete_checkpoints(self.root)
+        for _, p in found:
+            self._discard(p)
+        return len(found)
+
+    def abandon(self) -> None:
+        """Stop waiting for a running save (a second Ctrl-C): it stays a .tmp directory, never a checkpoint."""
+        job = self._job
+        if job is not None:
+            job.cancelled = True  # the writer stops at the next unit and removes its .tmp directory
+            for e in job.written:
+                e.set()
+        self._job = self._thread = None
+
+    # ---- the writer thread ---------------------------------------------------------------------------
+    def _write(self, job: _Job) -> None:
+        try:
+            delay = float(os.environ.get("MEGATRAIN_TEST_SAVE_DELAY_S", "0") or 0)
+            files, units = {}, []
+            for i, tile in enumerate(self.store.tiles):
+                if job.cancelled:
+                    raise RuntimeError("abandoned")
+                name = unit_file_name(i, tile.unit)
+                w = TensorFileWriter(job.tmp / name, unit_plan(tile),
+                                     metadata={"format": "pt", "unit": tile.unit.name, "step": job.step})
+                try:
+                    for k in KINDS:
+                        for view in tile.views(getattr(tile, k)).values():
+                            w.write(view)
+                    w.write(tile.step)
+                except BaseException:
+                    w.abort()
+                    raise
+                sha, size = w.close()
+                files[name] = {"sha256": sha, "bytes": size}
+                units.append({"file": name, "name": tile.unit.name, "numel": tile.numel})
+                job.written[i].set()  # the optimizer may now update this unit
+                if delay:
+                    time.sleep(delay)
+            for p in sorted(job.tmp.rglob("*")):
+                rel = p.relative_to(job.tmp).as_posix()
+                if p.is_file() and rel not in files:
+                    sha, size = sha256_file(p)
+                    files[rel] = {"sha256": sha, "bytes": size}
+                    _fsync(p)
+            manifest = {"format": FORMAT, "format_version": 1, "step": job.step, "units": units, "files": files}
+            with open(job.tmp / MANIFEST, "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            for d in sorted({p.parent for p in job.tmp.rglob("*")} | {job.tmp}, reverse=True):
+                fsync_dir(d)
+            if job.cancelled:
+                raise RuntimeError("abandoned")
+            if job.final.exists():  # a checkpoint of the same step (a resumed run saving it again)
+                self._discard(job.final)
+            os.rename(job.tmp, job.final)
+            fsync_dir(self.root)
+            job.bytes = sum(v["bytes"] for v in files.values())
+            self._prune(job.final)
+        except BaseException as e:  # reported on the training thread by wait()
+            job.error = e
+            shutil.rmtree(job.tmp, ignore_errors=True)
+        finally:
+            job.seconds = time.perf_counter() - job.started
+            for e in job.written:
+                e.set()  # never leave the optimizer waiting on a dead writer
+
+    def _prune(self, newest: Path) -> None:
+        if self.keep <= 0:
+            return
+        found = complete_checkpoints(self.root)
+        for _, p in found[:-self.keep]:
+            if p != newest:
+                self._discard(p)
+
+    def _discard(self, path: Path) -> None:
+        gone = path.parent / f".{path.name}.deleting"
+        shutil.rmtree(gone, ignore_errors=True)
+        os.rename(path, gone)  # atomic: a crash while deleting never leaves a partial step-N behind
+        shutil.rmtree(gone, ignore_errors=True)
+
+    def _remove_leftovers(self) -> None:
+        for p in self.root.iterdir():
+            if p.name.startswith(".step-") and (p.name.endswith(".tmp") or p.name.endswith(".deleting")):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())

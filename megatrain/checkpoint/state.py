@@ -1,0 +1,85 @@
+"""The part of a checkpoint that is not tensors: the run state (JSON) and the model's small files.
+
+Every global generator is saved, used today or not (megatrain's own randomness is seeded per purpose: the data
+order is a pure function of seed, epoch and cursor; random init of seed and unit), so code added later that
+draws from them resumes exactly too.
+"""
+
+from __future__ import annotations
+
+import base64
+import platform
+import random
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def capture_rng() -> dict:
+    version, state, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    out = {
+        "torch": _b64(torch.get_rng_state()),
+        "python": {"version": version, "state": list(state), "gauss": gauss},
+        "numpy": {"name": np_name, "keys": np_keys.tolist(), "pos": int(np_pos), "has_gauss": int(np_has_gauss),
+                  "gauss": float(np_gauss)},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def restore_rng(state: dict) -> None:
+    torch.set_rng_state(_unb64(state["torch"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = [_unb64(s) for s in state["cuda"]]
+        if len(cuda) == torch.cuda.device_count():  # a different GPU count: the CUDA generators start fresh
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def package_versions() -> dict:
+    import safetensors
+    import transformers
+
+    from .. import __version__
+
+    return {"megatrain": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "safetensors": safetensors.__version__, "numpy": np.__version__, "python": platform.python_version()}
+
+
+def run_state(*, step: int, lr: float | None, config: dict, loader_state: dict, summary: dict) -> dict:
+    """Everything besides the store that step `step + 1` depends on, captured at the step boundary."""
+    t = config["train"]
+    schedule = {k: t[k] for k in ("lr", "lr_schedule", "warmup_steps", "steps", "min_lr_ratio")}
+    return {"step": step, "lr_schedule": {**schedule, "last_lr": lr}, "loader": loader_state,
+            "rng": capture_rng(), "config": config, "versions": package_versions(), "summary": summary}
+
+
+def model_files_writer(model_path: str | Path, tokenizer) -> Callable[[Path], None]:
+    """Writes what an export needs besides weights: config.json, generation_config.json, the run's tokenizer
+    (with data.chat_template applied to it), so a checkpoint exports even if the model directory is gone."""
+    model_path = Path(model_path)
+
+    def write(dest: Path) -> None:
+        shutil.copyfile(model_path / "config.json", dest / "config.json")
+        if (model_path / "generation_config.json").is_file():
+            shutil.copyfile(model_path / "generation_config.json", dest / "generation_config.json")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(dest / "tokenizer"))
+
+    return write
