@@ -46,8 +46,9 @@ def run(args) -> dict:
     store.init_random(0, 0.02)
     store.pin()
     init_s = time.perf_counter() - t0
-    engine = Engine(store, adapter, device, num_slots=args.slots, compile_layers=args.compile)
-    pipeline = OptimizerPipeline(store, CpuAdamW(weight_decay=0.1), device)
+    engine = Engine(store, adapter, device, num_slots=args.slots, compile_layers=args.compile,
+                    spill_layers=args.spill)
+    pipeline = OptimizerPipeline(store, CpuAdamW(weight_decay=0.1), device, offload_units=args.offload)
     engine.wait_for_update = pipeline.wait_for_update
     timeline = Timeline()
     engine.timeline = pipeline.timeline = timeline
@@ -84,7 +85,8 @@ def run(args) -> dict:
     measured = records[args.warmup:]
     mean = lambda k: sum(r[k] for r in measured) / len(measured)
     return {
-        "label": args.label, "compile": args.compile, "model": Path(args.model).name, "layers": adapter.num_layers,
+        "label": args.label, "compile": args.compile, "spill_layers": args.spill, "offload_units": args.offload,
+        "model": Path(args.model).name, "layers": adapter.num_layers,
         "hidden": adapter.hidden_size, "params": n_params, "seq": args.seq, "seqs_per_step": args.seqs,
         "micro": args.micro, "tokens_per_step": args.seqs * args.seq, "precision": args.precision,
         "step_s": mean("step_s"), "tokens_per_s": mean("tokens_per_s"), "tflops_6n": mean("tflops_6n"),
@@ -111,6 +113,8 @@ def main():
     p.add_argument("--intermediate", type=int, default=None)
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile the layer template")
+    p.add_argument("--spill", type=int, default=0, help="layers whose checkpoints live in pinned host memory")
+    p.add_argument("--offload", type=int, default=0, help="units whose gradients go to host during backward")
     p.add_argument("--attn", default="default", choices=["default", "cudnn", "flash"],
                    help="preferred SDPA backend (others stay enabled as fallbacks)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from .models import ModelAdapter
 from .models.base import AttnContext
+from .spill import CheckpointSpill
 from .store import HostStore, LayerTile
 
 IGNORE_INDEX = -100
@@ -112,7 +113,8 @@ class _Loaded:
 
 class Engine:
     def __init__(self, store: HostStore, adapter: ModelAdapter, device: torch.device,
-                 loss_chunk_tokens: int = 0, num_slots: int = 2, compile_layers: bool = False):
+                 loss_chunk_tokens: int = 0, num_slots: int = 2, compile_layers: bool = False,
+                 spill_layers: int = 0):
         self.store, self.adapter, self.device = store, adapter, torch.device(device)
         # The layer template, optionally compiled: fusing RMSNorm, rope, SwiGLU and the residual adds around
         # the matmuls. One graph per (grad mode, micro-batch shape); weights are graph inputs, so every layer
@@ -138,6 +140,9 @@ class Engine:
             for s in self.slots:
                 s.free.record(self.compute)
             self._next_slot = 0
+        # checkpoints of the lowest `spill_layers` layers live in pinned host memory (see spill.py)
+        self.spill = CheckpointSpill(min(spill_layers, adapter.num_layers), self.device, self.dtype,
+                                     getattr(self, "h2d", None), getattr(self, "compute", None))
 
     # ---- weights in and out of slots --------------------------------------------------------------
     def _fetch(self, unit_indices: list[int]) -> _Loaded:
@@ -222,10 +227,15 @@ class Engine:
             (w_embed,) = self._acquire(weights(0))
             hidden = [F.embedding(mb.input_ids, w_embed["weight"]) for mb in mbs]
             done(0)
-            checkpoints: list[list[torch.Tensor]] = []
+            self.spill.begin_step([h.shape for h in hidden])
+            checkpoints: list[list[torch.Tensor] | None] = []
             for li in range(L):
                 (w,) = self._acquire(weights(1 + li))
-                checkpoints.append(hidden)
+                if self.spill.spills(li):
+                    self.spill.save(li, hidden)
+                    checkpoints.append(None)
+                else:
+                    checkpoints.append(hidden)
                 hidden = [self.layer(w, h, c) for h, c in zip(hidden, ctxs)]
                 done(1 + li)
 
@@ -255,7 +265,8 @@ class Engine:
             (w,) = self._acquire(weights(k))
             grad = self._grad_buffer(self.tiles[unit_index])
             gviews = list(self.tiles[unit_index].views(grad).values())
-            ckpt = checkpoints[li]
+            self.spill.prefetch(li - 1)  # overlaps this layer's backward (no-op unless layer li-1 was spilled)
+            ckpt = checkpoints[li] if checkpoints[li] is not None else self.spill.load(li)
             for m, (c, dh) in enumerate(zip(ctxs, grads_out)):
                 grads_out[m] = self._layer_backward(w, ckpt[m], c, dh, gviews)
                 ckpt[m] = None  # this checkpoint is spent

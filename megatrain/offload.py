@@ -33,13 +33,19 @@ PIECE_MAX = 64 << 20  # elements per landing buffer
 
 class OptimizerPipeline:
     def __init__(self, store: HostStore, optimizer: CpuAdamW, device: torch.device, num_landing: int = 2,
-                 threaded: bool | None = None):
+                 threaded: bool | None = None, offload_units: int = 0):
         """threaded: run updates on a worker thread (default on CUDA). On a CPU-only machine the optimizer and
         the engine share the same cores, so by default updates run inline in `finish_step` (the same result)."""
         self.store, self.optimizer, self.device = store, optimizer, torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.threaded = self.cuda if threaded is None else threaded
         self.order = list(range(len(store.tiles)))  # forward order: embed, layers, head
+        # The first `offload_units` units to finish in backward (head, last layer, ...) would otherwise wait longest
+        # on the GPU for the next forward's copy-out: their gradients go straight to host buffers instead, so GPU
+        # memory for gradients stops growing with depth, at 4 B/param of host memory for those units.
+        backward_order = [self.order[-1]] + self.order[-2:0:-1] + [self.order[0]]
+        self.offload = set(backward_order[:offload_units])
+        self.offload_host = {i: _aligned_empty(store.tiles[i].numel, torch.float32, zero=False) for i in self.offload}
         self._grads: dict[int, tuple[torch.Tensor, object]] = {}
         self._ready = [threading.Event() for _ in self.order]
         for e in self._ready:
@@ -56,7 +62,7 @@ class OptimizerPipeline:
             self.piece = min(PIECE_MAX, max(optim.CHUNK, store.max_unit_numel // optim.CHUNK * optim.CHUNK))
             self.landing = [_aligned_empty(self.piece, torch.float32, zero=False) for _ in range(num_landing)]
             cudart = torch.cuda.cudart()
-            for buf in self.landing:
+            for buf in [*self.landing, *self.offload_host.values()]:
                 cudart.cudaHostRegister(buf.data_ptr(), buf.numel() * 4, 0)
                 self._registered.append(buf.data_ptr())
             self.d2h = torch.cuda.Stream(self.device)
@@ -75,6 +81,21 @@ class OptimizerPipeline:
     def put(self, unit_index: int, grad: torch.Tensor) -> None:
         """Called on the compute stream's timeline when a unit's gradient is complete (no synchronisation)."""
         event = None
+        if unit_index in self.offload:
+            host = self.offload_host[unit_index]
+            if self.cuda:
+                ready = torch.cuda.Event()
+                ready.record(self.compute)
+                with torch.cuda.stream(self.d2h):
+                    self.d2h.wait_event(ready)
+                    host.copy_(grad, non_blocking=True)
+                    grad.record_stream(self.d2h)  # the device gradient is freed now, reused once copied
+                    event = torch.cuda.Event()
+                    event.record(self.d2h)
+            else:
+                host.copy_(grad)
+            self._grads[unit_index] = (host, event)
+            return
         if self.cuda:
             event = torch.cuda.Event()
             event.record(self.compute)
@@ -147,6 +168,9 @@ class OptimizerPipeline:
         def issue(k: int) -> None:
             i, a, n = pieces[k]
             grad, ready = grads[i]
+            if i in self.offload:  # already on the host: its copy-done event stands in for a landing copy
+                done_events[k % len(self.landing)] = ready
+                return
             buf = self.landing[k % len(self.landing)]
             with torch.cuda.stream(self.d2h):
                 self.d2h.wait_event(ready)
@@ -167,8 +191,8 @@ class OptimizerPipeline:
             tile = self.store.tiles[i]
             if a == 0:
                 self.before_update(i)
-            self.optimizer.update(tile, self.landing[k % len(self.landing)][:n], lr=lr, clip_coef=coef,
-                                  offset=a, new_step=(a == 0))
+            src = grads[i][0][a: a + n] if i in self.offload else self.landing[k % len(self.landing)][:n]
+            self.optimizer.update(tile, src, lr=lr, clip_coef=coef, offset=a, new_step=(a == 0))
             if a + n == tile.numel:
                 grads.pop(i)  # the device gradient is free once its last piece has landed
                 self._ready[i].set()
