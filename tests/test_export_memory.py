@@ -73,3 +73,5 @@ def test_export_peak_memory_is_within_one_layer_of_the_store(tmp_path):
           f"whole model in fp32 {whole_model_fp32 / 2**20:.1f} MiB")
     assert m["bytes"] == whole_model_fp32
     assert m["extra_bytes"] < one_layer_of_store
+    # a checkpoint without generation_config.json or tokenizer still exports a loadable directory
+    assert (tmp_path / "hf" / "generation_config.json").is_file()

@@ -47,6 +47,7 @@ def test_keep_auto_and_continuing_past_the_end(tmp_path):
     assert first["checkpoint"].endswith("step-4")
     again = run(cfg, "resume=auto")  # already at train.steps: nothing to do
     assert "last_loss" not in again and len(losses(tmp_path / "run")) == 4
+    (tmp_path / "model" / "model.safetensors").unlink()  # resume reads weights from the checkpoint only
     run(cfg, "resume=auto", "train.steps=6")  # a longer run continues from step 4
     assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4, 5, 6]
 
