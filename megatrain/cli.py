@@ -1,4 +1,4 @@
-"""`megatrain train | data | export` (plan and probe arrive with their issue): parse, validate, call."""
+"""`megatrain train | data | plan | probe | export`: parse, validate, call."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("config", nargs="?")
     d.add_argument("overrides", nargs="*")
     d.add_argument("--preview", type=int, default=3, metavar="N", help="examples to print")
+    pl = sub.add_parser("plan", help="host RAM, GPU memory, disk and step time of a run, before running it "
+                                     "(exit status 1: it will not fit)")
+    pl.add_argument("config", nargs="?", help="YAML config; omit for the embedded default")
+    pl.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.device=cuda to plan for a GPU")
+    sub.add_parser("probe", help="measure this machine for the planner (see megatrain probe --help)", add_help=False)
     e = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
     e.add_argument("source", metavar="CHECKPOINT_OR_RUN_DIR",
                    help="a checkpoint (step-N) or a run's output.dir (its newest complete checkpoint)")
@@ -35,6 +40,11 @@ def _split(config: str | None, overrides: list[str]) -> tuple[str | None, list[s
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["probe"]:  # its own options, no config: runs where only torch and transformers are installed
+        from .probe import main as probe_main
+
+        return probe_main(argv[1:])
     args = _parser().parse_args(argv)
     from .config import load_config
 
@@ -51,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
             from .trainer import train
 
             train(cfg)
+        elif args.command == "plan":
+            from .plan import plan_command
+
+            return plan_command(cfg)
         elif args.command == "data":
             from . import data as data_lib
             from .trainer import _load_tokenizer

@@ -56,12 +56,25 @@ class EngineConfig(_Strict):
     num_slots: int = Field(2, ge=2, description="GPU weight slots (double buffering needs 2)")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile the layer template (auto: on CUDA only; fuses the elementwise work)")
+    gpu_memory_budget_gb: float | None = Field(
+        None, gt=0, description="GPU memory the run may use, in GiB (default: what the device has free); the plan "
+                                "refuses a run whose predicted peak exceeds it")
 
 
 class OutputConfig(_Strict):
     dir: str = "runs/megatrain"
     tensorboard: bool = False
     overwrite: bool = Field(False, description="allow writing into a non-empty output.dir")
+    wandb: bool = Field(False, description="also log metrics to Weights & Biases (needs the wandb package)")
+
+
+class PlanConfig(_Strict):
+    profile: str | None = Field(None, description="machine profile written by `megatrain probe` (default: "
+                                                  "~/.cache/megatrain/profile.json if present, else H200 defaults)")
+    host_memory_gb: float | None = Field(None, gt=0, description="host RAM the run may use, in GiB (default: what "
+                                                                 "this machine has free, honouring cgroup limits)")
+    check: bool = Field(True, description="`megatrain train` refuses, before loading weights, a run the plan says "
+                                          "will not fit")
 
 
 class CheckpointConfig(_Strict):
@@ -83,6 +96,7 @@ class Config(_Strict):
     train: TrainConfig = TrainConfig()
     engine: EngineConfig = EngineConfig()
     output: OutputConfig = OutputConfig()
+    plan: PlanConfig = PlanConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     export: ExportConfig = ExportConfig()
     resume: str | None = Field(None, description="'auto': continue from the newest complete checkpoint in "

@@ -1,5 +1,9 @@
 """What the user sees of a run: a live progress bar on a terminal (plain lines otherwise), metrics.jsonl,
-and TensorBoard when enabled."""
+TensorBoard and wandb when enabled.
+
+Each step's record carries what the trainer measured (loss, grad norm, lr, tokens/s) and what `stats`, when
+set (megatrain.runstats.StepStats), adds: TFLOP/s, MFU, GPU and host memory, the busy shares of the compute,
+H2D and D2H streams; the logger adds the ETA."""
 
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ class MetricsLogger:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, file=self.stream, unit="step", dynamic_ncols=True)
+        self.stats = None  # callable(record) -> extra fields for step records
+        self.wandb = None
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -37,11 +43,30 @@ class MetricsLogger:
         else:
             print(msg, file=self.stream, flush=True)
 
+    def enable_wandb(self, config: dict | None = None, name: str | None = None) -> None:
+        """Log every record to wandb too (output.wandb); imported only now, and only a warning without it."""
+        try:
+            import wandb
+        except ImportError:
+            self.info("output.wandb: the wandb package is not installed (pip install wandb); not logging to wandb")
+            return
+        self.wandb = wandb.init(project="megatrain", name=name or self.path.parent.name, dir=str(self.path.parent),
+                                config=config, resume="allow")
+
     def log(self, record: dict) -> None:
         """One JSON object per line; the progress display shows the headline numbers."""
+        step = record["step"]
+        if "loss" in record:
+            if self.stats is not None:
+                record = {**record, **self.stats(record)}
+            done = step - self.start_step
+            elapsed = time.perf_counter() - self.t0
+            record["eta_s"] = elapsed / max(done, 1) * (self.total - step)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        step = record["step"]
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))},
+                           step=step)
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -49,24 +74,44 @@ class MetricsLogger:
         if "loss" not in record:  # an evaluation record
             self.info(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()))
             return
-        headline = {"loss": record["loss"], "gnorm": record["grad_norm"], "lr": record["lr"],
-                    "tok/s": record["tokens_per_s"]}
+        headline = _headline(record)
         if self.bar is not None:
-            self.bar.set_postfix({k: _fmt(v) for k, v in headline.items()}, refresh=False)
+            self.bar.set_postfix(headline, refresh=False)
             self.bar.update(1)
         elif step % self.plain_every == 0 or step == self.total:
-            done = step - self.start_step
-            elapsed = time.perf_counter() - self.t0
-            eta = elapsed / max(done, 1) * (self.total - step)
-            self.info(f"step {step}/{self.total} " + " ".join(f"{k}={_fmt(v)}" for k, v in headline.items())
-                      + f" eta={eta:.0f}s")
+            self.info(f"step {step}/{self.total} " + " ".join(f"{k}={v}" for k, v in headline.items())
+                      + f" eta={_duration(record['eta_s'])}")
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         self.file.close()
+
+
+def _headline(r: dict) -> dict[str, str]:
+    """The numbers shown each step: training, throughput, memory, where the time goes."""
+    out = {"loss": _fmt(r["loss"]), "gnorm": _fmt(r["grad_norm"]), "lr": f"{r['lr']:.3g}",
+           "tok/s": _fmt(r["tokens_per_s"])}
+    if "tflops_6n" in r:
+        out["TFLOP/s"] = f"{r['tflops_6n']:.0f}" if r["tflops_6n"] >= 10 else f"{r['tflops_6n']:.3g}"
+    if "mfu" in r:
+        out["MFU"] = f"{100 * r['mfu']:.1f}%"
+    if "gpu_peak_gib" in r:
+        out["gpu"] = f"{r['gpu_peak_gib']:.1f}G"
+    if "host_rss_gib" in r:
+        out["host"] = f"{r['host_rss_gib']:.1f}G"
+    if "busy_compute" in r:
+        out["busy c/h2d/d2h"] = f"{r['busy_compute']:.2f}/{r['busy_h2d']:.2f}/{r['busy_d2h']:.2f}"
+    return out
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 def _fmt(v) -> str:

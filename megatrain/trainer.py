@@ -49,6 +49,8 @@ class Run:
     tokenizer: object
     out_dir: Path
     resumed: resume_lib.Resumed | None = None  # the checkpoint this run continues, loaded into the store
+    plan: object = None  # megatrain.plan.Plan of this run (None: it could not be computed)
+    stats: object = None  # megatrain.runstats.StepStats, set when the run starts
 
 
 def to_microbatches(batches) -> list[MicroBatch]:
@@ -70,6 +72,9 @@ def prepare(cfg: Config) -> Run:
     if adapter.sliding_window and cfg.data.max_seq_len > adapter.sliding_window:
         raise MegatrainError(f"data.max_seq_len: {cfg.data.max_seq_len} exceeds the model's sliding_window "
                              f"({adapter.sliding_window}), which megatrain does not implement; use at most that")
+    from .plan import check_before_run
+
+    plan = check_before_run(cfg, adapter, device.type)  # refuses a run that cannot fit, before any weight is read
     data_lib.validate_inputs(cfg.data)
     out_dir = Path(cfg.output.dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not cfg.output.overwrite and not cfg.resume:
@@ -95,7 +100,11 @@ def prepare(cfg: Config) -> Run:
     exact = _load_exact_match(cfg.train.exact_match_path) if cfg.train.exact_match_path else None
 
     stream_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-    store = HostStore(adapter, stream_dtype)
+    try:
+        store = HostStore(adapter, stream_dtype)
+    except (RuntimeError, MemoryError) as e:
+        _raise_if_out_of_memory(e, run=None, plan=plan, adapter=adapter, step=None)
+        raise
     if resumed is not None:  # instead of the model's weights, not after them: the weights are read once
         resume_lib.load_store(resumed, store)
         loader.load_state_dict(resumed.state["loader"])
@@ -111,7 +120,8 @@ def prepare(cfg: Config) -> Run:
     optimizer = CpuAdamW(betas=cfg.train.betas, eps=cfg.train.eps, weight_decay=cfg.train.weight_decay)
     pipeline = OptimizerPipeline(store, optimizer, device)
     engine.wait_for_update = pipeline.wait_for_update
-    return Run(cfg, adapter, store, engine, pipeline, loader, eval_batches, exact, tokenizer, out_dir, resumed)
+    return Run(cfg, adapter, store, engine, pipeline, loader, eval_batches, exact, tokenizer, out_dir, resumed,
+               plan=plan)
 
 
 def _load_tokenizer(path: str):
@@ -140,11 +150,30 @@ def _load_exact_match(path: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def _raise_if_out_of_memory(e: BaseException, *, run, plan, adapter, step) -> None:
+    """A GPU out-of-memory error or a failed host allocation becomes one message naming the component and
+    what the plan suggests (instead of a wall of traceback); anything else is left alone."""
+    from .runstats import is_host_allocation_failure, oom_message
+
+    if isinstance(e, torch.OutOfMemoryError):
+        raise MegatrainError(oom_message(e, plan, adapter, step)) from None
+    if is_host_allocation_failure(e):
+        raise MegatrainError(oom_message(e, plan, adapter, step, host=True)) from None
+
+
 def train_step(run: Run, step: int, batches) -> tuple[float, float, float]:
     """One optimizer step: the engine's waves, then the CPU update handed to the pipeline, which overlaps it
     with the next step's forward. Returns (loss, grad norm, lr)."""
     t = run.cfg.train
-    out = run.engine.train_step(to_microbatches(batches), run.pipeline)
+    if run.stats is not None:
+        run.stats.begin()
+    try:
+        out = run.engine.train_step(to_microbatches(batches), run.pipeline)
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        _raise_if_out_of_memory(e, run=run, plan=run.plan, adapter=run.adapter, step=step + 1)
+        raise
+    if run.stats is not None:
+        run.stats.end()  # the step's GPU work is queued: the end marker follows it
     grad_norm = math.sqrt(out.grad_sq_norm.item())  # the step's GPU work is all queued: this wait costs nothing
     loss = out.loss_sum.item()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -187,6 +216,9 @@ def train(cfg: Config) -> dict:
     log.info(f"megatrain: {run.adapter.model_type} {n_params / 1e6:.2f}M params, {run.adapter.num_layers} layers, "
              f"{cfg.train.precision} on {run.engine.device}; host store {run.store.host_bytes() / 2**30:.2f} GiB; "
              f"data: {run.loader.summary()}")
+    from .runstats import attach
+
+    attach(run, log)  # the plan's figures in the start summary; per-step throughput, memory, stream shares
     saver = CheckpointSaver(run.out_dir / "checkpoints", run.store, run.pipeline, keep=cfg.checkpoint.keep)
     if run.resumed:
         notes = resume_lib.config_notes(run.resumed, cfg.model_dump())

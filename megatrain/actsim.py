@@ -1,0 +1,176 @@
+"""Activation memory of the layer template and the LM-head loss, measured by running them on the meta device.
+
+No memory is allocated and nothing is computed: a dispatch mode sees every tensor the real code creates, adds
+its storage's bytes when it appears and subtracts them when the storage is freed (Python refcounting works the
+same on meta tensors), so `peak` is the largest live total the real code reaches, autograd's saved tensors and
+backward transients included. Inputs (weights, the checkpoint, d(output), rope tables) are not counted: the
+planner counts them as its own components.
+
+Attention is the one part whose memory depends on the kernel CUDA picks, not on the template: on the meta
+device SDPA falls back to the math path, which materialises [B, heads, T, T] scores. On CUDA, a causal
+unmasked call runs flash (or cuDNN) attention, which keeps only q, k, v, the output and a [B, heads, T] fp32
+log-sum-exp for backward, and allocates an fp32 dq accumulator (plus expanded dk/dv with grouped KV heads) in
+backward. `FlashLike` reproduces exactly those allocations; a masked call (packed rows) runs the
+memory-efficient kernel, which in addition turns the bool mask into an additive [B, 1, T, T] bias it keeps.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class LiveBytes(TorchDispatchMode):
+    """Tracks the bytes of live storages created under it; `ignore(*tensors)` excludes pre-existing inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: dict[int, int] = {}
+
+    def ignore(self, *tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._track(t, count=False)
+
+    def _track(self, t: torch.Tensor, count: bool = True) -> None:
+        s = t.untyped_storage()
+        key = id(s)
+        if key in self._seen:
+            return
+        n = s.nbytes() if count else 0
+        self._seen[key] = n
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(s, self._free, key, n)
+
+    def _free(self, key: int, n: int) -> None:
+        self.live -= n
+        self._seen.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+
+class FlashLike(torch.autograd.Function):
+    """Allocates and saves what CUDA's fused attention kernels do (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias_shape):
+        B, h, T, d = q.shape
+        out = q.new_empty(B, T, h, d).transpose(1, 2)  # the kernels write [B, T, h, d]: o.transpose(1,2) is free
+        lse = q.new_empty(B, h, T, dtype=torch.float32)
+        saved = [q, k, v, out, lse]
+        if bias_shape is not None:
+            saved.append(q.new_empty(bias_shape))  # the bool mask as an additive bias in the query dtype
+        ctx.save_for_backward(*saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v = ctx.saved_tensors[:3]
+        B, h, T, d = q.shape
+        work = [q.new_empty(B, T, h, d, dtype=torch.float32), q.new_empty(B, h, T, dtype=torch.float32)]
+        if k.shape[1] != h:  # grouped KV heads: per-query-head dk, dv, reduced at the end
+            work += [q.new_empty(B, T, h, d), q.new_empty(B, T, h, d)]
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        del work
+        return dq, dk, dv, None
+
+
+def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    bias = None if attn_mask is None else (q.shape[0], 1, q.shape[2], k.shape[2])
+    return FlashLike.apply(q, k, v, bias)
+
+
+@contextmanager
+def _cuda_attention(enabled: bool):
+    if not enabled:
+        yield
+        return
+    orig = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _fused_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = orig
+
+
+def _meta_layer_inputs(adapter, batch: int, seq: int, dtype: torch.dtype, packed: bool):
+    unit = next(u for u in adapter.units() if u.kind == "layer")
+    w = {s.name: torch.empty(s.shape, dtype=dtype, device="meta") for s in unit.specs}
+    pos = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    ctx = adapter.make_context(pos, dtype, packed)
+    x = torch.empty(batch, seq, adapter.hidden_size, dtype=dtype, device="meta")
+    return w, ctx, x
+
+
+def layer_memory(adapter, batch: int, seq: int, dtype: torch.dtype = torch.bfloat16, packed: bool = False,
+                 cuda_attention: bool = True) -> dict[str, int]:
+    """Bytes of one layer for one micro-batch of `batch` x `seq` tokens:
+
+    forward_peak   no-grad forward (the forward wave), output included
+    saved          autograd-saved tensors after the recompute's forward, output included
+    backward_peak  recompute + local backward + fp32 accumulation, as Engine._layer_backward does it: saved
+                   tensors, backward transients, the bf16 weight gradients and d(input) included
+    """
+    w, ctx, x = _meta_layer_inputs(adapter, batch, seq, dtype, packed)
+    grad_acc = {k: torch.empty(v.shape, dtype=torch.float32, device="meta") for k, v in w.items()}
+    dh = torch.empty_like(x)
+    out = {}
+    with _cuda_attention(cuda_attention):
+        mode = LiveBytes()
+        mode.ignore(*w.values(), x, dh, ctx.cos, ctx.sin, ctx.mask)
+        with mode, torch.no_grad():
+            y = adapter.layer_forward(w, x, ctx)
+            del y
+        out["forward_peak"] = mode.peak
+
+        mode = LiveBytes()
+        mode.ignore(*w.values(), x, dh, ctx.cos, ctx.sin, ctx.mask, *grad_acc.values())
+        with mode:  # the same steps as Engine._layer_backward
+            params = {k: v.detach().requires_grad_(True) for k, v in w.items()}
+            xx = x.detach().requires_grad_(True)
+            with torch.enable_grad():
+                y = adapter.layer_forward(params, xx, ctx)
+                out["saved"] = mode.live
+                grads = torch.autograd.grad(y, [xx, *params.values()], dh)
+            for acc, g in zip(grad_acc.values(), grads[1:]):
+                acc.add_(g)
+            del grads, y
+        out["backward_peak"] = mode.peak
+    return out
+
+
+def head_memory(adapter, batch: int, seq: int, targets: int, chunk: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Peak bytes of the LM-head loss and its backward for one micro-batch (the engine's own `_head_loss`, run on
+    the meta device), excluding the hidden states, weights and gradient accumulators it is given, and excluding
+    the d(hidden) it returns (the planner counts those per micro-batch)."""
+    from .engine import Engine
+
+    H, V = adapter.hidden_size, adapter.vocab_size
+    h = torch.empty(batch, seq, H, dtype=dtype, device="meta")
+    mb = SimpleNamespace(target_index=torch.empty(targets, dtype=torch.long, device="meta"),
+                         targets=torch.empty(targets, dtype=torch.long, device="meta"))
+    norm_w = torch.empty(H, dtype=dtype, device="meta")
+    lm_w = torch.empty(V, H, dtype=dtype, device="meta")
+    norm_g = torch.empty(H, dtype=torch.float32, device="meta")
+    lm_g = torch.empty(V, H, dtype=torch.float32, device="meta")
+    shim = SimpleNamespace(adapter=adapter, loss_chunk=chunk, device=torch.device("meta"))
+    mode = LiveBytes()
+    mode.ignore(h, norm_w, lm_w, norm_g, lm_g, mb.target_index, mb.targets)
+    with mode:
+        loss, dh = Engine._head_loss(shim, h, mb, norm_w, lm_w, norm_g, lm_g, 1.0 / max(targets, 1))
+        del loss, dh
+    return mode.peak

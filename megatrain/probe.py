@@ -1,0 +1,343 @@
+"""`megatrain probe`: measure this machine and write the profile `megatrain plan` uses.
+
+    python3 -m megatrain.probe --out profile.json --layer bench/model-configs/qwen2.5-7b:32x1024
+
+On any machine: host RAM (cgroup-aware), the CPU AdamW rate (megatrain.optim.CpuAdamW on a tile, bf16 copy
+written, as the optimizer pipeline runs it) and a CPU matmul rate. With CUDA besides: pinned H2D and D2H
+bandwidth, each alone and both at once (cudaHostRegister'ed memory, as the store and the landing buffers are),
+pageable H2D, the cost of registering memory, the bf16 matmul rate, and for each `--layer MODEL:BxT` one
+decoder layer's forward and recompute+backward rate at that micro-batch shape through megatrain's own template
+(eager and torch.compile'd, as the engine runs it), with the activation memory it took, and the chunked LM
+head's rate. Only torch, transformers and the standard library are needed (no pydantic, no datasets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .profile import PROFILE_VERSION, default_profile_path, peak_bf16_for, this_host
+from .sysmem import host_memory, memlock_limit
+
+GiB = 2**30
+
+
+def log(msg: str) -> None:
+    print(f"probe: {msg}", file=sys.stderr, flush=True)
+
+
+# ---- CPU -------------------------------------------------------------------------------------------------------
+def adamw_rate(numel: int, stream_dtype: torch.dtype, reps: int = 3) -> float:
+    """Parameters per second of CpuAdamW.update over one tile of `numel` parameters (decayed)."""
+    from .models.base import TensorSpec, Unit
+    from .optim import CpuAdamW
+    from .store import LayerTile, _aligned_empty
+
+    unit = Unit("layer", 0, (TensorSpec("w", "w", (numel,), True, "normal"),))
+    master = _aligned_empty(numel, torch.float32, zero=False).normal_(0, 0.02)
+    m = _aligned_empty(numel, torch.float32, zero=True)
+    v = _aligned_empty(numel, torch.float32, zero=True)
+    stream = _aligned_empty(numel, stream_dtype, zero=True) if stream_dtype != torch.float32 else master
+    tile = LayerTile(unit, master, m, v, stream)
+    grad = _aligned_empty(numel, torch.float32, zero=False).normal_(0, 1e-3)
+    opt = CpuAdamW(weight_decay=0.1)
+    opt.update(tile, grad, lr=1e-5)  # first touch, page faults
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        opt.update(tile, grad, lr=1e-5)
+        best = min(best, time.perf_counter() - t0)
+    return numel / best
+
+
+def matmul_rate(n: int, dtype: torch.dtype, device: str, reps: int = 5) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    a @ b
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    return 2.0 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---- PCIe ------------------------------------------------------------------------------------------------------
+def _registered(nbytes: int) -> tuple[torch.Tensor, float]:
+    """A touched, page-aligned host buffer registered as pinned (as the store does), and the seconds the
+    registration took."""
+    from .store import _aligned_empty
+
+    buf = _aligned_empty(nbytes, torch.uint8, zero=True)
+    t0 = time.perf_counter()
+    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+    seconds = time.perf_counter() - t0
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed (error {int(err)})")
+    return buf, seconds
+
+
+def bandwidth(nbytes: int, reps: int = 5) -> dict:
+    cudart = torch.cuda.cudart()
+    host_in, register_s = _registered(nbytes)
+    host_out, _ = _registered(nbytes)
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    s_in, s_out = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def timed(copies) -> float:
+        """Seconds from a common start to the last stream's end, for [(stream, fn)] run concurrently."""
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        ends = []
+        for stream, fn in copies:
+            with torch.cuda.stream(stream):
+                stream.wait_event(start)
+                for _ in range(reps):
+                    fn()
+                e = torch.cuda.Event(enable_timing=True)
+                e.record(stream)
+                ends.append(e)
+        torch.cuda.synchronize()
+        return max(start.elapsed_time(e) for e in ends) / 1e3
+
+    h2d = lambda: dev_a.copy_(host_in, non_blocking=True)  # noqa: E731
+    d2h = lambda: host_out.copy_(dev_b, non_blocking=True)  # noqa: E731
+    timed([(s_in, h2d), (s_out, d2h)])  # warm up
+    out = {"h2d_pinned_bps": nbytes * reps / timed([(s_in, h2d)]),
+           "d2h_pinned_bps": nbytes * reps / timed([(s_out, d2h)]),
+           "bidirectional_per_direction_bps": nbytes * reps / timed([(s_in, h2d), (s_out, d2h)]),
+           "register_s_per_gib": register_s / (nbytes / GiB), "bytes": nbytes}
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    pageable.fill_(1)
+    out["h2d_pageable_bps"] = _pageable(dev_a, pageable)
+    for buf in (host_in, host_out):
+        cudart.cudaHostUnregister(buf.data_ptr())
+    return out
+
+
+def _pageable(dev: torch.Tensor, host: torch.Tensor, reps: int = 3) -> float:
+    dev.copy_(host)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dev.copy_(host)
+    torch.cuda.synchronize()
+    return host.numel() * reps / (time.perf_counter() - t0)
+
+
+# ---- one decoder layer and the LM head at a micro-batch shape ----------------------------------------------------
+def _adapter(model_dir: str):
+    from transformers import AutoConfig
+
+    from .models import get_adapter
+
+    return get_adapter(AutoConfig.from_pretrained(model_dir))
+
+
+def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers: bool, reps: int = 3) -> dict:
+    """Forward (no grad) and recompute+backward of one layer, as Engine runs them; executed FLOP/s of each and
+    the activation memory of the backward (CUDA: max_memory_allocated growth)."""
+    ad = _adapter(model_dir)
+    dtype = torch.bfloat16
+    unit = next(u for u in ad.units() if u.kind == "layer")
+    flat = (torch.randn(unit.numel, device=device) * 0.02).to(dtype)
+    grad = torch.zeros(unit.numel, dtype=torch.float32, device=device)
+    w, gviews, off = {}, [], 0
+    for s in unit.specs:
+        w[s.name] = flat[off: off + s.numel].view(s.shape)
+        gviews.append(grad[off: off + s.numel].view(s.shape))
+        off += s.numel
+    for s in unit.specs:  # norms at one, as initialised
+        if s.init == "ones":
+            w[s.name].fill_(1.0)
+    x = torch.randn(micro, seq, ad.hidden_size, device=device).to(dtype)
+    dh = torch.randn_like(x) * 1e-3
+    pos = torch.arange(seq, device=device).repeat(micro, 1)
+    ctx = ad.make_context(pos, dtype, False)
+    layer = torch.compile(ad.layer_forward, dynamic=False) if compile_layers else ad.layer_forward
+
+    def fwd():
+        with torch.no_grad():
+            return layer(w, x, ctx)
+
+    def bwd():  # Engine._layer_backward
+        params = {k: v.detach().requires_grad_(True) for k, v in w.items()}
+        xx = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = layer(params, xx, ctx)
+            grads = torch.autograd.grad(out, [xx, *params.values()], dh)
+        for acc, g in zip(gviews, grads[1:]):
+            acc.add_(g)
+        return grads[0]
+
+    def timed(fn) -> float:
+        fn()  # warm up (and compile)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        _sync(device)
+        return (time.perf_counter() - t0) / reps
+
+    fwd_s = timed(fwd)
+    act = None
+    if device == "cuda":
+        bwd()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        bwd()
+        torch.cuda.synchronize()
+        act = torch.cuda.max_memory_allocated() - base
+    bwd_s = timed(bwd)
+    tokens = micro * seq
+    P = unit.numel
+    attn = 2.0 * seq * ad.num_heads * ad.head_dim
+    return {"model": Path(model_dir).name, "hidden": ad.hidden_size, "intermediate": ad.intermediate_size,
+            "heads": ad.num_heads, "kv_heads": ad.num_kv_heads, "head_dim": ad.head_dim, "micro": micro, "seq": seq,
+            "compile": compile_layers, "forward_s": fwd_s, "backward_s": bwd_s,
+            "forward_flops": (2.0 * P + attn) * tokens / fwd_s, "backward_flops": (6.0 * P + 3 * attn) * tokens / bwd_s,
+            "activation_peak_bytes": act}
+
+
+def head_rate(model_dir: str, micro: int, seq: int, device: str, reps: int = 2) -> float:
+    """Executed FLOP/s (6 per LM-head parameter per target) of the engine's chunked LM-head loss + backward."""
+    from types import SimpleNamespace
+
+    from .engine import Engine
+
+    ad = _adapter(model_dir)
+    H, V = ad.hidden_size, ad.vocab_size
+    dtype = torch.bfloat16
+    n = micro * (seq - 1)
+    h = torch.randn(micro, seq, H, device=device).to(dtype)
+    mb = SimpleNamespace(target_index=torch.randperm(micro * seq, device=device)[:n].sort().values,
+                         targets=torch.randint(0, V, (n,), device=device))
+    norm_w = torch.ones(H, dtype=dtype, device=device)
+    lm_w = (torch.randn(V, H, device=device) * 0.02).to(dtype)
+    norm_g = torch.zeros(H, device=device)
+    lm_g = torch.zeros(V, H, device=device)
+    shim = SimpleNamespace(adapter=ad, loss_chunk=max(128, (1 << 28) // V), device=torch.device(device))
+
+    def run():
+        return Engine._head_loss(shim, h, mb, norm_w, lm_w, norm_g, lm_g, 1.0 / n)
+
+    run()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        run()
+    _sync(device)
+    return 6.0 * V * H * n * reps / (time.perf_counter() - t0)
+
+
+def parse_layer(spec: str) -> tuple[str, int, int]:
+    """'MODEL_DIR:BxT' -> (MODEL_DIR, B, T)."""
+    path, _, shape = spec.rpartition(":")
+    try:
+        b, t = (int(x) for x in shape.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"probe: --layer {spec!r}: expected MODEL_DIR:MICROxSEQ, e.g. models/qwen:32x1024")
+    if not (Path(path) / "config.json").is_file():
+        raise SystemExit(f"probe: --layer {spec!r}: {path}/config.json does not exist")
+    return path, b, t
+
+
+# ---- the profile ---------------------------------------------------------------------------------------------
+def probe(layers: list[tuple[str, int, int]], compile_modes: list[bool], adam_params: int, bw_bytes: int,
+          matmul_n: int) -> dict:
+    mem = host_memory()
+    prof = {"version": PROFILE_VERSION, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "host": this_host(),
+            "torch": torch.__version__, "megatrain": __version__, "host_memory": mem.to_dict(),
+            "memlock_bytes": memlock_limit()}
+    log(f"host RAM {mem.available / GiB:.1f} of {mem.total / GiB:.1f} GiB available ({mem.source})")
+    cpu = {"count": os.cpu_count(), "threads": torch.get_num_threads()}
+    cpu["adamw_params_per_s"] = adamw_rate(adam_params, torch.bfloat16)
+    cpu["adamw_fp32_params_per_s"] = adamw_rate(adam_params, torch.float32)
+    log(f"CPU AdamW {cpu['adamw_params_per_s'] / 1e9:.2f} Gparam/s (bf16 copy), "
+        f"{cpu['adamw_fp32_params_per_s'] / 1e9:.2f} Gparam/s (fp32), {cpu['threads']} threads")
+    cpu["matmul_flops"] = matmul_rate(min(matmul_n, 2048), torch.float32, "cpu", reps=2)
+    log(f"CPU fp32 matmul {cpu['matmul_flops'] / 1e12:.2f} TFLOP/s")
+    prof["cpu"] = cpu
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        gpu = {"name": name, "total_bytes": torch.cuda.get_device_properties(0).total_memory,
+               "peak_bf16_flops": peak_bf16_for(name)}
+        gpu["bandwidth"] = bandwidth(bw_bytes)
+        b = gpu["bandwidth"]
+        log(f"{name}: H2D {b['h2d_pinned_bps'] / 1e9:.1f} GB/s, D2H {b['d2h_pinned_bps'] / 1e9:.1f} GB/s, both at "
+            f"once {b['bidirectional_per_direction_bps'] / 1e9:.1f} GB/s each, pageable H2D "
+            f"{b['h2d_pageable_bps'] / 1e9:.1f} GB/s, cudaHostRegister {b['register_s_per_gib']:.3f} s/GiB")
+        gpu["matmul_bf16_flops"] = matmul_rate(matmul_n, torch.bfloat16, "cuda")
+        log(f"bf16 matmul {matmul_n}^3: {gpu['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s")
+        prof["gpu"] = gpu
+    rates = []
+    for path, micro, seq in layers:
+        for comp in compile_modes if device == "cuda" else [False]:
+            try:
+                r = layer_rate(path, micro, seq, device, comp)
+            except torch.OutOfMemoryError:
+                log(f"layer {path} {micro}x{seq}: out of GPU memory, skipped")
+                torch.cuda.empty_cache()
+                continue
+            rates.append(r)
+            act = f", activations {r['activation_peak_bytes'] / GiB:.2f} GiB" if r["activation_peak_bytes"] else ""
+            log(f"layer {r['model']} {micro}x{seq}{' compiled' if comp else ''}: forward "
+                f"{r['forward_flops'] / 1e12:.0f}, recompute+backward {r['backward_flops'] / 1e12:.0f} TFLOP/s{act}")
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    if layers:
+        path, micro, seq = max(layers, key=lambda s: s[1] * s[2])
+        try:
+            head = head_rate(path, micro, seq, device)
+            log(f"LM head ({Path(path).name}, {micro}x{seq}): {head / 1e12:.1f} TFLOP/s")
+        except torch.OutOfMemoryError:
+            head = None
+            log("LM head: out of GPU memory, skipped")
+        if device == "cuda":
+            prof["gpu"]["head_flops"] = head
+            prof["gpu"]["layers"] = rates
+        else:
+            prof["cpu"]["layers"] = rates
+            prof["cpu"]["head_flops"] = head
+    return prof
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="megatrain probe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(default_profile_path()),
+                   help=f"where the profile goes (default: {default_profile_path()}, which plan reads by default)")
+    p.add_argument("--layer", action="append", default=[], metavar="MODEL_DIR:BxT",
+                   help="measure one decoder layer of this model at B rows x T tokens per micro-batch (repeatable)")
+    p.add_argument("--compile", choices=["both", "on", "off"], default="both",
+                   help="CUDA: measure the layers compiled, eager, or both (default both)")
+    p.add_argument("--adam-params", type=int, default=1 << 27, help="tile size for the CPU AdamW rate")
+    p.add_argument("--bandwidth-gib", type=float, default=1.0, help="bytes per transfer measurement")
+    p.add_argument("--matmul", type=int, default=8192, help="square matmul size for the GPU rate")
+    args = p.parse_args(argv)
+    layers = [parse_layer(s) for s in args.layer]
+    modes = {"both": [False, True], "on": [True], "off": [False]}[args.compile]
+    prof = probe(layers, modes, args.adam_params, int(args.bandwidth_gib * GiB), args.matmul)
+    out = Path(args.out).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(prof, indent=2))
+    log(f"profile written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

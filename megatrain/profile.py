@@ -1,0 +1,154 @@
+"""The machine profile the planner uses: transfer and compute rates, CPU optimizer rate, memory sizes.
+
+`megatrain probe` measures one and writes it as JSON; without one the planner uses `DEFAULTS`, the H200
+measurements of DESIGN.md and of the first benchmark runs (bench/results/2026-11-21), and says so. Only the
+standard library is imported here (the probe runs where pydantic is not installed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GiB = 2**30
+PROFILE_VERSION = 1
+
+# Dense bf16 peak FLOP/s by device name (datasheets), for MFU. Unknown devices report no MFU.
+PEAK_BF16 = {"H200": 989.4e12, "H100 SXM": 989.4e12, "H100 80GB HBM3": 989.4e12, "H100 PCIe": 756.5e12,
+             "H100 NVL": 835.5e12, "GH200": 989.4e12, "H800": 989.4e12, "A100": 312e12, "A800": 312e12,
+             "L40S": 362.05e12, "RTX 4090": 165.2e12, "B200": 2250e12}
+
+
+def peak_bf16_for(name: str) -> float | None:
+    for key, flops in sorted(PEAK_BF16.items(), key=lambda kv: -len(kv[0])):  # longest (most specific) first
+        if key.lower() in name.lower():
+            return flops
+    return None
+
+
+def default_profile_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "megatrain" / "profile.json"
+
+
+@dataclass
+class LayerRate:
+    """One decoder layer's measured rates at one shape (executed FLOPs: forward 2/param/token + attention;
+    backward = recompute + backward, 6/param/token + 3x attention)."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    micro: int  # sequences per micro-batch
+    seq: int
+    compile: bool
+    forward_flops: float  # executed FLOP/s
+    backward_flops: float
+    activation_peak_bytes: int | None = None  # torch.cuda.max_memory_allocated growth during recompute+backward
+
+    @property
+    def tokens(self) -> int:
+        return self.micro * self.seq
+
+
+@dataclass
+class Profile:
+    source: str  # "defaults" or the file it was read from
+    measured: bool
+    host: str = ""
+    created: str = ""
+    gpu_name: str = "NVIDIA H200 (assumed)"
+    gpu_total_bytes: int = int(139.8 * GiB)
+    peak_bf16: float | None = 989.4e12
+    h2d_bps: float = 55.5e9  # pinned, one direction alone
+    d2h_bps: float = 55.5e9
+    bidir_bps: float = 50.8e9  # per direction, when both run at once (101.6 GB/s together)
+    matmul_flops: float = 790e12
+    layer_rates: list[LayerRate] = field(default_factory=list)
+    # Rates used when no measured layer shape applies, fitted (least squares on the relative step time) to the 16
+    # H200 runs of bench/results/2026-11-21 (7B/8B, a 3B shape, a 16-128 layer depth sweep, spill/offload):
+    # eager layer matmuls (x1.17 compiled), causal flash attention, the chunked LM head, CpuAdamW incl. its D2H.
+    layer_flops: float = 530e12
+    attention_flops: float = 190e12
+    head_flops: float = 500e12
+    adamw_params_per_s: float = 2.7e9
+    cpu_count: int | None = None
+    cpu_flops: float = 0.5e12  # CPU matmul rate (bf16), for CPU-device plans
+    host_total_bytes: int | None = None
+    host_available_bytes: int | None = None
+
+    def layer_rate(self, adapter, micro: int, seq: int, compile: bool) -> tuple[LayerRate | None, str]:
+        """The measured rate for this layer shape, nearest micro-batch size (and compile mode) first."""
+        same = [r for r in self.layer_rates
+                if (r.hidden, r.intermediate, r.heads, r.kv_heads, r.head_dim) ==
+                (adapter.hidden_size, adapter.intermediate_size, adapter.num_heads, adapter.num_kv_heads,
+                 adapter.head_dim)]
+        if not same:
+            return None, "no measured layer of this shape"
+        tokens = micro * seq
+        best = min(same, key=lambda r: (r.compile != compile, abs(r.seq - seq) / seq, abs(r.tokens - tokens) / tokens))
+        exact = best.compile == compile and best.seq == seq and best.micro == micro
+        how = "measured at this shape" if exact else \
+            f"measured at {best.micro}x{best.seq} tokens{' compiled' if best.compile else ''}"
+        return best, how
+
+
+DEFAULTS = Profile(source="defaults", measured=False)
+
+
+def load_profile(path: str | Path | None) -> Profile:
+    """The profile at `path`; with None, the default location if a probe wrote one there, else DEFAULTS."""
+    explicit = path is not None
+    p = Path(path).expanduser() if explicit else default_profile_path()
+    if not p.is_file():
+        if explicit:
+            from .errors import MegatrainError
+
+            raise MegatrainError(f"plan.profile: {p} does not exist (write one with `megatrain probe --out {p}`)")
+        return DEFAULTS
+    try:
+        raw = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        from .errors import MegatrainError
+
+        raise MegatrainError(f"plan.profile: {p} is not a readable profile ({e})") from None
+    return from_dict(raw, str(p))
+
+
+def from_dict(raw: dict, source: str) -> Profile:
+    prof = Profile(source=source, measured=True, host=raw.get("host", ""), created=raw.get("created", ""))
+    gpu = raw.get("gpu") or {}
+    if gpu:
+        prof.gpu_name = gpu.get("name", prof.gpu_name)
+        prof.gpu_total_bytes = int(gpu.get("total_bytes", prof.gpu_total_bytes))
+        prof.peak_bf16 = gpu.get("peak_bf16_flops", peak_bf16_for(prof.gpu_name))
+        bw = gpu.get("bandwidth", {})
+        prof.h2d_bps = bw.get("h2d_pinned_bps", prof.h2d_bps)
+        prof.d2h_bps = bw.get("d2h_pinned_bps", prof.d2h_bps)
+        prof.bidir_bps = bw.get("bidirectional_per_direction_bps", prof.bidir_bps)
+        prof.matmul_flops = gpu.get("matmul_bf16_flops", prof.matmul_flops)
+        prof.layer_rates = [LayerRate(**{k: v for k, v in r.items() if k in LayerRate.__dataclass_fields__})
+                            for r in gpu.get("layers", [])]
+        if prof.layer_rates:
+            best = max(prof.layer_rates, key=lambda r: r.tokens)
+            prof.layer_flops = (best.forward_flops + 3 * best.backward_flops) / 4
+        prof.head_flops = gpu.get("head_flops", prof.head_flops)
+    else:
+        prof.gpu_name, prof.gpu_total_bytes, prof.peak_bf16 = "", 0, None
+    cpu = raw.get("cpu") or {}
+    prof.adamw_params_per_s = cpu.get("adamw_params_per_s", prof.adamw_params_per_s)
+    prof.cpu_count = cpu.get("count")
+    prof.cpu_flops = cpu.get("matmul_flops", prof.cpu_flops)
+    mem = raw.get("host_memory") or {}
+    prof.host_total_bytes = mem.get("total_bytes")
+    prof.host_available_bytes = mem.get("available_bytes")
+    return prof
+
+
+def this_host() -> str:
+    return socket.gethostname()
