@@ -54,6 +54,10 @@ class TrainConfig(_Strict):
 class EngineConfig(_Strict):
     loss_chunk_tokens: int = Field(0, ge=0, description="target tokens per LM-head chunk (0: from vocabulary size)")
     num_slots: int = Field(2, ge=2, description="GPU weight slots (double buffering needs 2)")
+    spill_layers: int = Field(0, ge=0, description="keep the layer-boundary checkpoints of this many lowest layers "
+                              "in pinned host memory instead of on the GPU")
+    offload_grad_units: int = Field(0, ge=0, description="send the gradients of this many units (head, last layer, "
+                                    "...) to host memory during backward instead of keeping them on the GPU")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile the layer template (auto: on CUDA only; fuses the elementwise work)")
     gpu_memory_budget_gb: float | None = Field(

@@ -257,6 +257,7 @@ class Engine:
         done(1 + L)
         del hidden
         sq_norms.append(self._emit(sink, self.head_i, head_grad))
+        del head_grad, lm_grad, norm_grad  # the sink owns it now (offloaded units free their device copy early)
 
         # backward wave
         for li in reversed(range(L)):
@@ -272,6 +273,7 @@ class Engine:
                 ckpt[m] = None  # this checkpoint is spent
             done(k)
             sq_norms.append(self._emit(sink, unit_index, grad))
+            del grad, gviews
 
         # embedding backward: scatter-add of the input gradient; needs no weights
         ev = self.tiles[self.embed_i].views(embed_grad)["weight"]

@@ -302,10 +302,9 @@ def gpu_phases(adapter, units, w: Workload, notes: list[str], prof: Profile | No
     g_embed, g_layer = grad[0], grad[1:-1]
     off = set(offloaded(units, w.offload_units))
     kept = [0.0 if i in off else g for i, g in enumerate(grad)]  # finished gradients that stay on the GPU
-    # Engine.train_step holds the head's gradient (and the last layer accumulator) in local variables until it
-    # returns: during the step they stay on the GPU even when offloaded; the next step's forward sees them gone.
+    # Engine.train_step drops its reference to each gradient once the sink has it, so an offloaded unit's device
+    # gradient is freed as soon as its copy to host ends (kept[] is 0 for those).
     k_head, k_layer = kept[-1], kept[1:-1]
-    step_head = grad[-1]
     cuda = w.device == "cuda"
     slots = float(w.num_slots * slot_numel(units, adapter.tied) * e) if cuda else 0.0
     per_token_ctx = 2 * adapter.head_dim * e + 4 * 8  # cos, sin; input ids, positions, target index, targets
@@ -343,14 +342,14 @@ def gpu_phases(adapter, units, w: Workload, notes: list[str], prof: Profile | No
             "LM head chunk + loss (1 micro-batch)": act[b]["head"],
             "embedding + head gradients (fp32)": g_embed + grad[-1]}))
     for l in reversed(range(L)):
-        done = step_head + sum(k_layer[l + 1:])
+        done = k_head + sum(k_layer[l + 1:])
         for m, b in enumerate(mbs):
             phases.append((f"backward, layer {l}, micro-batch {m + 1}/{len(mbs)}", {
                 **base, "layer-boundary checkpoints": ckpt_bwd(l, m), "d(hidden) buffers": C,
                 "layer activations (1 micro-batch)": act[b]["backward"],
                 "gradient accumulators (fp32: embedding, this layer)": g_embed + g_layer[l],
                 "finished gradients (fp32, on the GPU until copied out)": done}))
-    done = step_head + (g_layer[0] if L else 0.0) + sum(k_layer[1:])
+    done = k_head + sum(k_layer)
     for m in range(len(mbs)):
         phases.append((f"embedding backward, micro-batch {m + 1}/{len(mbs)}", {
             **base, "d(hidden) buffers": C + (2.0 * c[m] if e == 2 else 0.0),

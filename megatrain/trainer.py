@@ -116,9 +116,10 @@ def prepare(cfg: Config) -> Run:
     if device.type == "cuda":
         store.pin()
     compile_layers = cfg.engine.compile == "on" or (cfg.engine.compile == "auto" and device.type == "cuda")
-    engine = Engine(store, adapter, device, cfg.engine.loss_chunk_tokens, cfg.engine.num_slots, compile_layers)
+    engine = Engine(store, adapter, device, cfg.engine.loss_chunk_tokens, cfg.engine.num_slots, compile_layers,
+                    spill_layers=cfg.engine.spill_layers)
     optimizer = CpuAdamW(betas=cfg.train.betas, eps=cfg.train.eps, weight_decay=cfg.train.weight_decay)
-    pipeline = OptimizerPipeline(store, optimizer, device)
+    pipeline = OptimizerPipeline(store, optimizer, device, offload_units=cfg.engine.offload_grad_units)
     engine.wait_for_update = pipeline.wait_for_update
     return Run(cfg, adapter, store, engine, pipeline, loader, eval_batches, exact, tokenizer, out_dir, resumed,
                plan=plan)
