@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from .models import ModelAdapter
 from .models.base import AttnContext
+from .lmhead import ce_loss_and_grad
 from .spill import CheckpointSpill
 from .store import HostStore, LayerTile
 
@@ -120,6 +121,9 @@ class Engine:
         # the matmuls. One graph per (grad mode, micro-batch shape); weights are graph inputs, so every layer
         # shares the graphs.
         self.layer = torch.compile(adapter.layer_forward, dynamic=False) if compile_layers else adapter.layer_forward
+        # The head's cross-entropy likewise; compiled, every chunk is padded to loss_chunk rows (one graph).
+        self.ce = torch.compile(ce_loss_and_grad, dynamic=False) if compile_layers else ce_loss_and_grad
+        self.pad_chunks = compile_layers
         self.dtype = store.stream_dtype
         self.tiles = store.tiles
         self.embed_i, self.head_i = 0, len(self.tiles) - 1
@@ -315,18 +319,19 @@ class Engine:
         d_xn = torch.empty_like(xn)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         xn_d = xn.detach()
-        for a in range(0, xn_d.shape[0], self.loss_chunk):
-            xc, y = xn_d[a: a + self.loss_chunk], mb.targets[a: a + self.loss_chunk]
-            logits = (xc @ lm_w.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            loss += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
-            # d loss / d logits = softmax - onehot, scaled by 1/num_targets; computed in place
-            probs = logits.sub_(lse[:, None]).exp_()
-            probs[torch.arange(y.numel(), device=y.device), y] -= 1.0
-            dlogits = probs.mul_(scale).to(xc.dtype)
-            d_xn[a: a + self.loss_chunk] = dlogits @ lm_w
+        scale_t = torch.full((), scale, dtype=torch.float32, device=h.device)  # a fill kernel: no host sync
+        n, C = xn_d.shape[0], self.loss_chunk
+        for a in range(0, n, C):
+            xc, y = xn_d[a: a + C], mb.targets[a: a + C]
+            rows = xc.shape[0]
+            if self.pad_chunks and rows < C:  # one chunk shape for the compiled loss
+                xc = F.pad(xc, (0, 0, 0, C - rows))
+                y = F.pad(y, (0, C - rows), value=IGNORE_INDEX)
+            chunk_loss, dlogits = self.ce(xc @ lm_w.t(), y, scale_t)
+            loss += chunk_loss
+            d_xn[a: a + rows] = (dlogits @ lm_w)[:rows]
             lm_grad.add_(dlogits.t() @ xc)
-            del logits, probs, dlogits
+            del dlogits
         dx, dnw = torch.autograd.grad(xn, [x, nw], d_xn)
         norm_grad.add_(dnw)
         dh = torch.zeros_like(h)
