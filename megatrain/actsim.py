@@ -167,11 +167,7 @@ def head_memory(adapter, batch: int, seq: int, targets: int, chunk: int, dtype: 
     lm_w = torch.empty(V, H, dtype=dtype, device="meta")
     norm_g = torch.empty(H, dtype=torch.float32, device="meta")
     lm_g = torch.empty(V, H, dtype=torch.float32, device="meta")
-    from .lmhead import ce_loss_and_grad
-
-    # the eager cross-entropy: its fp32 temporaries bound the compiled (fused) version's from above
-    shim = SimpleNamespace(adapter=adapter, loss_chunk=chunk, device=torch.device("meta"), ce=ce_loss_and_grad,
-                           pad_chunks=False)
+    shim = SimpleNamespace(adapter=adapter, loss_chunk=chunk, device=torch.device("meta"))
     mode = LiveBytes()
     mode.ignore(h, norm_w, lm_w, norm_g, lm_g, mb.target_index, mb.targets)
     with mode:

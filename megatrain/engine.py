@@ -121,9 +121,6 @@ class Engine:
         # the matmuls. One graph per (grad mode, micro-batch shape); weights are graph inputs, so every layer
         # shares the graphs.
         self.layer = torch.compile(adapter.layer_forward, dynamic=False) if compile_layers else adapter.layer_forward
-        # The head's cross-entropy likewise; compiled, every chunk is padded to loss_chunk rows (one graph).
-        self.ce = torch.compile(ce_loss_and_grad, dynamic=False) if compile_layers else ce_loss_and_grad
-        self.pad_chunks = compile_layers
         self.dtype = store.stream_dtype
         self.tiles = store.tiles
         self.embed_i, self.head_i = 0, len(self.tiles) - 1
@@ -323,13 +320,9 @@ class Engine:
         n, C = xn_d.shape[0], self.loss_chunk
         for a in range(0, n, C):
             xc, y = xn_d[a: a + C], mb.targets[a: a + C]
-            rows = xc.shape[0]
-            if self.pad_chunks and rows < C:  # one chunk shape for the compiled loss
-                xc = F.pad(xc, (0, 0, 0, C - rows))
-                y = F.pad(y, (0, C - rows), value=IGNORE_INDEX)
-            chunk_loss, dlogits = self.ce(xc @ lm_w.t(), y, scale_t)
+            chunk_loss, dlogits = ce_loss_and_grad(xc @ lm_w.t(), y, scale_t)
             loss += chunk_loss
-            d_xn[a: a + rows] = (dlogits @ lm_w)[:rows]
+            d_xn[a: a + C] = dlogits @ lm_w
             lm_grad.add_(dlogits.t() @ xc)
             del dlogits
         dx, dnw = torch.autograd.grad(xn, [x, nw], d_xn)
