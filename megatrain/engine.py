@@ -25,7 +25,7 @@ the host before the step, and the loss stays a device scalar until the caller re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import MegatrainError
+from ..errors import MegatrainError, load_json
 from .config import DEFAULT_COLUMNS, DEFAULT_ROLES, DataConfig, DatasetSpec
 
 EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
@@ -56,10 +56,7 @@ def _registry(cfg: DataConfig) -> tuple[Path, dict]:
     f = p / "dataset_info.json" if p.is_dir() else p
     if not f.is_file():
         raise MegatrainError(f"data.dataset_info: {f} does not exist")
-    try:
-        reg = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise MegatrainError(f"{f}:{e.lineno}: malformed JSON: {e.msg}") from None
+    reg = load_json(f)
     if not isinstance(reg, dict):
         raise MegatrainError(f"{f}: expected a JSON object of dataset entries")
     return f, reg

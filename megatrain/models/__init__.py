@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import MegatrainError
+from ..errors import MegatrainError, load_json
 from .base import ModelAdapter, TensorSpec, Unit
 from .decoder import DecoderAdapter
 
@@ -19,8 +19,6 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {
 
 def load_hf_config(model_path: str | Path):
     """Read and validate `config.json` of a model directory, with errors that name the file."""
-    import json
-
     from transformers import AutoConfig
 
     path = Path(model_path)
@@ -29,10 +27,7 @@ def load_hf_config(model_path: str | Path):
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise MegatrainError(f"model.path: {cfg_file} is missing (a Hugging Face model directory needs config.json)")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise MegatrainError(f"{cfg_file}:{e.lineno}: malformed JSON: {e.msg}") from None
+    raw = load_json(cfg_file)
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise MegatrainError(f"{cfg_file}: no 'model_type' key; supported model types: {', '.join(sorted(ADAPTERS))}")
     if raw["model_type"] not in ADAPTERS:
