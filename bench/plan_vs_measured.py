@@ -6,7 +6,10 @@ For every benchmark JSON (bench_megatrain.py --json) under the given folders (de
 plan is made for the same model, shape, micro-batches, precision and compile mode, and compared with what the
 run measured: torch.cuda.max_memory_allocated, the process's peak RSS, and the mean step time. Targets: memory
 within 10%, time within 15%. Without --profile the plan uses its defaults (which were fitted to the
-2026-11-21 runs: those rows are in-sample).
+2026-11-21 runs: those rows are in-sample). With --profile bench/results/2026-11-21/h200_profile.json it uses
+that H200's probe instead; two planner constants were still taken from these runs (plan.ADAMW_IN_STEP, the
+in-step share of the probed AdamW rate, and profile.COMPILED_SPEEDUP, for layers probed in one compile mode only).
+The GPU idle column is the step's time without compute: the forward waiting for the CPU optimizer, mostly.
 """
 
 from __future__ import annotations
@@ -82,17 +85,19 @@ def compare(r: dict, profile=DEFAULTS) -> dict:
             "gpu_pred": gpu, "gpu_meas": r["gpu_peak_gib"], "gpu_err": gpu / r["gpu_peak_gib"] - 1,
             "host_pred": host, "host_meas": r["host_peak_rss_gib"], "host_err": host / r["host_peak_rss_gib"] - 1,
             "time_pred": step, "time_meas": r["step_s"], "time_err": step / r["step_s"] - 1,
+            "idle_pred": p.time.get("gpu_idle_s", 0.0), "idle_meas": r["step_s"] * r.get("gpu_idle", 0.0),
             "bound": p.time["bound"], "phase": p.gpu_peak_phase}
 
 
 def table(rows: list[dict]) -> str:
     head = (f"{'run':<30}{'GPU peak GiB pred/meas':>24}{'err':>7}{'host RSS GiB pred/meas':>25}{'err':>7}"
-            f"{'step s pred/meas':>20}{'err':>7}  bound")
+            f"{'step s pred/meas':>20}{'err':>7}{'GPU idle s':>14}  bound")
     lines = [head]
     for x in rows:
         lines.append(f"{x['label']:<30}{x['gpu_pred']:>14.1f} / {x['gpu_meas']:<7.1f}{x['gpu_err']:>+7.1%}"
                      f"{x['host_pred']:>15.1f} / {x['host_meas']:<7.1f}{x['host_err']:>+7.1%}"
-                     f"{x['time_pred']:>11.2f} / {x['time_meas']:<6.2f}{x['time_err']:>+7.1%}  {x['bound']}")
+                     f"{x['time_pred']:>11.2f} / {x['time_meas']:<6.2f}{x['time_err']:>+7.1%}"
+                     f"{x['idle_pred']:>7.2f} / {x['idle_meas']:<4.2f}  {x['bound']}")
     ok = all(abs(x["gpu_err"]) <= 0.10 and abs(x["host_err"]) <= 0.10 and abs(x["time_err"]) <= 0.15 for x in rows)
     lines.append(f"targets (memory within 10%, time within 15%): {'met' if ok else 'NOT met'} on {len(rows)} runs")
     return "\n".join(lines)

@@ -12,7 +12,12 @@ Nothing is loaded or allocated. Sizes follow the code that will allocate them:
             (megatrain.actsim). The peak is the largest phase; its components are reported.
     time    a small event simulation of one steady-state step: H2D weight copies into the slot ring, compute
             per unit at the profile's rates, the CPU AdamW of the last step (D2H pieces, then the update)
-            that each unit of the forward waits for.
+            that each unit of the forward waits for. The update is a pipeline over units in forward order
+            (embedding first: all of it lands and is updated before layer 0 may start): the copy of piece k+1
+            overlaps the update of piece k, through two landing buffers; updates run at ADAMW_IN_STEP of the
+            probe's rate. A layer rate probed only in the other compile mode is converted by COMPILED_SPEEDUP.
+            The bound: the CPU optimizer (or the gradients' copy-out) when the forward waited for it past the
+            middle of the step, else the busiest resource.
 
 Executed FLOPs per token: 8 per layer parameter (forward, recompute, backward), 6 per LM-head parameter,
 attention 8·T·heads·head_dim per layer (causal: forward 2·T·d, recompute the same, backward twice that).
@@ -23,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from .profile import GiB, Profile
+from .profile import COMPILED_SPEEDUP, GiB, Profile
 
 ALIGN_ELEMS = 2048  # megatrain.store.ALIGN_ELEMS: every tile starts on a page in bf16 and in fp32
 RUNTIME_HOST = {"cuda": 1.5 * GiB, "cpu": 0.6 * GiB}  # peak RSS beyond the store's buffers (H200 runs)
@@ -196,6 +201,10 @@ def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float |
     plan = Plan(_model_name(adapter), params, w, profile, host, pinned, host_available, host_source, gpu,
                 peak if w.device == "cuda" else 0.0, name, needed, gpu_limit, gpu_limit_source,
                 12.0 * params + 16 * 2**20, disk_free, step_time(adapter, units, w, profile), notes)
+    if " taken as x" in plan.time["rate_source"]:
+        notes.append(f"layer rate: the profile has this layer shape {'eager' if w.compile else 'compiled'} only "
+                     f"({plan.time['rate_source']}); converted by COMPILED_SPEEDUP={COMPILED_SPEEDUP}, the "
+                     f"compiled/eager ratio of the H200 runs (`megatrain probe --compile both` measures both)")
     plan.checkpoint_copies = checkpoint_copies
     plan.config_keys = set(config_keys)
     _check(plan)
@@ -385,14 +394,20 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
     attn = 2.0 * w.seq_len * adapter.num_heads * adapter.head_dim * tokens  # one layer's attention forward, causal
     x = (max(1, w.checkpoint_every) - 1) / max(1, w.checkpoint_every)
     if rate is not None:  # measured on this layer shape: matmuls and attention together
+        # measured only in the other compile mode: converted by the compiled/eager ratio of the H200 runs
+        mode = 1.0 if rate.compile == w.compile else COMPILED_SPEEDUP if w.compile else 1.0 / COMPILED_SPEEDUP
+        if mode != 1.0:
+            how += f", {'compiled' if w.compile else 'eager'} taken as x{mode:.2f} that rate"
+
         def layer_s(P: int, forward: bool) -> float:
             if forward:
-                return (2.0 * P * tokens + attn) / rate.forward_flops
-            return ((6.0 + 2 * x) * P * tokens + (3 + x) * attn) / rate.backward_flops
+                return (2.0 * P * tokens + attn) / (rate.forward_flops * mode)
+            return ((6.0 + 2 * x) * P * tokens + (3 + x) * attn) / (rate.backward_flops * mode)
     else:
         speed = COMPILED_SPEEDUP if w.compile else 1.0
         r_mm, r_attn = prof.layer_flops * speed, prof.attention_flops * speed
-        how = "default rate" + (" (compiled)" if w.compile else "")
+        how = ("the profile's largest probed layer's rate" if prof.layer_rates else "default rate") + \
+            (" (compiled)" if w.compile else "")
 
         def layer_s(P: int, forward: bool) -> float:
             if forward:
@@ -415,7 +430,11 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
     return out
 
 
-COMPILED_SPEEDUP = 1.17  # compiled / eager layer rate (fitted with the profile defaults, see DEFAULTS)
+# The CPU AdamW inside a training step runs at this share of the probe's rate (measured alone on an idle machine):
+# in a step it shares the cores with the training thread and host memory with the PCIe copies. On the 19 H200
+# runs of 2026-11-21, the GPU idle time each measured (the forward of unit u waiting for unit u's update) implies
+# 0.44-0.72 of the probe's 4.55 Gparam/s, median 0.62 (2.8 Gparam/s), in runs of 33k to 262k tokens per step.
+ADAMW_IN_STEP = 0.62
 
 
 def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float) -> dict[str, float]:
@@ -432,9 +451,11 @@ def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float
     # the CPU optimizer of the last step, in forward order, piece by piece (OptimizerPipeline)
     piece = landing_piece(units)
     d2h_rate = prof.bidir_bps
+    adam = prof.adamw_params_per_s * ADAMW_IN_STEP
     ready = [0.0] * n
+    chain = [(0.0, 0.0)] * n  # (copy-out, AdamW) seconds spent until unit i is ready
     d2h_end, upd_end, prev_upd_end = 0.0, 0.0, 0.0
-    d2h_busy = opt_busy = 0.0
+    d2h_busy = opt_busy = copied = 0.0
     for i, u in enumerate(units):
         for a in range(0, u.numel, piece):
             k = min(piece, u.numel - a)
@@ -442,20 +463,24 @@ def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float
             copy = 4.0 * k / d2h_rate
             d2h_busy += copy  # offloaded units were copied during the last backward: no wait now
             d2h_end = start + (0.0 if i in off else copy)
+            copied += 0.0 if i in off else copy
             prev_upd_end = upd_end
-            upd_end = max(upd_end, d2h_end) + k / prof.adamw_params_per_s
-            opt_busy += k / prof.adamw_params_per_s
+            upd_end = max(upd_end, d2h_end) + k / adam
+            opt_busy += k / adam
         ready[i] = upd_end
+        chain[i] = (copied, opt_busy)
 
     h2d_end = 0.0
     comp_end: list[float] = []
     holds: list[list[int] | None] = [None] * w.num_slots
     h2d_busy = comp_busy = 0.0
+    paced, paced_by = 0.0, (0.0, 0.0)  # when the GPU last resumed after waiting for an update; that chain's work
     for k, use in enumerate(schedule):
         forward = k <= L + 1
         slot = k % w.num_slots
-        start = max([h2d_end] + ([comp_end[k - w.num_slots]] if k >= w.num_slots else []) +
-                    ([ready[i] for i in use] if forward else []))
+        others = max([h2d_end] + ([comp_end[k - w.num_slots]] if k >= w.num_slots else []))
+        waits = max(use, key=lambda i: ready[i]) if forward else None
+        start = max(others, ready[waits] if forward else 0.0)
         if holds[slot] != use:  # the engine skips the copy when the slot still holds these weights
             rate = d2h_rate if forward else prof.h2d_bps
             t = sum(units[i].numel for i in use) * e / rate
@@ -474,6 +499,8 @@ def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float
         else:
             dt = layer_s(units[use[0]].numel, False)
         begin = max(comp_end[-1] if comp_end else 0.0, h2d_end if fetched else 0.0)
+        if fetched and forward and ready[waits] > others and begin > (comp_end[-1] if comp_end else 0.0):
+            paced, paced_by = begin, chain[waits]
         comp_end.append(begin + dt)
         comp_busy += dt
     d2h_busy += S * C / d2h_rate  # spilled checkpoints going out during the forward
@@ -481,6 +508,8 @@ def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float
     shares = {"compute": comp_busy, "H2D (weights)": h2d_busy, "D2H (gradients)": d2h_busy,
               "CPU AdamW": opt_busy}
     bound = max(shares, key=shares.get)
+    if paced > step - paced:  # the GPU waited for the last step's update until past the middle of the step
+        bound = "D2H (gradients)" if paced_by[0] > paced_by[1] else "CPU AdamW"
     bound_name = {"compute": "GPU compute", "H2D (weights)": "PCIe (weights in)", "D2H (gradients)":
                   "PCIe (gradients out)", "CPU AdamW": "CPU optimizer"}[bound]
     return {"step_s": step, "compute_s": comp_busy, "h2d_s": h2d_busy, "d2h_s": d2h_busy, "optimizer_s": opt_busy,

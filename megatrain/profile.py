@@ -29,6 +29,12 @@ def peak_bf16_for(name: str) -> float | None:
     return None
 
 
+# Compiled / eager rate of a decoder layer on the H200 (2026-11-21): qwen2.5-7b at the same 161,792 tokens per
+# step, the layers took 16.12 s eager (32-row micro-batches) and 13.75 s compiled (79 rows), the busy compute time
+# less the LM head (eager in both runs): 1.17. Converts a layer rate the profile has only in the other mode.
+COMPILED_SPEEDUP = 1.17
+
+
 def default_profile_path() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "megatrain" / "profile.json"
@@ -70,13 +76,16 @@ class Profile:
     bidir_bps: float = 50.8e9  # per direction, when both run at once (101.6 GB/s together)
     matmul_flops: float = 790e12
     layer_rates: list[LayerRate] = field(default_factory=list)
-    # Rates used when no measured layer shape applies, fitted (least squares on the relative step time) to the 16
-    # H200 runs of bench/results/2026-11-21 (7B/8B, a 3B shape, a 16-128 layer depth sweep, spill/offload):
-    # eager layer matmuls (x1.17 compiled), causal flash attention, the chunked LM head, CpuAdamW incl. its D2H.
-    layer_flops: float = 530e12
-    attention_flops: float = 190e12
-    head_flops: float = 500e12
-    adamw_params_per_s: float = 2.7e9
+    # Rates used when no measured layer shape applies, fitted (least squares on the relative step time, the
+    # rates below held at their probed values) to the 19 H200 runs of bench/results/2026-11-21 (7B/8B, a 3B
+    # shape, a 16-128 layer depth sweep, spill/offload): eager layer matmuls (x COMPILED_SPEEDUP compiled),
+    # causal flash attention. A measured profile sets layer_flops from its largest probed layer, as an eager rate.
+    layer_flops: float = 560e12
+    attention_flops: float = 170e12
+    # The chunked LM head and the CPU AdamW (alone on the machine, bf16 copy written): the H200 probe
+    # (bench/results/2026-11-21/h200_profile.json). The planner applies the in-step share of the AdamW rate.
+    head_flops: float = 387e12
+    adamw_params_per_s: float = 4.55e9
     cpu_count: int | None = None
     cpu_flops: float = 0.5e12  # CPU matmul rate (bf16), for CPU-device plans
     host_total_bytes: int | None = None
@@ -134,9 +143,10 @@ def from_dict(raw: dict, source: str) -> Profile:
         prof.matmul_flops = gpu.get("matmul_bf16_flops", prof.matmul_flops)
         prof.layer_rates = [LayerRate(**{k: v for k, v in r.items() if k in LayerRate.__dataclass_fields__})
                             for r in gpu.get("layers", [])]
-        if prof.layer_rates:
-            best = max(prof.layer_rates, key=lambda r: r.tokens)
-            prof.layer_flops = (best.forward_flops + 3 * best.backward_flops) / 4
+        if prof.layer_rates:  # the rate for unprobed shapes: the largest probed layer's, as an eager rate
+            best = max(prof.layer_rates, key=lambda r: (r.tokens, not r.compile))
+            prof.layer_flops = (best.forward_flops + 3 * best.backward_flops) / 4 / \
+                (COMPILED_SPEEDUP if best.compile else 1.0)
         prof.head_flops = gpu.get("head_flops", prof.head_flops)
     else:
         prof.gpu_name, prof.gpu_total_bytes, prof.peak_bf16 = "", 0, None
