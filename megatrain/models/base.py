@@ -53,7 +53,8 @@ class AttnContext:
 
     cos: torch.Tensor  # [B, T, head_dim]
     sin: torch.Tensor
-    mask: torch.Tensor | None  # None: plain causal. Else bool [B, 1, T, T], True = may attend (packed documents)
+    mask: torch.Tensor | None  # CPU, packed documents: bool [B, 1, T, T], True = may attend
+    block_mask: object = None  # CUDA, packed documents: a FlexAttention BlockMask (no T x T tensor is built)
 
 
 class ModelAdapter:

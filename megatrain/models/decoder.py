@@ -15,6 +15,19 @@ from .base import AttnContext, ModelAdapter, TensorSpec, Unit
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+_FLEX = None
+
+
+def _flex_attention():
+    """FlexAttention, compiled once: uncompiled it would materialise the full score matrix."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     # As transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale in the input dtype.
     dtype = x.dtype
@@ -123,14 +136,23 @@ class DecoderAdapter(ModelAdapter):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scaling).to(dtype)
         sin = (emb.sin() * self.rope_scaling).to(dtype)
-        mask = None
-        if packed:
-            # A new document starts wherever the position restarts at 0: attend only within it, causally.
-            doc = torch.cumsum((position_ids == 0).int(), dim=1)
-            T = position_ids.shape[1]
-            causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
-            mask = (doc[:, :, None] == doc[:, None, :]) & causal
-            mask = mask[:, None]
+        if not packed:
+            return AttnContext(cos=cos, sin=sin, mask=None)
+        # A new document starts wherever the position restarts at 0: attend only within it, causally.
+        doc = torch.cumsum((position_ids == 0).int(), dim=1)
+        B, T = position_ids.shape
+        if position_ids.is_cuda:
+            # FlexAttention: block-sparse, fused, GQA-aware; the mask is evaluated per 128x128 block, never as a
+            # T x T tensor. (Its backward does not run on CPU, where the explicit mask below is exact and small.)
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def same_document_causal(b, h, q, kv):
+                return (doc[b, q] == doc[b, kv]) & (q >= kv)
+
+            block = create_block_mask(same_document_causal, B, None, T, T, device=position_ids.device)
+            return AttnContext(cos=cos, sin=sin, mask=None, block_mask=block)
+        causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
+        mask = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
         return AttnContext(cos=cos, sin=sin, mask=mask)
 
     def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
@@ -147,7 +169,9 @@ class DecoderAdapter(ModelAdapter):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         gqa = self.num_kv_heads != self.num_heads
-        if ctx.mask is None:
+        if ctx.block_mask is not None:
+            o = _flex_attention()(q, k, v, block_mask=ctx.block_mask, scale=self.head_dim**-0.5, enable_gqa=gqa)
+        elif ctx.mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5, enable_gqa=gqa)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, scale=self.head_dim**-0.5, enable_gqa=gqa)
