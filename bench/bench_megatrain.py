@@ -69,7 +69,6 @@ def run(args) -> dict:
         end = timeline.marker()
         dt = time.perf_counter() - t
         pipeline.finish_step(lr=1e-5, clip_coef=clip_coefficient(norm, 1.0))
-        engine.weights_version += 1
         shares = timeline.shares(start, end)
         tokens = args.seqs * args.seq
         rec = {"step": step, "loss": loss, "grad_norm": norm, "step_s": dt, "tokens_per_s": tokens / dt,

@@ -101,7 +101,6 @@ def megatrain(path: str, precision: str) -> list[float]:
         norm = math.sqrt(out.grad_sq_norm.item())
         losses.append(out.loss_sum.item())
         pipeline.finish_step(lr=LR, clip_coef=clip_coefficient(norm, MAX_NORM))
-        engine.weights_version += 1
     pipeline.drain()
     pipeline.close()
     params = {s.hf_name: v.clone() for t in store.tiles for s, v in zip(t.unit.specs, t.views(t.master).values())}

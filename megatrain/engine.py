@@ -16,6 +16,8 @@ Stream/event protocol (CUDA; on CPU the slots are the host tiles themselves and 
                     weights (the optimizer of step t overlaps the forward of step t+1).
     compute stream  waits on `ready` before the first kernel that reads the slot, records `free` after the
                     last one. Gradients are accumulated here.
+    spill streams   checkpoints of spilled layers go to pinned host memory and come back one layer ahead of their
+                    backward (their protocol: spill.py).
     d2h stream      owned by the gradient sink: it waits on the event recorded after a unit's gradient is
                     complete and copies it to host memory; nothing on the compute stream waits for it.
 
@@ -25,6 +27,7 @@ the host before the step, and the loss stays a device scalar until the caller re
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -127,7 +130,9 @@ class Engine:
         self.layer_is = list(range(1, len(self.tiles) - 1))
         V = adapter.vocab_size
         self.loss_chunk = loss_chunk_tokens or max(128, (1 << 28) // V)  # ~1 GiB of fp32 logits per chunk
-        self.weights_version = 0  # bumped by the trainer whenever the optimizer rewrote the tiles
+        # A slot's contents are reused only within one pass (the last layer around the head): every pass starts a
+        # new version, since the optimizer may have rewritten any tile in between.
+        self.weights_version = 0
         self.wait_for_update: Callable[[int], None] = lambda unit_index: None
         self.timeline = None  # a megatrain.timeline.Timeline to measure stream busy shares (CUDA only)
         self.cuda = self.device.type == "cuda"
@@ -191,8 +196,6 @@ class Engine:
                 self.timeline.add("compute", loaded.busy_from, end)
 
     def _span(self, name: str, stream):
-        from contextlib import nullcontext
-
         return self.timeline.span(name, stream) if self.timeline is not None else nullcontext()
 
     def _grad_buffer(self, tile: LayerTile) -> torch.Tensor:
@@ -203,6 +206,7 @@ class Engine:
         num_targets = sum(mb.num_targets for mb in microbatches)
         if num_targets == 0:
             raise ValueError("a step without any target token (every label is -100)")
+        self.weights_version += 1
         mbs = [mb.to(self.device) for mb in microbatches]
         ctxs = [self.adapter.make_context(mb.position_ids, self.dtype, mb.packed) for mb in mbs]
         L = len(self.layer_is)
@@ -366,6 +370,7 @@ class Engine:
         return head_w[0]["norm.weight"], lm_w
 
     def _forward_only(self, microbatches: list[MicroBatch]):
+        self.weights_version += 1
         mbs = [mb.to(self.device) for mb in microbatches]
         ctxs = [self.adapter.make_context(mb.position_ids, self.dtype, mb.packed) for mb in mbs]
         loaded = self._fetch([self.embed_i])

@@ -183,7 +183,6 @@ def train_step(run: Run, step: int, batches) -> tuple[float, float, float]:
     lr = lr_at(step, lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, schedule=t.lr_schedule,
                min_lr_ratio=t.min_lr_ratio)
     run.pipeline.finish_step(lr=lr, clip_coef=clip_coefficient(grad_norm, t.max_grad_norm))
-    run.engine.weights_version += 1
     return loss, grad_norm, lr
 
 
