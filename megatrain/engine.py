@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .models import ModelAdapter
 from .models.base import AttnContext
-from .lmhead import ce_loss_and_grad
+from .lmhead import accumulate_matmul, ce_loss_and_grad, default_chunk, fused_accumulate_available
 from .spill import CheckpointSpill
 from .store import HostStore, LayerTile
 
@@ -129,7 +129,8 @@ class Engine:
         self.embed_i, self.head_i = 0, len(self.tiles) - 1
         self.layer_is = list(range(1, len(self.tiles) - 1))
         V = adapter.vocab_size
-        self.loss_chunk = loss_chunk_tokens or max(128, (1 << 28) // V)  # ~1 GiB of fp32 logits per chunk
+        self.loss_chunk = loss_chunk_tokens or default_chunk(V)  # ~1 GiB of fp32 logits per chunk
+        self.fused_head_accumulate = True  # LM-head weight gradient accumulated inside its GEMM where possible
         # A slot's contents are reused only within one pass (the last layer around the head): every pass starts a
         # new version, since the optimizer may have rewritten any tile in between.
         self.weights_version = 0
@@ -322,12 +323,13 @@ class Engine:
         xn_d = xn.detach()
         scale_t = torch.full((), scale, dtype=torch.float32, device=h.device)  # a fill kernel: no host sync
         n, C = xn_d.shape[0], self.loss_chunk
+        fused = getattr(self, "fused_head_accumulate", True) and fused_accumulate_available(lm_grad, xn_d)
         for a in range(0, n, C):
             xc, y = xn_d[a: a + C], mb.targets[a: a + C]
             chunk_loss, dlogits = ce_loss_and_grad(xc @ lm_w.t(), y, scale_t)
             loss += chunk_loss
-            d_xn[a: a + C] = dlogits @ lm_w
-            lm_grad.add_(dlogits.t() @ xc)
+            torch.mm(dlogits, lm_w, out=d_xn[a: a + C])
+            accumulate_matmul(lm_grad, dlogits.t(), xc, fused)
             del dlogits
         dx, dnw = torch.autograd.grad(xn, [x, nw], d_xn)
         norm_grad.add_(dnw)

@@ -9,6 +9,34 @@ from __future__ import annotations
 
 import torch
 
+CHUNK_LOGIT_BYTES = 1 << 28  # fp32 logits of one chunk: ~1 GiB
+CHUNK_ALIGN = 256  # rows per chunk a multiple of the GEMM tile: no ragged last tile in every chunk
+
+
+def default_chunk(vocab: int) -> int:
+    """Target tokens per LM-head chunk: ~1 GiB of fp32 logits, rounded down to a multiple of 256 rows."""
+    return max(CHUNK_ALIGN, CHUNK_LOGIT_BYTES // 4 // vocab // CHUNK_ALIGN * CHUNK_ALIGN)
+
+
+def fused_accumulate_available(acc: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether `accumulate_matmul` can fold the fp32 accumulation into the GEMM (CUDA: addmm with out_dtype)."""
+    return acc.is_cuda and acc.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16)
+
+
+_fused_failed: list[str] = []  # set once when this torch build refuses the fused form; then the plain form is used
+
+
+def accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fused: bool) -> None:
+    """acc += a @ b, acc in fp32 and a, b in the compute dtype. Fused: one GEMM that reads and writes acc with
+    fp32 accumulation (no bf16 product of acc's size, no separate add); else the product, then an add."""
+    if fused and not _fused_failed:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError) as e:  # an older torch without addmm(out_dtype=...) on this device
+            _fused_failed.append(str(e).splitlines()[0])
+    acc.add_(a @ b)
+
 
 def ce_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor):
     """(sum of token losses, d(loss * scale)/d logits in logits.dtype) for logits [n, V] and targets [n]."""

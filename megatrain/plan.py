@@ -114,7 +114,9 @@ def compiled_runtime_host(tokens_per_micro_batch: int) -> float:
 
 
 def default_loss_chunk(vocab: int) -> int:
-    return max(128, (1 << 28) // vocab)  # Engine: ~1 GiB of fp32 logits per chunk
+    from .lmhead import default_chunk
+
+    return default_chunk(vocab)  # the Engine's: ~1 GiB of fp32 logits per chunk
 
 
 # ---- the plan ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch
 
 from . import __version__
 from .profile import PROFILE_VERSION, default_profile_path, peak_bf16_for, this_host
+from .lmhead import default_chunk
 from .sysmem import host_memory, memlock_limit
 
 GiB = 2**30
@@ -230,7 +231,7 @@ def head_rate(model_dir: str, micro: int, seq: int, device: str, reps: int = 2) 
     lm_w = (torch.randn(V, H, device=device) * 0.02).to(dtype)
     norm_g = torch.zeros(H, device=device)
     lm_g = torch.zeros(V, H, device=device)
-    shim = SimpleNamespace(adapter=ad, loss_chunk=max(128, (1 << 28) // V), device=torch.device(device))
+    shim = SimpleNamespace(adapter=ad, loss_chunk=default_chunk(V), device=torch.device(device))
 
     def run():
         return Engine._head_loss(shim, h, mb, norm_w, lm_w, norm_g, lm_g, 1.0 / n)
