@@ -41,13 +41,16 @@ def run(args) -> dict:
                     intermediate_size=args.intermediate)
     adapter = get_adapter(cfg)
     device = torch.device("cuda")
+    if args.gpu_budget:  # a hard cap: the caching allocator raises out-of-memory rather than exceed it
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.gpu_budget * 2**30 / total)
     t0 = time.perf_counter()
     store = HostStore(adapter, torch.bfloat16 if args.precision == "bf16" else torch.float32)
     store.init_random(0, 0.02)
     store.pin()
     init_s = time.perf_counter() - t0
     engine = Engine(store, adapter, device, num_slots=args.slots, compile_layers=args.compile,
-                    spill_layers=args.spill)
+                    spill_layers=args.spill, fuse_projections=not args.no_fuse)
     pipeline = OptimizerPipeline(store, CpuAdamW(weight_decay=0.1), device, offload_units=args.offload)
     engine.wait_for_update = pipeline.wait_for_update
     timeline = Timeline()
@@ -84,7 +87,8 @@ def run(args) -> dict:
     measured = records[args.warmup:]
     mean = lambda k: sum(r[k] for r in measured) / len(measured)
     return {
-        "label": args.label, "compile": args.compile, "spill_layers": args.spill, "offload_units": args.offload,
+        "label": args.label, "compile": args.compile, "fused_projections": engine.fuse, "spill_layers": args.spill,
+        "offload_units": args.offload,
         "model": Path(args.model).name, "layers": adapter.num_layers,
         "hidden": adapter.hidden_size, "params": n_params, "seq": args.seq, "seqs_per_step": args.seqs,
         "micro": args.micro, "tokens_per_step": args.seqs * args.seq, "precision": args.precision,
@@ -92,7 +96,7 @@ def run(args) -> dict:
         "mfu": mean("mfu"), "busy_compute": mean("busy_compute"), "busy_h2d": mean("busy_h2d"),
         "busy_d2h": mean("busy_d2h"), "gpu_idle": mean("gpu_idle"),
         "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "gpu_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "gpu_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "gpu_budget_gib": args.gpu_budget,
         "host_peak_rss_gib": peak_rss_bytes() / 2**30, "host_rss_gib": rss_bytes() / 2**30,
         "host_bytes_per_param": peak_rss_bytes() / n_params, "init_s": init_s, "steps": records,
     }
@@ -116,6 +120,9 @@ def main():
     p.add_argument("--offload", type=int, default=0, help="units whose gradients go to host during backward")
     p.add_argument("--attn", default="default", choices=["default", "cudnn", "flash"],
                    help="preferred SDPA backend (others stay enabled as fallbacks)")
+    p.add_argument("--gpu-budget", type=float, default=None,
+                   help="GiB the caching allocator may hold (torch.cuda.set_per_process_memory_fraction)")
+    p.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up GEMMs (the CPU default)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--json", default=None)
     args = p.parse_args()

@@ -1,5 +1,6 @@
-"""Where a Llama-3.1-8B step's non-GEMM time goes: the engine's LM head (chunk size, fused fp32 accumulation of
-the weight gradient) and the attention kernels (SDPA flash, cuDNN, FlexAttention), at the benchmark's shapes.
+"""Kernel variants at the Llama-3.1-8B benchmark's shapes: the engine's LM head (chunk size, fused fp32
+accumulation of the weight gradient), the attention kernels (SDPA flash, cuDNN, FlexAttention), and one compiled
+layer with separate or fused q/k/v and gate/up projections (--layers).
 
     python bench/head_attn_variants.py --model bench/model-configs/llama-3.1-8b --micro 16 --seq 4096
 
@@ -89,8 +90,8 @@ def head_variants(args, adapter) -> list[dict]:
     ref_loss, ref_dh, ref_dw = head_reference(h, mb, norm_w, lm_w, adapter, 2048)
     rows = []
     default = lmhead.default_chunk(V)
-    for chunk, fused in [(max(128, (1 << 28) // V), False), (default, False), (default, True),
-                         (2 * default, True), (4 * default, True)]:
+    for chunk, fused in [(max(128, (1 << 28) // V), False), (default // 2, False), (default // 2, True),
+                         (default, True)]:
         shim = SimpleNamespace(adapter=adapter, loss_chunk=chunk, device=dev, fused_head_accumulate=fused)
         norm_g = torch.zeros(H, device=dev)
         lm_g = torch.zeros(V, H, device=dev)
@@ -169,21 +170,45 @@ def _with(ctx, fn):
         return fn()
 
 
+def layer_variants(args) -> list[dict]:
+    from megatrain.probe import layer_rate
+
+    rows = []
+    for fuse in (False, True):
+        r = layer_rate(args.model, args.micro, args.seq, "cuda", True, fuse=fuse)
+        rows.append({"what": f"layer compiled {'fused' if fuse else 'separate'} projections",
+                     "ms_fwd": r["forward_s"] * 1e3, "ms_recompute_bwd": r["backward_s"] * 1e3,
+                     "tflops_fwd": r["forward_flops"] / 1e12, "tflops_recompute_bwd": r["backward_flops"] / 1e12,
+                     "activation_gib": r["activation_peak_bytes"] / 2**30})
+        print(rows[-1], flush=True)
+        torch._dynamo.reset()
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--micro", type=int, default=16)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--parts", default="head,attn,layers", help="which variants: head, attn, layers")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    parts = set(args.parts.split(","))
     adapter = get_adapter(hf_config(args.model))
-    head = head_variants(args, adapter)
-    attn = attention_variants(args, adapter) if DEV.type == "cuda" else []
-    write_json(args.json, {"command": " ".join(sys.argv), "result": {"head": head, "attention": attn}})
-    print(table(head, ["what", "ms", "tflops", "loss_rel", "dh_rel", "dw_rel"]))
+    cuda = DEV.type == "cuda"
+    head = head_variants(args, adapter) if "head" in parts else []
+    attn = attention_variants(args, adapter) if cuda and "attn" in parts else []
+    layers = layer_variants(args) if cuda and "layers" in parts else []
+    write_json(args.json, {"command": " ".join(sys.argv), "result": {"head": head, "attention": attn,
+                                                                   "layers": layers}})
+    if head:
+        print(table(head, ["what", "ms", "tflops", "loss_rel", "dh_rel", "dw_rel"]))
     if attn:
         print(table(attn, ["what", "ms_fwd", "ms_fwd_bwd", "tflops_fwd", "tflops_fwd_bwd", "out_rel", "error"]))
+    if layers:
+        print(table(layers, ["what", "ms_fwd", "ms_recompute_bwd", "tflops_fwd", "tflops_recompute_bwd",
+                             "activation_gib"]))
 
 
 if __name__ == "__main__":

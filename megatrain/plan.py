@@ -116,7 +116,7 @@ def compiled_runtime_host(tokens_per_micro_batch: int) -> float:
 def default_loss_chunk(vocab: int) -> int:
     from .lmhead import default_chunk
 
-    return default_chunk(vocab)  # the Engine's: ~1 GiB of fp32 logits per chunk
+    return default_chunk(vocab)  # the Engine's: ~2 GiB of fp32 logits per chunk
 
 
 # ---- the plan ---------------------------------------------------------------------------------------------

@@ -148,22 +148,22 @@ def _adapter(model_dir: str):
     return get_adapter(AutoConfig.from_pretrained(model_dir))
 
 
-def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers: bool, reps: int = 3) -> dict:
-    """Forward (no grad) and recompute+backward of one layer, as Engine runs them; executed FLOP/s of each and
-    the activation memory of the backward (CUDA: max_memory_allocated growth)."""
+def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers: bool, reps: int = 3,
+               fuse: bool | None = None) -> dict:
+    """Forward (no grad) and recompute+backward of one layer, as Engine runs them (fused q/k/v and gate/up on
+    CUDA unless `fuse` says otherwise); executed FLOP/s of each and the activation memory of the backward (CUDA:
+    max_memory_allocated growth)."""
+    fuse = device == "cuda" if fuse is None else fuse
     ad = _adapter(model_dir)
     dtype = torch.bfloat16
     unit = next(u for u in ad.units() if u.kind == "layer")
     flat = (torch.randn(unit.numel, device=device) * 0.02).to(dtype)
     grad = torch.zeros(unit.numel, dtype=torch.float32, device=device)
-    w, gviews, off = {}, [], 0
-    for s in unit.specs:
-        w[s.name] = flat[off: off + s.numel].view(s.shape)
-        gviews.append(grad[off: off + s.numel].view(s.shape))
-        off += s.numel
-    for s in unit.specs:  # norms at one, as initialised
+    for s, v in zip(unit.specs, unit.views(flat).values()):  # norms at one, as initialised
         if s.init == "ones":
-            w[s.name].fill_(1.0)
+            v.fill_(1.0)
+    views = unit.compute_views if fuse else unit.views
+    w, gviews = views(flat), list(views(grad).values())
     x = torch.randn(micro, seq, ad.hidden_size, device=device).to(dtype)
     dh = torch.randn_like(x) * 1e-3
     pos = torch.arange(seq, device=device).repeat(micro, 1)
@@ -209,7 +209,7 @@ def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers
     attn = 2.0 * seq * ad.num_heads * ad.head_dim
     return {"model": Path(model_dir).name, "hidden": ad.hidden_size, "intermediate": ad.intermediate_size,
             "heads": ad.num_heads, "kv_heads": ad.num_kv_heads, "head_dim": ad.head_dim, "micro": micro, "seq": seq,
-            "compile": compile_layers, "forward_s": fwd_s, "backward_s": bwd_s,
+            "compile": compile_layers, "fused_projections": fuse, "forward_s": fwd_s, "backward_s": bwd_s,
             "forward_flops": (2.0 * P + attn) * tokens / fwd_s, "backward_flops": (6.0 * P + 3 * attn) * tokens / bwd_s,
             "activation_peak_bytes": act}
 

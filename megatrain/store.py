@@ -53,11 +53,11 @@ class LayerTile:
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named views into any flat buffer laid out like this tile (host tile, GPU slot, gradient)."""
-        out, off = {}, 0
-        for s in self.unit.specs:
-            out[s.name] = flat[off: off + s.numel].view(s.shape)
-            off += s.numel
-        return out
+        return self.unit.views(flat)
+
+    def compute_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Like `views`, with the unit's fused groups (q/k/v, gate/up) as one view each (Unit.compute_views)."""
+        return self.unit.compute_views(flat)
 
 
 class HostStore:
