@@ -50,7 +50,7 @@ def run(args) -> dict:
     store.pin()
     init_s = time.perf_counter() - t0
     engine = Engine(store, adapter, device, num_slots=args.slots, compile_layers=args.compile,
-                    spill_layers=args.spill, fuse_projections=not args.no_fuse)
+                    spill_layers=args.spill)
     pipeline = OptimizerPipeline(store, CpuAdamW(weight_decay=0.1), device, offload_units=args.offload)
     engine.wait_for_update = pipeline.wait_for_update
     timeline = Timeline()
@@ -87,7 +87,7 @@ def run(args) -> dict:
     measured = records[args.warmup:]
     mean = lambda k: sum(r[k] for r in measured) / len(measured)
     return {
-        "label": args.label, "compile": args.compile, "fused_projections": engine.fuse, "spill_layers": args.spill,
+        "label": args.label, "compile": args.compile, "loss_chunk": engine.loss_chunk, "spill_layers": args.spill,
         "offload_units": args.offload,
         "model": Path(args.model).name, "layers": adapter.num_layers,
         "hidden": adapter.hidden_size, "params": n_params, "seq": args.seq, "seqs_per_step": args.seqs,
@@ -122,7 +122,6 @@ def main():
                    help="preferred SDPA backend (others stay enabled as fallbacks)")
     p.add_argument("--gpu-budget", type=float, default=None,
                    help="GiB the caching allocator may hold (torch.cuda.set_per_process_memory_fraction)")
-    p.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up GEMMs (the CPU default)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--json", default=None)
     args = p.parse_args()

@@ -1,6 +1,6 @@
 """Kernel variants at the Llama-3.1-8B benchmark's shapes: the engine's LM head (chunk size, fused fp32
-accumulation of the weight gradient), the attention kernels (SDPA flash, cuDNN, FlexAttention), and one compiled
-layer with separate or fused q/k/v and gate/up projections (--layers).
+accumulation of the weight gradient, eager or Triton cross-entropy), the cross-entropy kernel alone against the
+eager version, and the attention kernels (SDPA flash, cuDNN, FlexAttention).
 
     python bench/head_attn_variants.py --model bench/model-configs/llama-3.1-8b --micro 16 --seq 4096
 
@@ -90,8 +90,9 @@ def head_variants(args, adapter) -> list[dict]:
     ref_loss, ref_dh, ref_dw = head_reference(h, mb, norm_w, lm_w, adapter, 2048)
     rows = []
     default = lmhead.default_chunk(V)
-    for chunk, fused in [(max(128, (1 << 28) // V), False), (default // 2, False), (default // 2, True),
-                         (default, True)]:
+    for chunk, fused, kernel in [(max(128, (1 << 28) // V), False, False), (default // 2, True, False),
+                                 (default, True, False), (default, True, True)]:
+        lmhead.USE_TRITON = kernel
         shim = SimpleNamespace(adapter=adapter, loss_chunk=chunk, device=dev, fused_head_accumulate=fused)
         norm_g = torch.zeros(H, device=dev)
         lm_g = torch.zeros(V, H, device=dev)
@@ -105,11 +106,39 @@ def head_variants(args, adapter) -> list[dict]:
         errs = {"loss_rel": abs(loss.item() * n - ref_loss.item()) / abs(ref_loss.item()),
                 "dh_rel": rel(dh.reshape(-1, H), ref_dh), "dw_rel": rel(lm_g, ref_dw)}
         dt = timed(run, args.reps)
-        rows.append({"what": f"head chunk {chunk}{' fused-acc' if fused else ''}", "ms": dt * 1e3,
-                     "tflops": 6.0 * V * H * n / dt / 1e12, **errs,
-                     "fused_refused": "; ".join(lmhead._fused_failed) or None})
+        rows.append({"what": f"head chunk {chunk}{' fused-acc' if fused else ''}{' triton-ce' if kernel else ''}",
+                     "ms": dt * 1e3, "tflops": 6.0 * V * H * n / dt / 1e12, **errs,
+                     "fused_refused": "; ".join(lmhead._fused_failed) or None,
+                     "triton_refused": "; ".join(lmhead._triton_failed) or None})
         print(rows[-1], flush=True)
     torch.backends.cuda.matmul.allow_tf32 = True
+    lmhead.USE_TRITON = True
+    return rows
+
+
+def ce_kernel(args, adapter) -> list[dict]:
+    """One chunk of logits: the Triton kernel against the eager cross-entropy (time, loss, gradient)."""
+    from megatrain import ce_triton
+
+    V, C = adapter.vocab_size, lmhead.default_chunk(adapter.vocab_size)
+    g = torch.Generator(device=DEV).manual_seed(2)
+    logits = (torch.randn(C, V, device=DEV, generator=g) * 3).to(torch.bfloat16)
+    t = torch.randint(0, V, (C,), device=DEV, generator=g)
+    t[::7] = -100
+    scale = torch.tensor(1.0 / C, device=DEV)
+    l_e, g_e = lmhead._ce_eager(logits.clone(), t, scale)
+    l_k, g_k = ce_triton.ce_loss_and_grad_(logits.clone(), t, scale)
+    work = logits.clone()
+    rows = []
+    for name, fn in (("eager", lambda: lmhead._ce_eager(work.copy_(logits), t, scale)),
+                     ("triton", lambda: ce_triton.ce_loss_and_grad_(work.copy_(logits), t, scale)),
+                     ("copy only", lambda: work.copy_(logits))):
+        rows.append({"what": f"ce {name} {C}x{V}", "ms": timed(fn, args.reps) * 1e3})
+    rows[1].update(loss_rel=abs(l_k.item() - l_e.item()) / abs(l_e.item()),
+                   grad_max_diff=(g_k.float() - g_e.float()).abs().max().item(),
+                   grad_max=g_e.float().abs().max().item())
+    for r in rows:
+        print(r, flush=True)
     return rows
 
 
@@ -170,45 +199,28 @@ def _with(ctx, fn):
         return fn()
 
 
-def layer_variants(args) -> list[dict]:
-    from megatrain.probe import layer_rate
-
-    rows = []
-    for fuse in (False, True):
-        r = layer_rate(args.model, args.micro, args.seq, "cuda", True, fuse=fuse)
-        rows.append({"what": f"layer compiled {'fused' if fuse else 'separate'} projections",
-                     "ms_fwd": r["forward_s"] * 1e3, "ms_recompute_bwd": r["backward_s"] * 1e3,
-                     "tflops_fwd": r["forward_flops"] / 1e12, "tflops_recompute_bwd": r["backward_flops"] / 1e12,
-                     "activation_gib": r["activation_peak_bytes"] / 2**30})
-        print(rows[-1], flush=True)
-        torch._dynamo.reset()
-    return rows
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--micro", type=int, default=16)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--parts", default="head,attn,layers", help="which variants: head, attn, layers")
+    p.add_argument("--parts", default="ce,head,attn", help="which variants: ce, head, attn")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     parts = set(args.parts.split(","))
     adapter = get_adapter(hf_config(args.model))
     cuda = DEV.type == "cuda"
+    ce = ce_kernel(args, adapter) if cuda and "ce" in parts else []
     head = head_variants(args, adapter) if "head" in parts else []
     attn = attention_variants(args, adapter) if cuda and "attn" in parts else []
-    layers = layer_variants(args) if cuda and "layers" in parts else []
-    write_json(args.json, {"command": " ".join(sys.argv), "result": {"head": head, "attention": attn,
-                                                                   "layers": layers}})
+    write_json(args.json, {"command": " ".join(sys.argv), "result": {"ce": ce, "head": head, "attention": attn}})
     if head:
         print(table(head, ["what", "ms", "tflops", "loss_rel", "dh_rel", "dw_rel"]))
     if attn:
         print(table(attn, ["what", "ms_fwd", "ms_fwd_bwd", "tflops_fwd", "tflops_fwd_bwd", "out_rel", "error"]))
-    if layers:
-        print(table(layers, ["what", "ms_fwd", "ms_recompute_bwd", "tflops_fwd", "tflops_recompute_bwd",
-                             "activation_gib"]))
+    if ce:
+        print(table(ce, ["what", "ms", "loss_rel", "grad_max_diff", "grad_max"]))
 
 
 if __name__ == "__main__":

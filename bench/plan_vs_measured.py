@@ -48,14 +48,17 @@ def _arg(command: str, name: str, default=None):
     return parts[parts.index(name) + 1] if name in parts[:-1] else default
 
 
-def workload_of(r: dict) -> Workload:
+def workload_of(r: dict, vocab: int) -> Workload:
     seqs, micro = r["seqs_per_step"], r["micro"]
+    # results from before the LM-head chunk was recorded ran the chunk of that time: ~1 GiB of fp32 logits
+    chunk = int(r.get("loss_chunk") or max(128, (1 << 28) // vocab))
     sizes = [micro] * (seqs // micro) + ([seqs % micro] if seqs % micro else [])
     cmd = r.get("command", "")
     return Workload(tuple(sizes), r["seq"], device="cuda", precision=r.get("precision", "bf16"),
                     compile=bool(r.get("compile")), num_slots=int(_arg(cmd, "--slots", 2)),
                     spill_layers=int(r.get("spill_layers") or _arg(cmd, "--spill", 0)),
-                    offload_units=int(r.get("offload_units") or _arg(cmd, "--offload", 0)))
+                    offload_units=int(r.get("offload_units") or _arg(cmd, "--offload", 0)),
+                    loss_chunk_tokens=chunk)
 
 
 def adapter_of(r: dict):
@@ -78,7 +81,7 @@ def adapter_of(r: dict):
 
 def compare(r: dict, profile=DEFAULTS) -> dict:
     adapter = adapter_of(r)
-    p = make_plan(adapter, workload_of(r), profile, suggest=False)
+    p = make_plan(adapter, workload_of(r, adapter.vocab_size), profile, suggest=False)
     assert p.params == r["params"], (p.params, r["params"])
     gpu, host, step = p.gpu_peak / GiB, p.host_total / GiB, p.step_s
     return {"label": r["label"], "file": r["file"], "compile": bool(r.get("compile")),

@@ -118,11 +118,8 @@ class _Loaded:
 class Engine:
     def __init__(self, store: HostStore, adapter: ModelAdapter, device: torch.device,
                  loss_chunk_tokens: int = 0, num_slots: int = 2, compile_layers: bool = False,
-                 spill_layers: int = 0, fuse_projections: bool | None = None):
+                 spill_layers: int = 0):
         self.store, self.adapter, self.device = store, adapter, torch.device(device)
-        # Fused q/k/v and gate/up GEMMs (views of adjacent rows; no copies). Default: on CUDA. On CPU the fp32
-        # equivalence tests run the per-tensor form (a fused GEMM rounds differently; both forms are tested equal).
-        self.fuse = self.device.type == "cuda" if fuse_projections is None else fuse_projections
         # The layer template, optionally compiled: fusing RMSNorm, rope, SwiGLU and the residual adds around
         # the matmuls. One graph per (grad mode, micro-batch shape); weights are graph inputs, so every layer
         # shares the graphs.
@@ -161,7 +158,7 @@ class Engine:
         if not self.cuda:
             for i in unit_indices:
                 self.wait_for_update(i)
-            return _Loaded([self._views(t, t.stream) for t in tiles])
+            return _Loaded([t.views(t.stream) for t in tiles])
         key = (tuple(unit_indices), self.weights_version)
         # Slots are used strictly in ring order, so the slot taken here is the one released longest ago. If it
         # still holds these very weights (the last layer, around the head), the copy is skipped.
@@ -181,7 +178,7 @@ class Engine:
             slot.holds = key
         views, off = [], 0
         for t in tiles:
-            views.append(self._views(t, slot.buf[off: off + t.numel]))
+            views.append(t.views(slot.buf[off: off + t.numel]))
             off += t.numel
         return _Loaded(views, slot)
 
@@ -201,10 +198,6 @@ class Engine:
 
     def _span(self, name: str, stream):
         return self.timeline.span(name, stream) if self.timeline is not None else nullcontext()
-
-    def _views(self, tile: LayerTile, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What the layer template is called with (weights) and its gradients add into, from a flat buffer."""
-        return tile.compute_views(flat) if self.fuse else tile.views(flat)
 
     def _grad_buffer(self, tile: LayerTile) -> torch.Tensor:
         return torch.zeros(tile.numel, dtype=torch.float32, device=self.device)
@@ -278,7 +271,7 @@ class Engine:
             k = 2 + L + (L - 1 - li)
             (w,) = self._acquire(weights(k))
             grad = self._grad_buffer(self.tiles[unit_index])
-            gviews = list(self._views(self.tiles[unit_index], grad).values())
+            gviews = list(self.tiles[unit_index].views(grad).values())
             self.spill.prefetch(li - 1)  # overlaps this layer's backward (no-op unless layer li-1 was spilled)
             ckpt = checkpoints[li] if checkpoints[li] is not None else self.spill.load(li)
             for m, (c, dh) in enumerate(zip(ctxs, grads_out)):

@@ -1,8 +1,9 @@
-"""Cross-entropy of one chunk of LM-head logits, with its gradient, in one pass over the logits.
+"""The LM head's pieces: chunk size, cross-entropy of one chunk of logits with its gradient, and the fp32
+accumulation of the head's weight gradient.
 
-One fp32 copy of the chunk is made and turned into the gradient in place, so a chunk costs n·V·(2 + 4 + 2) bytes.
-Rows whose target is -100 contribute nothing. (A torch.compile'd version, with chunks padded to one shape, was
-measured on the H200 and was no faster: the head's time is its three matmuls.)
+On CUDA the cross-entropy is one Triton kernel (megatrain.ce_triton) that writes the gradient over the logits;
+elsewhere one fp32 copy of the chunk is made and turned into the gradient in place (n·V·(2 + 4 + 2) bytes).
+Rows whose target is -100 contribute nothing.
 """
 
 from __future__ import annotations
@@ -38,8 +39,29 @@ def accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fused
     acc.add_(a @ b)
 
 
+USE_TRITON = True  # the fused kernel on CUDA (megatrain.ce_triton); False: the eager version everywhere
+_triton_failed: list[str] = []  # set once if the kernel cannot be built here; then the eager version is used
+
+
 def ce_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor):
-    """(sum of token losses, d(loss * scale)/d logits in logits.dtype) for logits [n, V] and targets [n]."""
+    """(sum of token losses, d(loss * scale)/d logits in logits.dtype) for logits [n, V] and targets [n].
+    May overwrite `logits` (the CUDA kernel writes the gradient in place)."""
+    if USE_TRITON and logits.is_cuda and not _triton_failed:
+        from . import ce_triton
+
+        if ce_triton.available(logits):
+            try:
+                return ce_triton.ce_loss_and_grad_(logits, targets, scale)
+            except Exception as e:  # a Triton build failure happens before anything is written
+                _triton_failed.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                import warnings
+
+                warnings.warn(f"megatrain: the fused cross-entropy kernel failed ({_triton_failed[0]}); "
+                              "using the eager version")
+    return _ce_eager(logits, targets, scale)
+
+
+def _ce_eager(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor):
     lf = logits.float()
     valid = targets >= 0
     safe = targets.clamp_min(0)

@@ -148,12 +148,9 @@ def _adapter(model_dir: str):
     return get_adapter(AutoConfig.from_pretrained(model_dir))
 
 
-def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers: bool, reps: int = 3,
-               fuse: bool | None = None) -> dict:
-    """Forward (no grad) and recompute+backward of one layer, as Engine runs them (fused q/k/v and gate/up on
-    CUDA unless `fuse` says otherwise); executed FLOP/s of each and the activation memory of the backward (CUDA:
-    max_memory_allocated growth)."""
-    fuse = device == "cuda" if fuse is None else fuse
+def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers: bool, reps: int = 3) -> dict:
+    """Forward (no grad) and recompute+backward of one layer, as Engine runs them; executed FLOP/s of each and
+    the activation memory of the backward (CUDA: max_memory_allocated growth)."""
     ad = _adapter(model_dir)
     dtype = torch.bfloat16
     unit = next(u for u in ad.units() if u.kind == "layer")
@@ -162,8 +159,7 @@ def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers
     for s, v in zip(unit.specs, unit.views(flat).values()):  # norms at one, as initialised
         if s.init == "ones":
             v.fill_(1.0)
-    views = unit.compute_views if fuse else unit.views
-    w, gviews = views(flat), list(views(grad).values())
+    w, gviews = unit.views(flat), list(unit.views(grad).values())
     x = torch.randn(micro, seq, ad.hidden_size, device=device).to(dtype)
     dh = torch.randn_like(x) * 1e-3
     pos = torch.arange(seq, device=device).repeat(micro, 1)
@@ -209,7 +205,7 @@ def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers
     attn = 2.0 * seq * ad.num_heads * ad.head_dim
     return {"model": Path(model_dir).name, "hidden": ad.hidden_size, "intermediate": ad.intermediate_size,
             "heads": ad.num_heads, "kv_heads": ad.num_kv_heads, "head_dim": ad.head_dim, "micro": micro, "seq": seq,
-            "compile": compile_layers, "fused_projections": fuse, "forward_s": fwd_s, "backward_s": bwd_s,
+            "compile": compile_layers, "forward_s": fwd_s, "backward_s": bwd_s,
             "forward_flops": (2.0 * P + attn) * tokens / fwd_s, "backward_flops": (6.0 * P + 3 * attn) * tokens / bwd_s,
             "activation_peak_bytes": act}
 

@@ -55,10 +55,6 @@ class LayerTile:
         """Named views into any flat buffer laid out like this tile (host tile, GPU slot, gradient)."""
         return self.unit.views(flat)
 
-    def compute_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Like `views`, with the unit's fused groups (q/k/v, gate/up) as one view each (Unit.compute_views)."""
-        return self.unit.compute_views(flat)
-
 
 class HostStore:
     def __init__(self, adapter: ModelAdapter, stream_dtype: torch.dtype):

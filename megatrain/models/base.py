@@ -33,17 +33,6 @@ class Unit:
     kind: Literal["embed", "layer", "head"]
     index: int  # layer number for layers, -1 otherwise
     specs: tuple[TensorSpec, ...]  # decayed tensors first, then the rest: the optimizer relies on this order
-    # Tensors the layer template binds as one matrix: (fused name, member names), members adjacent in `specs` in
-    # this order with the same trailing shape, so the fused matrix is a view of the same rows (q/k/v, gate/up).
-    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
-
-    def __post_init__(self):
-        names = [s.name for s in self.specs]
-        for fused_name, members in self.fused:
-            i = names.index(members[0])
-            shapes = [self.specs[i + j].shape[1:] for j in range(len(members))]
-            if tuple(names[i: i + len(members)]) != tuple(members) or len(set(shapes)) != 1:
-                raise ValueError(f"{self.name}: {fused_name} needs {members} adjacent, in order, one trailing shape")
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named views, one per tensor, into a flat buffer laid out like this unit."""
@@ -51,24 +40,6 @@ class Unit:
         for s in self.specs:
             out[s.name] = flat[off: off + s.numel].view(s.shape)
             off += s.numel
-        return out
-
-    def compute_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Named views into a flat buffer laid out like this unit, with each fused group as one view of its
-        members' rows: what the layer template is called with (weights) and what its gradients add into."""
-        out, off, i = {}, 0, 0
-        starts = {members[0]: (name, members) for name, members in self.fused}
-        while i < len(self.specs):
-            s = self.specs[i]
-            if s.name in starts:
-                name, members = starts[s.name]
-                group = self.specs[i: i + len(members)]
-                n = sum(g.numel for g in group)
-                out[name] = flat[off: off + n].view(sum(g.shape[0] for g in group), *s.shape[1:])
-                off, i = off + n, i + len(members)
-            else:
-                out[s.name] = flat[off: off + s.numel].view(s.shape)
-                off, i = off + s.numel, i + 1
         return out
 
     @property

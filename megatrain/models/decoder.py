@@ -41,10 +41,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-QKV_W, QKV_B = "self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias"  # fused views (see _fused_groups)
-GATE_UP_W, GATE_UP_B = "mlp.gate_up_proj.weight", "mlp.gate_up_proj.bias"
-
-
 class DecoderAdapter(ModelAdapter):
     def __init__(self, hf_config):
         c = hf_config
@@ -126,22 +122,11 @@ class DecoderAdapter(ModelAdapter):
                 rest += [("mlp.gate_proj.bias", (I,), "zeros"), ("mlp.up_proj.bias", (I,), "zeros"),
                          ("mlp.down_proj.bias", (H,), "zeros")]
             specs = [spec(n, p + n, s, "normal") for n, s in mats] + [spec(n, p + n, s, init) for n, s, init in rest]
-            units.append(Unit("layer", i, tuple(specs), fused=self._fused_groups()))
+            units.append(Unit("layer", i, tuple(specs)))
         head = [spec("lm_head.weight", "lm_head.weight", (self.vocab_size, H), "normal")] if not self.tied else []
         head.append(spec("norm.weight", "model.norm.weight", (H,), "ones"))
         units.append(Unit("head", -1, tuple(head)))
         return units
-
-    def _fused_groups(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        """q/k/v and gate/up are adjacent rows of each layer's tile: the template runs each group as one GEMM
-        (wider N in forward, one input-gradient GEMM instead of several summed in backward)."""
-        groups = [(QKV_W, tuple(f"self_attn.{x}_proj.weight" for x in "qkv")),
-                  (GATE_UP_W, ("mlp.gate_proj.weight", "mlp.up_proj.weight"))]
-        if self.qkv_bias:
-            groups.append((QKV_B, tuple(f"self_attn.{x}_proj.bias" for x in "qkv")))
-        if self.mlp_bias:
-            groups.append((GATE_UP_B, ("mlp.gate_proj.bias", "mlp.up_proj.bias")))
-        return tuple(groups)
 
     # ---- computation ---------------------------------------------------------------------------
     def make_context(self, position_ids: torch.Tensor, dtype: torch.dtype, packed: bool) -> AttnContext:
@@ -172,16 +157,11 @@ class DecoderAdapter(ModelAdapter):
         return AttnContext(cos=cos, sin=sin, mask=mask)
 
     def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        """One decoder layer. `w` holds either the fused views (Unit.compute_views: qkv and gate_up) or the
-        per-tensor ones (LayerTile.views); both give the same function."""
         B, T, _ = h.shape
         x = rms_norm(h, w["input_layernorm.weight"], self.eps)
-        if QKV_W in w:
-            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, w[QKV_W], w.get(QKV_B)).split([nq, nkv, nkv], dim=-1)
-        else:
-            q, k, v = (F.linear(x, w[f"self_attn.{n}_proj.weight"], w.get(f"self_attn.{n}_proj.bias")) for n in "qkv")
-        q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
+        q = F.linear(x, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias")).view(B, T, -1, self.head_dim)
+        k = F.linear(x, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias")).view(B, T, -1, self.head_dim)
+        v = F.linear(x, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias")).view(B, T, -1, self.head_dim)
         if self.qk_norm:
             q = rms_norm(q, w["self_attn.q_norm.weight"], self.eps)
             k = rms_norm(k, w["self_attn.k_norm.weight"], self.eps)
@@ -199,11 +179,8 @@ class DecoderAdapter(ModelAdapter):
         o = o.transpose(1, 2).reshape(B, T, -1)
         h = h + F.linear(o, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
         x = rms_norm(h, w["post_attention_layernorm.weight"], self.eps)
-        if GATE_UP_W in w:
-            gate, up = F.linear(x, w[GATE_UP_W], w.get(GATE_UP_B)).chunk(2, dim=-1)
-        else:
-            gate = F.linear(x, w["mlp.gate_proj.weight"], w.get("mlp.gate_proj.bias"))
-            up = F.linear(x, w["mlp.up_proj.weight"], w.get("mlp.up_proj.bias"))
+        gate = F.linear(x, w["mlp.gate_proj.weight"], w.get("mlp.gate_proj.bias"))
+        up = F.linear(x, w["mlp.up_proj.weight"], w.get("mlp.up_proj.bias"))
         return h + F.linear(F.silu(gate) * up, w["mlp.down_proj.weight"], w.get("mlp.down_proj.bias"))
 
     def final_norm(self, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
