@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=bench/model-configs
 for L in 16 32 64 128; do
   S=$(( L <= 16 ? 0 : (L == 128 ? 64 : L - 16) ))
-  timeout 170 python3 bench/bench_megatrain.py --model $M/llama-2048-shape --layers $L --seq 2048 --seqs 64 --micro 16 \
+  timeout 200 python3 bench/bench_megatrain.py --model $M/llama-2048-shape --layers $L --seq 2048 --seqs 64 --micro 16 \
     --steps 2 --compile --spill $S --gpu-budget 40 --label depth-$L-131k-spill$S-budget40 \
     --json "$OUT/depth_budget40_$L.json" 2>&1 | tee -a "$OUT/depth_budget40.log" | tail -2
 done
