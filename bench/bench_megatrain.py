@@ -51,7 +51,10 @@ def run(args) -> dict:
     init_s = time.perf_counter() - t0
     engine = Engine(store, adapter, device, num_slots=args.slots, compile_layers=args.compile,
                     spill_layers=args.spill)
-    pipeline = OptimizerPipeline(store, CpuAdamW(weight_decay=0.1), device, offload_units=args.offload)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+    pipeline = OptimizerPipeline(store, CpuAdamW(weight_decay=0.1), device, offload_units=args.offload,
+                                 threads=args.adam_threads)
     engine.wait_for_update = pipeline.wait_for_update
     timeline = Timeline()
     engine.timeline = pipeline.timeline = timeline
@@ -79,9 +82,16 @@ def run(args) -> dict:
                "busy_compute": shares.get("compute", 0.0), "busy_h2d": shares.get("h2d", 0.0),
                "busy_d2h": shares.get("d2h", 0.0)}
         rec["gpu_idle"] = 1.0 - rec["busy_compute"]
+        # the optimizer thread since the last step's end (it updates step t-1 during this step's forward)
+        st = dict(pipeline.stats)
+        pipeline.stats.update(update_s=0.0, copy_wait_s=0.0, params=0)
+        rec.update(adamw_s=st["update_s"], adamw_wait_s=st["copy_wait_s"],
+                   adamw_gparam_s=st["params"] / st["update_s"] / 1e9 if st["update_s"] else None)
         records.append(rec)
         print(f"step {step}: {dt:.2f}s loss {loss:.3f} {rec['tflops_6n']:.0f} TFLOP/s(6N) "
-              f"compute {rec['busy_compute']:.2f} h2d {rec['busy_h2d']:.2f} d2h {rec['busy_d2h']:.2f}", flush=True)
+              f"compute {rec['busy_compute']:.2f} h2d {rec['busy_h2d']:.2f} d2h {rec['busy_d2h']:.2f} "
+              f"adamw {rec['adamw_s']:.2f}s ({rec['adamw_gparam_s'] or 0:.2f} Gparam/s) "
+              f"waiting {rec['adamw_wait_s']:.2f}s", flush=True)
     pipeline.drain()
     pipeline.close()
     measured = records[args.warmup:]
@@ -95,6 +105,8 @@ def run(args) -> dict:
         "step_s": mean("step_s"), "tokens_per_s": mean("tokens_per_s"), "tflops_6n": mean("tflops_6n"),
         "mfu": mean("mfu"), "busy_compute": mean("busy_compute"), "busy_h2d": mean("busy_h2d"),
         "busy_d2h": mean("busy_d2h"), "gpu_idle": mean("gpu_idle"),
+        "adamw_s": mean("adamw_s"), "adamw_wait_s": mean("adamw_wait_s"),
+        "adamw_threads": args.adam_threads, "switch_interval": args.switch_interval,
         "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "gpu_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "gpu_budget_gib": args.gpu_budget,
         "host_peak_rss_gib": peak_rss_bytes() / 2**30, "host_rss_gib": rss_bytes() / 2**30,
@@ -120,6 +132,8 @@ def main():
     p.add_argument("--offload", type=int, default=0, help="units whose gradients go to host during backward")
     p.add_argument("--attn", default="default", choices=["default", "cudnn", "flash"],
                    help="preferred SDPA backend (others stay enabled as fallbacks)")
+    p.add_argument("--adam-threads", type=int, default=None, help="intra-op threads of the optimizer thread")
+    p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (GIL handoff, s)")
     p.add_argument("--gpu-budget", type=float, default=None,
                    help="GiB the caching allocator may hold (torch.cuda.set_per_process_memory_fraction)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])

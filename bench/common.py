@@ -38,6 +38,10 @@ def rss_bytes() -> int:
 
 
 def git_rev() -> str:
+    """MEGATRAIN_REV when set (the device's copy of the tree carries stale git metadata: the run scripts pass the
+    commit they ran), else `git rev-parse` here."""
+    if os.environ.get("MEGATRAIN_REV", "unknown") != "unknown":
+        return os.environ["MEGATRAIN_REV"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True).strip()
     except Exception:

@@ -50,15 +50,17 @@ def _arg(command: str, name: str, default=None):
 
 def workload_of(r: dict, vocab: int) -> Workload:
     seqs, micro = r["seqs_per_step"], r["micro"]
-    # results from before the LM-head chunk was recorded ran the chunk of that time: ~1 GiB of fp32 logits
+    # results from before the LM-head chunk was recorded ran the head of that time: chunks of ~1 GiB of fp32
+    # logits and the eager cross-entropy (no CUDA head kernels)
     chunk = int(r.get("loss_chunk") or max(128, (1 << 28) // vocab))
+    head_kernels = "loss_chunk" in r
     sizes = [micro] * (seqs // micro) + ([seqs % micro] if seqs % micro else [])
     cmd = r.get("command", "")
     return Workload(tuple(sizes), r["seq"], device="cuda", precision=r.get("precision", "bf16"),
                     compile=bool(r.get("compile")), num_slots=int(_arg(cmd, "--slots", 2)),
                     spill_layers=int(r.get("spill_layers") or _arg(cmd, "--spill", 0)),
                     offload_units=int(r.get("offload_units") or _arg(cmd, "--offload", 0)),
-                    loss_chunk_tokens=chunk)
+                    loss_chunk_tokens=chunk, head_kernels=head_kernels)
 
 
 def adapter_of(r: dict):

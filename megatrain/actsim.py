@@ -153,10 +153,11 @@ def layer_memory(adapter, batch: int, seq: int, dtype: torch.dtype = torch.bfloa
     return out
 
 
-def head_memory(adapter, batch: int, seq: int, targets: int, chunk: int, dtype: torch.dtype = torch.bfloat16) -> int:
+def head_memory(adapter, batch: int, seq: int, targets: int, chunk: int, dtype: torch.dtype = torch.bfloat16,
+                cuda: bool = True) -> int:
     """Peak bytes of the LM-head loss and its backward for one micro-batch (the engine's own `_head_loss`, run on
-    the meta device), excluding the hidden states, weights and gradient accumulators it is given, and excluding
-    the d(hidden) it returns (the planner counts those per micro-batch)."""
+    the meta device, with its CUDA kernels when `cuda`), excluding the hidden states, weights and gradient
+    accumulators it is given, and excluding the d(hidden) it returns (the planner counts those per micro-batch)."""
     from .engine import Engine
 
     H, V = adapter.hidden_size, adapter.vocab_size
@@ -167,7 +168,7 @@ def head_memory(adapter, batch: int, seq: int, targets: int, chunk: int, dtype: 
     lm_w = torch.empty(V, H, dtype=dtype, device="meta")
     norm_g = torch.empty(H, dtype=torch.float32, device="meta")
     lm_g = torch.empty(V, H, dtype=torch.float32, device="meta")
-    shim = SimpleNamespace(adapter=adapter, loss_chunk=chunk, device=torch.device("meta"))
+    shim = SimpleNamespace(adapter=adapter, loss_chunk=chunk, device=torch.device("meta"), head_kernels=cuda)
     mode = LiveBytes()
     mode.ignore(h, norm_w, lm_w, norm_g, lm_g, mb.target_index, mb.targets)
     with mode:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .models import ModelAdapter
 from .models.base import AttnContext
-from .lmhead import accumulate_matmul, ce_loss_and_grad, default_chunk, fused_accumulate_available
+from .lmhead import accumulate_matmul, ce_loss_and_grad, default_chunk, fusable_dtypes
 from .spill import CheckpointSpill
 from .store import HostStore, LayerTile
 
@@ -323,10 +323,14 @@ class Engine:
         xn_d = xn.detach()
         scale_t = torch.full((), scale, dtype=torch.float32, device=h.device)  # a fill kernel: no host sync
         n, C = xn_d.shape[0], self.loss_chunk
-        fused = getattr(self, "fused_head_accumulate", True) and fused_accumulate_available(lm_grad, xn_d)
+        # CUDA kernels: the fused cross-entropy and the fp32 accumulation inside the weight-gradient GEMM
+        # (`head_kernels` set: the planner simulating a CUDA run on the meta device)
+        kernels = getattr(self, "head_kernels", None)
+        kernels = lm_grad.is_cuda if kernels is None else kernels
+        fused = kernels and getattr(self, "fused_head_accumulate", True) and fusable_dtypes(lm_grad, xn_d)
         for a in range(0, n, C):
             xc, y = xn_d[a: a + C], mb.targets[a: a + C]
-            chunk_loss, dlogits = ce_loss_and_grad(xc @ lm_w.t(), y, scale_t)
+            chunk_loss, dlogits = ce_loss_and_grad(xc @ lm_w.t(), y, scale_t, kernel=kernels)
             loss += chunk_loss
             torch.mm(dlogits, lm_w, out=d_xn[a: a + C])
             accumulate_matmul(lm_grad, dlogits.t(), xc, fused)

@@ -19,9 +19,10 @@ def default_chunk(vocab: int) -> int:
     return max(CHUNK_ALIGN, CHUNK_LOGITS // vocab // CHUNK_ALIGN * CHUNK_ALIGN)
 
 
-def fused_accumulate_available(acc: torch.Tensor, a: torch.Tensor) -> bool:
-    """Whether `accumulate_matmul` can fold the fp32 accumulation into the GEMM (CUDA: addmm with out_dtype)."""
-    return acc.is_cuda and acc.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16)
+def fusable_dtypes(acc: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether `accumulate_matmul` can fold the fp32 accumulation into the GEMM (addmm with out_dtype, a CUDA
+    kernel; its meta kernel lets the planner simulate it)."""
+    return acc.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16)
 
 
 _fused_failed: list[str] = []  # set once when this torch build refuses the fused form; then the plain form is used
@@ -43,12 +44,15 @@ USE_TRITON = True  # the fused kernel on CUDA (megatrain.ce_triton); False: the 
 _triton_failed: list[str] = []  # set once if the kernel cannot be built here; then the eager version is used
 
 
-def ce_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor):
+def ce_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, kernel: bool = True):
     """(sum of token losses, d(loss * scale)/d logits in logits.dtype) for logits [n, V] and targets [n].
-    May overwrite `logits` (the CUDA kernel writes the gradient in place)."""
-    if USE_TRITON and logits.is_cuda and not _triton_failed:
+    kernel: use the fused CUDA kernel where it can run (it writes the gradient over `logits`); on the meta device
+    (the planner's memory simulation) its allocations are mimicked."""
+    if kernel and USE_TRITON and not _triton_failed:
         from . import ce_triton
 
+        if logits.is_meta:  # what the kernel allocates: one fp32 loss per row; the gradient reuses the logits
+            return torch.empty(logits.shape[0], dtype=torch.float32, device="meta").sum(), logits
         if ce_triton.available(logits):
             try:
                 return ce_triton.ce_loss_and_grad_(logits, targets, scale)

@@ -61,6 +61,7 @@ class Workload:
     offload_units: int = 0  # OptimizerPipeline(offload_units): the first N units done in backward (head, last
     #                         layer, ...) send their fp32 gradients to pinned host memory during backward
     checkpoint_every: int = 1  # keep every K-th layer boundary, recompute the rest in backward (PENDING)
+    head_kernels: bool = True  # CUDA: the fused cross-entropy kernel and in-GEMM accumulation (from 2026-11-21 call 10)
 
     @property
     def tokens_per_step(self) -> int:
@@ -280,14 +281,15 @@ def _activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | No
     out = {}
     cache = adapter.__dict__.setdefault("_plan_activation_cache", {})  # suggestions re-plan the same shapes
     for b in sorted(set(w.micro_batches)):
-        key = (b, w.seq_len, dtype, w.packed, w.device, chunk, targets)
+        key = (b, w.seq_len, dtype, w.packed, w.device, chunk, targets, w.head_kernels)
         if key in cache:
             out[b] = dict(cache[key])
             out[b]["backward"] *= COMPILED_ACTIVATIONS if w.compile else 1.0
             continue
         layer = actsim.layer_memory(adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda")
         cache[key] = {"forward": layer["forward_peak"], "backward": layer["backward_peak"],
-                      "head": actsim.head_memory(adapter, b, w.seq_len, b * targets, chunk, dtype)}
+                      "head": actsim.head_memory(adapter, b, w.seq_len, b * targets, chunk, dtype,
+                                                 cuda=w.device == "cuda" and w.head_kernels)}
         out[b] = dict(cache[key])
         out[b]["backward"] *= COMPILED_ACTIVATIONS if w.compile else 1.0
     measured = {b: _measured_activations(adapter, w, prof, b) for b in out}

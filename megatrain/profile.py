@@ -82,9 +82,11 @@ class Profile:
     # causal flash attention. A measured profile sets layer_flops from its largest probed layer, as an eager rate.
     layer_flops: float = 560e12
     attention_flops: float = 170e12
-    # The chunked LM head and the CPU AdamW (alone on the machine, bf16 copy written): the H200 probe
+    # The chunked LM head with its CUDA kernels (fused cross-entropy, in-GEMM accumulation): 628 TFLOP/s at the
+    # Llama-3.1-8B shape (bench/results/2026-11-21/call10/kernel_variants_call10.json; the eager head of the
+    # first runs: 387). The CPU AdamW (alone on the machine, bf16 copy written): the H200 probe
     # (bench/results/2026-11-21/h200_profile.json). The planner applies the in-step share of the AdamW rate.
-    head_flops: float = 387e12
+    head_flops: float = 628e12
     adamw_params_per_s: float = 4.55e9
     cpu_count: int | None = None
     cpu_flops: float = 0.5e12  # CPU matmul rate (bf16), for CPU-device plans
