@@ -129,7 +129,7 @@ class Engine:
         self.embed_i, self.head_i = 0, len(self.tiles) - 1
         self.layer_is = list(range(1, len(self.tiles) - 1))
         V = adapter.vocab_size
-        self.loss_chunk = loss_chunk_tokens or default_chunk(V)  # ~2 GiB of fp32 logits per chunk
+        self.loss_chunk = loss_chunk_tokens or default_chunk(V)  # 512M logits (1 GiB in bf16) per chunk
         self.fused_head_accumulate = True  # LM-head weight gradient accumulated inside its GEMM where possible
         # A slot's contents are reused only within one pass (the last layer around the head): every pass starts a
         # new version, since the optimizer may have rewritten any tile in between.

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import torch
 
-CHUNK_LOGITS = 1 << 29  # logits per chunk: 2 GiB in fp32 (H200, Llama-3.1-8B head: 2048 rows 433 TFLOP/s, 512 286)
+# Logits per chunk: 1 GiB in bf16 (2 GiB as the eager version's fp32 copy). H200, Llama-3.1-8B head with the
+# eager cross-entropy (bench/results/2026-11-21/call10, call8): 4096 rows 463 TFLOP/s, 2048 rows 447, 512 rows 357.
+CHUNK_LOGITS = 1 << 29
 CHUNK_ALIGN = 256  # rows per chunk a multiple of the GEMM tile: no ragged last tile in every chunk
 
 
 def default_chunk(vocab: int) -> int:
-    """Target tokens per LM-head chunk: ~2 GiB of fp32 logits, rounded down to a multiple of 256 rows."""
+    """Target tokens per LM-head chunk: CHUNK_LOGITS logits, rounded down to a multiple of 256 rows."""
     return max(CHUNK_ALIGN, CHUNK_LOGITS // vocab // CHUNK_ALIGN * CHUNK_ALIGN)
 
 

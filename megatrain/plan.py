@@ -61,7 +61,8 @@ class Workload:
     offload_units: int = 0  # OptimizerPipeline(offload_units): the first N units done in backward (head, last
     #                         layer, ...) send their fp32 gradients to pinned host memory during backward
     checkpoint_every: int = 1  # keep every K-th layer boundary, recompute the rest in backward (PENDING)
-    head_kernels: bool = True  # CUDA: the fused cross-entropy kernel and in-GEMM accumulation (from 2026-11-21 call 10)
+    head_kernels: bool = True  # CUDA: the fused cross-entropy kernel and the in-GEMM accumulation of the head
+    #                            (False: the eager head of the first H200 runs, for bench/plan_vs_measured.py)
 
     @property
     def tokens_per_step(self) -> int:
@@ -117,7 +118,7 @@ def compiled_runtime_host(tokens_per_micro_batch: int) -> float:
 def default_loss_chunk(vocab: int) -> int:
     from .lmhead import default_chunk
 
-    return default_chunk(vocab)  # the Engine's: ~2 GiB of fp32 logits per chunk
+    return default_chunk(vocab)  # the Engine's
 
 
 # ---- the plan ---------------------------------------------------------------------------------------------
