@@ -83,8 +83,7 @@ def run(args) -> dict:
                "busy_d2h": shares.get("d2h", 0.0)}
         rec["gpu_idle"] = 1.0 - rec["busy_compute"]
         # the optimizer thread since the last step's end (it updates step t-1 during this step's forward)
-        st = dict(pipeline.stats)
-        pipeline.stats.update(update_s=0.0, copy_wait_s=0.0, params=0)
+        st = pipeline.take_stats()
         rec.update(adamw_s=st["update_s"], adamw_wait_s=st["copy_wait_s"],
                    adamw_gparam_s=st["params"] / st["update_s"] / 1e9 if st["update_s"] else None)
         records.append(rec)

@@ -130,7 +130,10 @@ class Engine:
         self.layer_is = list(range(1, len(self.tiles) - 1))
         V = adapter.vocab_size
         self.loss_chunk = loss_chunk_tokens or default_chunk(V)  # 512M logits (1 GiB in bf16) per chunk
-        self.fused_head_accumulate = True  # LM-head weight gradient accumulated inside its GEMM where possible
+        # LM-head kernels: None = on CUDA (fused cross-entropy, fp32 accumulation inside the weight-gradient GEMM).
+        # The planner's meta-device simulation and the kernel A/B bench set these on shims of their own.
+        self.head_kernels: bool | None = None
+        self.fused_head_accumulate = True
         # A slot's contents are reused only within one pass (the last layer around the head): every pass starts a
         # new version, since the optimizer may have rewritten any tile in between.
         self.weights_version = 0
@@ -323,9 +326,7 @@ class Engine:
         xn_d = xn.detach()
         scale_t = torch.full((), scale, dtype=torch.float32, device=h.device)  # a fill kernel: no host sync
         n, C = xn_d.shape[0], self.loss_chunk
-        # CUDA kernels: the fused cross-entropy and the fp32 accumulation inside the weight-gradient GEMM
-        # (`head_kernels` set: the planner simulating a CUDA run on the meta device)
-        kernels = getattr(self, "head_kernels", None)
+        kernels = getattr(self, "head_kernels", None)  # getattr: shims (probe, actsim, bench) may leave it out
         kernels = lm_grad.is_cuda if kernels is None else kernels
         fused = kernels and getattr(self, "fused_head_accumulate", True) and fusable_dtypes(lm_grad, xn_d)
         for a in range(0, n, C):

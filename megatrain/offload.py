@@ -74,9 +74,9 @@ class OptimizerPipeline:
         # background checkpoint writer uses it to finish writing the unit's step-t state before step t+1
         # overwrites it, so a save needs no copy of the host state.
         self.before_update: Callable[[int], None] = lambda unit_index: None
-        # Where the worker's time went since the last reset: in AdamW, waiting for gradient copies, parameters
-        # updated (the bench reports the in-step AdamW rate from these).
-        self.stats = {"update_s": 0.0, "copy_wait_s": 0.0, "params": 0}
+        # Where the worker's time went since the last take_stats(): in AdamW, waiting for gradient copies,
+        # parameters updated (the bench reports the in-step AdamW rate from these).
+        self.stats = self._no_stats()
         self.threads = threads
         self._worker = None
         if self.threaded:
@@ -142,6 +142,15 @@ class OptimizerPipeline:
             for ptr in self._registered:
                 cudart.cudaHostUnregister(ptr)
             self._registered.clear()
+
+    @staticmethod
+    def _no_stats() -> dict:
+        return {"update_s": 0.0, "copy_wait_s": 0.0, "params": 0}
+
+    def take_stats(self) -> dict:
+        """The worker's time since the last call (AdamW seconds, copy-wait seconds, parameters), and a reset."""
+        stats, self.stats = self.stats, self._no_stats()
+        return stats
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -156,10 +156,10 @@ def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers
     unit = next(u for u in ad.units() if u.kind == "layer")
     flat = (torch.randn(unit.numel, device=device) * 0.02).to(dtype)
     grad = torch.zeros(unit.numel, dtype=torch.float32, device=device)
-    for s, v in zip(unit.specs, unit.views(flat).values()):  # norms at one, as initialised
+    w, gviews = unit.views(flat), list(unit.views(grad).values())
+    for s, v in zip(unit.specs, w.values()):  # norms at one, as initialised
         if s.init == "ones":
             v.fill_(1.0)
-    w, gviews = unit.views(flat), list(unit.views(grad).values())
     x = torch.randn(micro, seq, ad.hidden_size, device=device).to(dtype)
     dh = torch.randn_like(x) * 1e-3
     pos = torch.arange(seq, device=device).repeat(micro, 1)
