@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import H200_BF16_PEAK, hf_config, peak_rss_bytes, rss_bytes, table, write_json  # noqa: E402
-from megatrain.flops import flops_per_token  # noqa: E402
+from megatrain.planner.flops import flops_per_token  # noqa: E402
 from megatrain.models import get_adapter  # noqa: E402
 
 GiB = 2**30

@@ -20,13 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import H200_BF16_PEAK, hf_config, peak_rss_bytes, rss_bytes, table, write_json  # noqa: E402
-from megatrain.engine import Engine, MicroBatch  # noqa: E402
+from megatrain.runtime.engine import Engine, MicroBatch  # noqa: E402
 from megatrain.models import get_adapter  # noqa: E402
-from megatrain.offload import OptimizerPipeline  # noqa: E402
-from megatrain.optim import CpuAdamW, clip_coefficient  # noqa: E402
-from megatrain.store import HostStore  # noqa: E402
-from megatrain.timeline import Timeline  # noqa: E402
-from megatrain.flops import flops_per_token  # noqa: E402
+from megatrain.runtime.optimizer_pipeline import OptimizerPipeline  # noqa: E402
+from megatrain.runtime.adamw import CpuAdamW, clip_coefficient  # noqa: E402
+from megatrain.runtime.store import HostStore  # noqa: E402
+from megatrain.runtime.timeline import Timeline  # noqa: E402
+from megatrain.planner.flops import flops_per_token  # noqa: E402
 
 
 def split(total: int, micro: int) -> list[int]:

@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import table, write_json  # noqa: E402
-from megatrain.engine import Engine, MicroBatch  # noqa: E402
+from megatrain.runtime.engine import Engine, MicroBatch  # noqa: E402
 from megatrain.models import get_adapter, load_hf_config  # noqa: E402
-from megatrain.offload import OptimizerPipeline  # noqa: E402
-from megatrain.optim import CpuAdamW, clip_coefficient  # noqa: E402
-from megatrain.store import HostStore  # noqa: E402
+from megatrain.runtime.optimizer_pipeline import OptimizerPipeline  # noqa: E402
+from megatrain.runtime.adamw import CpuAdamW, clip_coefficient  # noqa: E402
+from megatrain.runtime.store import HostStore  # noqa: E402
 
 LR, WD, MAX_NORM, STEPS = 3e-4, 0.1, 1.0, 20
 

@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import table, write_json  # noqa: E402
-from megatrain.engine import CollectGrads, Engine, MicroBatch  # noqa: E402
+from megatrain.runtime.engine import CollectGrads, Engine, MicroBatch  # noqa: E402
 from megatrain.models import get_adapter, load_hf_config  # noqa: E402
-from megatrain.store import HostStore  # noqa: E402
+from megatrain.runtime.store import HostStore  # noqa: E402
 
 
 def model_dir(layers: int, hidden: int) -> str:

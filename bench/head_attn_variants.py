@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import hf_config, table, write_json  # noqa: E402
-from megatrain import lmhead  # noqa: E402
-from megatrain.engine import Engine  # noqa: E402
+from megatrain.runtime import lmhead  # noqa: E402
+from megatrain.runtime.engine import Engine  # noqa: E402
 from megatrain.models import get_adapter  # noqa: E402
 
 
@@ -118,7 +118,7 @@ def head_variants(args, adapter) -> list[dict]:
 
 def ce_kernel(args, adapter) -> list[dict]:
     """One chunk of logits: the Triton kernel against the eager cross-entropy (time, loss, gradient)."""
-    from megatrain import ce_triton
+    from megatrain.runtime import ce_triton
 
     V, C = adapter.vocab_size, lmhead.default_chunk(adapter.vocab_size)
     g = torch.Generator(device=DEV).manual_seed(2)

@@ -23,8 +23,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from megatrain.models import get_adapter  # noqa: E402
-from megatrain.plan import Workload, make_plan  # noqa: E402
-from megatrain.profile import DEFAULTS, GiB, load_profile  # noqa: E402
+from megatrain.planner.plan import Workload, make_plan  # noqa: E402
+from megatrain.planner.profile import DEFAULTS, GiB, load_profile  # noqa: E402
 
 
 def load_results(*dirs: Path) -> list[dict]:

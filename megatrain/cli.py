@@ -42,7 +42,7 @@ def _split(config: str | None, overrides: list[str]) -> tuple[str | None, list[s
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["probe"]:  # its own options, no config: runs where only torch and transformers are installed
-        from .probe import main as probe_main
+        from .planner.probe import main as probe_main
 
         return probe_main(argv[1:])
     args = _parser().parse_args(argv)
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "export":  # reads a checkpoint, not a config
-            from .export import export_checkpoint
+            from .checkpoint.export import export_checkpoint
 
             res = export_checkpoint(args.source, args.out_dir, dtype=args.dtype, max_shard_mb=args.max_shard_mb)
             print(f"megatrain: exported {res['checkpoint']} to {res['path']} ({res['shards']} shard(s), "
@@ -58,16 +58,16 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg = load_config(*_split(args.config, args.overrides))
         if args.command == "train":
-            from .trainer import train
+            from .run.trainer import train
 
             train(cfg)
         elif args.command == "plan":
-            from .plan import plan_command
+            from .planner.plan import plan_command
 
             return plan_command(cfg)
         elif args.command == "data":
             from . import data as data_lib
-            from .trainer import _load_tokenizer
+            from .run.trainer import _load_tokenizer
 
             data_lib.validate_inputs(cfg.data)
             print(data_lib.preview(cfg.data, _load_tokenizer(cfg.model.tokenizer or cfg.model.path), args.preview))

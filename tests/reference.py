@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from megatrain.engine import CollectGrads, Engine, MicroBatch
+from megatrain.runtime.engine import CollectGrads, Engine, MicroBatch
 from megatrain.models import get_adapter, load_hf_config
-from megatrain.optim import CpuAdamW, clip_coefficient
-from megatrain.store import HostStore
+from megatrain.runtime.adamw import CpuAdamW, clip_coefficient
+from megatrain.runtime.store import HostStore
 
 # eps = 1e-6: with eps = 1e-8, AdamW's first steps turn an fp32 rounding difference dg in a near-zero gradient
 # element into an update difference of up to lr * dg / eps, and two correct fp32 implementations (megatrain and

@@ -1,4 +1,4 @@
-"""The CUDA cross-entropy kernel (megatrain.ce_triton) equals the eager version, run by Triton's CPU interpreter.
+"""The CUDA cross-entropy kernel (megatrain.runtime.ce_triton) equals the eager version, run by Triton's CPU interpreter.
 
 The kernel is what the engine's LM head uses on CUDA; on the GPU the same comparison runs at full size in
 bench/head_attn_variants.py. Here: fp32 and bf16 logits, vocabularies below, at and above the kernel's block,
@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="triton (the test extra) runs the kernel in
 
 SCRIPT = r"""
 import json, sys, torch
-from megatrain import ce_triton, lmhead
+from megatrain.runtime import ce_triton, lmhead
 torch.manual_seed(0)
 out = []
 for dtype in (torch.float32, torch.bfloat16):

@@ -12,11 +12,11 @@ from safetensors import safe_open
 from conftest import make_model_dir
 from megatrain.checkpoint import CheckpointSaver, StopOnSignal, verify_checkpoint
 from megatrain.checkpoint.resume import load_store, open_checkpoint
-from megatrain.engine import MicroBatch
+from megatrain.runtime.engine import MicroBatch
 from megatrain.errors import MegatrainError
-from megatrain.offload import OptimizerPipeline
-from megatrain.optim import clip_coefficient
-from megatrain.store import HostStore
+from megatrain.runtime.optimizer_pipeline import OptimizerPipeline
+from megatrain.runtime.adamw import clip_coefficient
+from megatrain.runtime.store import HostStore
 from reference import Megatrain, random_batches
 
 

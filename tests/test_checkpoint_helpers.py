@@ -61,7 +61,7 @@ def setup_run(tmp_path: Path, family: str = "llama", tied: bool = False, **secti
 
 def run(cfg_path: Path, *overrides: str) -> dict:
     from megatrain.config import load_config
-    from megatrain.trainer import train
+    from megatrain.run.trainer import train
 
     return train(load_config(cfg_path, list(overrides)))
 

@@ -3,7 +3,7 @@
 import torch
 
 from conftest import make_model_dir
-from megatrain.engine import Engine
+from megatrain.runtime.engine import Engine
 from reference import Megatrain, random_batches, rel
 
 

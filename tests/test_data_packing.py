@@ -73,9 +73,9 @@ def test_packed_loader_rows_hold_several_documents_within_max_seq_len(tmp_path):
 
 
 def _engine(model_dir):
-    from megatrain.engine import CollectGrads, Engine
+    from megatrain.runtime.engine import CollectGrads, Engine
     from megatrain.models import get_adapter, load_hf_config
-    from megatrain.store import HostStore
+    from megatrain.runtime.store import HostStore
 
     ad = get_adapter(load_hf_config(model_dir))
     st = HostStore(ad, torch.float32)
@@ -85,7 +85,7 @@ def _engine(model_dir):
 
 def _run(engine, sink_cls, ids, labels, positions):
     """Sum of token losses and of gradients (the engine divides both by the number of targets)."""
-    from megatrain.engine import MicroBatch
+    from megatrain.runtime.engine import MicroBatch
 
     mb = MicroBatch.from_labels(ids, labels, positions)
     sink = sink_cls()

@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatrain.checkpoint.resume import load_store, open_checkpoint
-from megatrain.engine import Engine
+from megatrain.runtime.engine import Engine
 from megatrain.errors import MegatrainError
-from megatrain.export import export_checkpoint
+from megatrain.checkpoint.export import export_checkpoint
 from megatrain.models import get_adapter, load_hf_config
-from megatrain.store import HostStore
+from megatrain.runtime.store import HostStore
 from test_checkpoint_helpers import CHAT_TEMPLATE, run, setup_run
 
 
@@ -121,7 +121,7 @@ def test_export_bad_input(tmp_path):
 def test_export_dir_is_checked_before_training(tmp_path):
     cfg = setup_run(tmp_path, train={"steps": 1}, export={"at_end": True, "dir": str(tmp_path / "model")})
     from megatrain.config import load_config
-    from megatrain.trainer import prepare
+    from megatrain.run.trainer import prepare
 
     with pytest.raises(MegatrainError, match="export: .*model is not empty"):
         prepare(load_config(cfg))

@@ -13,11 +13,11 @@ from transformers import AutoConfig
 from megatrain.checkpoint import CheckpointSaver
 from megatrain.checkpoint.resume import load_store, open_checkpoint
 from megatrain.models import get_adapter
-from megatrain.store import HostStore
+from megatrain.runtime.store import HostStore
 
 MEASURE = textwrap.dedent("""
     import json, sys
-    from megatrain.export import export_checkpoint
+    from megatrain.checkpoint.export import export_checkpoint
 
     def status(key):  # this process's own counters (ru_maxrss would include the parent's, inherited at fork)
         for line in open("/proc/self/status"):

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from conftest import make_model_dir
 from megatrain.config import load_config
 from megatrain.errors import ConfigError, MegatrainError
-from megatrain.trainer import prepare
+from megatrain.run.trainer import prepare
 
 
 def write_config(tmp_path, model_dir, data_file, **train):

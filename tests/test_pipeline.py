@@ -6,10 +6,10 @@ import math
 import torch
 
 from conftest import make_model_dir
-from megatrain.offload import OptimizerPipeline
-from megatrain.optim import CpuAdamW, clip_coefficient
+from megatrain.runtime.optimizer_pipeline import OptimizerPipeline
+from megatrain.runtime.adamw import CpuAdamW, clip_coefficient
 from reference import Megatrain, random_batches
-from megatrain.engine import MicroBatch
+from megatrain.runtime.engine import MicroBatch
 
 
 def state(store):
@@ -17,9 +17,9 @@ def state(store):
 
 
 def test_piecewise_update_equals_whole_tile(tmp_path, monkeypatch):
-    import megatrain.optim
+    import megatrain.runtime.adamw
 
-    monkeypatch.setattr(megatrain.optim, "CHUNK", 512)  # so tiny tiles span many chunks
+    monkeypatch.setattr(megatrain.runtime.adamw, "CHUNK", 512)  # so tiny tiles span many chunks
     make_model_dir(tmp_path, "qwen3", seed=31)
     a, b = Megatrain(tmp_path, dtype=torch.bfloat16), Megatrain(tmp_path, dtype=torch.bfloat16)
     opt = CpuAdamW(weight_decay=0.1)

@@ -16,13 +16,13 @@ import torch
 import yaml
 
 from conftest import tiny_hf_config
-from megatrain import plan as plan_lib
-from megatrain.actsim import LiveBytes
-from megatrain.engine import CollectGrads, Engine, MicroBatch
+from megatrain.planner import plan as plan_lib
+from megatrain.planner.activations import LiveBytes
+from megatrain.runtime.engine import CollectGrads, Engine, MicroBatch
 from megatrain.models import get_adapter
-from megatrain.plan import Workload, gpu_phases, landing_piece, make_plan, padded_elems, slot_numel
-from megatrain.profile import DEFAULTS, GiB
-from megatrain.store import HostStore, LayerTile
+from megatrain.planner.plan import Workload, gpu_phases, landing_piece, make_plan, padded_elems, slot_numel
+from megatrain.planner.profile import DEFAULTS, GiB
+from megatrain.runtime.store import HostStore, LayerTile
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "bench" / "model-configs"
@@ -70,13 +70,13 @@ class _FakeCudart:
 @pytest.mark.parametrize("chunk,piece_max", [(512, 1 << 20), (512, 2048), (1 << 20, 64 << 20)])
 def test_landing_buffers_equal_optimizer_pipeline(monkeypatch, chunk, piece_max):
     """The pinned landing buffers the OptimizerPipeline allocates on a CUDA machine (cudaHostRegister faked)."""
-    import megatrain.offload
-    import megatrain.optim
-    from megatrain.offload import OptimizerPipeline
-    from megatrain.optim import CpuAdamW
+    import megatrain.runtime.optimizer_pipeline
+    import megatrain.runtime.adamw
+    from megatrain.runtime.optimizer_pipeline import OptimizerPipeline
+    from megatrain.runtime.adamw import CpuAdamW
 
-    monkeypatch.setattr(megatrain.optim, "CHUNK", chunk)
-    monkeypatch.setattr(megatrain.offload, "PIECE_MAX", piece_max)
+    monkeypatch.setattr(megatrain.runtime.adamw, "CHUNK", chunk)
+    monkeypatch.setattr(megatrain.runtime.optimizer_pipeline, "PIECE_MAX", piece_max)
     cudart = _FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: object())
@@ -203,9 +203,9 @@ def test_gpu_phases_match_the_engine(model, layers, sizes, seq, packed, spill, o
 
 def test_spill_and_offload_host_buffers_equal_the_engines():
     """The pinned host memory CheckpointSpill and OptimizerPipeline allocate for spill_layers / offload_units."""
-    from megatrain.offload import OptimizerPipeline
-    from megatrain.optim import CpuAdamW
-    from megatrain.spill import CheckpointSpill
+    from megatrain.runtime.optimizer_pipeline import OptimizerPipeline
+    from megatrain.runtime.adamw import CpuAdamW
+    from megatrain.runtime.activation_spill import CheckpointSpill
 
     adapter = get_adapter(tiny_hf_config("llama", layers=5, vocab=1001))
     units = adapter.units()
@@ -292,19 +292,19 @@ def test_train_refuses_before_loading_weights(tmp_path, monkeypatch):
     assert "safetensors" not in r.stderr  # it never went looking for the weights
     assert not (tmp_path / "out").exists()
     # in process: nothing is allocated or read
-    import megatrain.trainer
+    import megatrain.run.trainer
     from megatrain.config import load_config
     from megatrain.errors import MegatrainError
 
     def forbidden(*a, **k):
         raise AssertionError("the host store was allocated before the plan check")
 
-    monkeypatch.setattr(megatrain.trainer, "HostStore", forbidden)
+    monkeypatch.setattr(megatrain.run.trainer, "HostStore", forbidden)
     with pytest.raises(MegatrainError, match="will not fit"):
-        megatrain.trainer.prepare(load_config(cfg_path, ["plan.host_memory_gb=24", "train.device=cpu"]))
+        megatrain.run.trainer.prepare(load_config(cfg_path, ["plan.host_memory_gb=24", "train.device=cpu"]))
     # plan.check=false: the check is skipped, and the run fails later, at the weights
     with pytest.raises(AssertionError, match="host store was allocated"):
-        megatrain.trainer.prepare(load_config(cfg_path, ["plan.host_memory_gb=24", "train.device=cpu",
+        megatrain.run.trainer.prepare(load_config(cfg_path, ["plan.host_memory_gb=24", "train.device=cpu",
                                                          "plan.check=false"]))
 
 
@@ -343,7 +343,7 @@ def test_measured_peaks_are_reproduced(profile):
     with the default rates and with that machine's probe (h200_profile.json). (The time and host-runtime defaults
     were fitted to these runs, and so were plan.ADAMW_IN_STEP and COMPILED_SPEEDUP; the GPU model was not, but
     for the compiled activation factor.) bench/plan_vs_measured.py compares every result, later ones included."""
-    from megatrain.profile import load_profile
+    from megatrain.planner.profile import load_profile
 
     sys.path.insert(0, str(ROOT / "bench"))
     from plan_vs_measured import compare, load_results
@@ -359,7 +359,7 @@ def test_measured_peaks_are_reproduced(profile):
 
 def _probed(compile: bool):
     """The H200 probe with only its qwen2.5-7b layer, measured in one compile mode."""
-    from megatrain.profile import LayerRate, load_profile
+    from megatrain.planner.profile import LayerRate, load_profile
 
     prof = load_profile(H200_PROFILE)
     q = next(r for r in prof.layer_rates if r.hidden == 3584)
@@ -368,7 +368,7 @@ def _probed(compile: bool):
 
 @pytest.mark.parametrize("run_compiled", [False, True])
 def test_a_layer_rate_of_the_other_compile_mode_is_converted(run_compiled):
-    from megatrain.profile import COMPILED_SPEEDUP
+    from megatrain.planner.profile import COMPILED_SPEEDUP
 
     adapter = adapter_of("qwen2.5-7b")
     w = Workload((79, 79), 1024, compile=run_compiled)

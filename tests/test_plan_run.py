@@ -11,7 +11,7 @@ import torch
 
 from megatrain.config import load_config
 from megatrain.errors import MegatrainError
-from megatrain.metrics import MetricsLogger
+from megatrain.run.metrics import MetricsLogger
 
 
 def default_cfg(tmp_path, *overrides):
@@ -20,7 +20,7 @@ def default_cfg(tmp_path, *overrides):
 
 
 def test_start_summary_and_step_records(tmp_path, capsys):
-    from megatrain.trainer import train
+    from megatrain.run.trainer import train
 
     train(default_cfg(tmp_path))
     err = capsys.readouterr().err
@@ -92,7 +92,7 @@ def _oom(*args, **kwargs):
     ("head", "the LM head chunk + loss"),
 ])
 def test_gpu_out_of_memory_names_the_component(tmp_path, phase, component):
-    from megatrain.trainer import prepare, train_step
+    from megatrain.run.trainer import prepare, train_step
 
     run = prepare(default_cfg(tmp_path))
     try:
@@ -118,20 +118,20 @@ def test_gpu_out_of_memory_names_the_component(tmp_path, phase, component):
 
 
 def test_host_allocation_failure_names_the_component(tmp_path, monkeypatch):
-    import megatrain.store
-    from megatrain.trainer import prepare
+    import megatrain.runtime.store
+    from megatrain.run.trainer import prepare
 
     def no_memory(numel, dtype, zero):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
                            "you tried to allocate 30461468672 bytes. Error code 12 (Cannot allocate memory)")
 
-    monkeypatch.setattr(megatrain.store, "_aligned_empty", no_memory)
+    monkeypatch.setattr(megatrain.runtime.store, "_aligned_empty", no_memory)
     with pytest.raises(MegatrainError) as e:
         prepare(default_cfg(tmp_path))
     msg = str(e.value)
     assert msg.startswith("host RAM ran out, allocating the host store (fp32 master, Adam m and v, streaming copy)")
     assert "the plan expected" in msg and "GiB available" in msg
     # other errors are not dressed up as memory errors
-    monkeypatch.setattr(megatrain.store, "_aligned_empty", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
+    monkeypatch.setattr(megatrain.runtime.store, "_aligned_empty", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
     with pytest.raises(RuntimeError, match="^other$"):
         prepare(default_cfg(tmp_path))

@@ -7,7 +7,7 @@ import pytest
 
 from megatrain.config import load_config
 from megatrain.errors import MegatrainError
-from megatrain.trainer import prepare
+from megatrain.run.trainer import prepare
 from test_checkpoint_helpers import losses, records, run, setup_run, unit_hashes
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import make_model_dir
-from megatrain.engine import Engine, MicroBatch
-from megatrain.offload import OptimizerPipeline
-from megatrain.optim import clip_coefficient
+from megatrain.runtime.engine import Engine, MicroBatch
+from megatrain.runtime.optimizer_pipeline import OptimizerPipeline
+from megatrain.runtime.adamw import clip_coefficient
 from reference import Megatrain, random_batches
 
 

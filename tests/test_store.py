@@ -10,8 +10,8 @@ import torch
 
 from conftest import make_model_dir
 from megatrain.models import get_adapter, load_hf_config
-from megatrain.optim import lr_at
-from megatrain.store import PAGE, HostStore
+from megatrain.runtime.adamw import lr_at
+from megatrain.runtime.store import PAGE, HostStore
 
 
 def test_tiles_are_page_aligned_and_laid_out_by_spec(tmp_path):
@@ -30,7 +30,7 @@ def test_tiles_are_page_aligned_and_laid_out_by_spec(tmp_path):
 LOAD_SCRIPT = textwrap.dedent("""
     import json, resource, sys, torch
     from megatrain.models import get_adapter, load_hf_config
-    from megatrain.store import HostStore
+    from megatrain.runtime.store import HostStore
     d = sys.argv[1]
     adapter = get_adapter(load_hf_config(d))
     store = HostStore(adapter, torch.bfloat16)

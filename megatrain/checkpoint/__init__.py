@@ -7,7 +7,7 @@ Modules, one job each:
     resume.py      which checkpoint to resume, whether it fits, loading it into the store, metrics trimming
     state.py       run state (step, schedule, data position, RNG, config, versions); model/tokenizer files
     signals.py     SIGTERM/SIGINT: finish the step, save, exit 0
-The Hugging Face export, which reads checkpoints, is megatrain/export.py.
+The Hugging Face export, which reads checkpoints, is export.py here.
 """
 
 from .layout import complete_checkpoints, locate, newest_checkpoint, read_manifest, verify_checkpoint

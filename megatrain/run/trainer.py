@@ -13,19 +13,19 @@ from pathlib import Path
 
 import torch
 
-from . import data as data_lib
-from .checkpoint import CheckpointSaver, StopOnSignal
-from .checkpoint import resume as resume_lib
-from .checkpoint.state import model_files_writer, restore_rng, run_state
-from .config import Config
-from .engine import Engine, MicroBatch
-from .errors import MegatrainError
-from .flops import flops_per_token
+from .. import data as data_lib
+from ..checkpoint import CheckpointSaver, StopOnSignal
+from ..checkpoint import resume as resume_lib
+from ..checkpoint.state import model_files_writer, restore_rng, run_state
+from ..config import Config
+from ..runtime.engine import Engine, MicroBatch
+from ..errors import MegatrainError
+from ..planner.flops import flops_per_token
 from .metrics import MetricsLogger
-from .models import get_adapter, load_hf_config
-from .offload import OptimizerPipeline
-from .optim import CpuAdamW, clip_coefficient, lr_at
-from .store import HostStore
+from ..models import get_adapter, load_hf_config
+from ..runtime.optimizer_pipeline import OptimizerPipeline
+from ..runtime.adamw import CpuAdamW, clip_coefficient, lr_at
+from ..runtime.store import HostStore
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -49,8 +49,8 @@ class Run:
     tokenizer: object
     out_dir: Path
     resumed: resume_lib.Resumed | None = None  # the checkpoint this run continues, loaded into the store
-    plan: object = None  # megatrain.plan.Plan of this run (None: it could not be computed)
-    stats: object = None  # megatrain.runstats.StepStats, set when the run starts
+    plan: object = None  # megatrain.planner.plan.Plan of this run (None: it could not be computed)
+    stats: object = None  # megatrain.run.stepstats.StepStats, set when the run starts
 
 
 def to_microbatches(batches) -> list[MicroBatch]:
@@ -72,7 +72,7 @@ def prepare(cfg: Config) -> Run:
     if adapter.sliding_window and cfg.data.max_seq_len > adapter.sliding_window:
         raise MegatrainError(f"data.max_seq_len: {cfg.data.max_seq_len} exceeds the model's sliding_window "
                              f"({adapter.sliding_window}), which megatrain does not implement; use at most that")
-    from .plan import check_before_run
+    from ..planner.plan import check_before_run
 
     plan = check_before_run(cfg, adapter, device.type)  # refuses a run that cannot fit, before any weight is read
     data_lib.validate_inputs(cfg.data)
@@ -86,7 +86,7 @@ def prepare(cfg: Config) -> Run:
         resume_lib.check_model_config(resumed, hf_config, cfg.model.path)
         resume_lib.check_no_newer(resumed, out_dir)
     if cfg.export.at_end:
-        from .export import check_export_target
+        from ..checkpoint.export import check_export_target
 
         check_export_target(Path(cfg.export.dir or out_dir / "export"), replace_export=True)
     tokenizer = _load_tokenizer(cfg.model.tokenizer or cfg.model.path)
@@ -154,7 +154,7 @@ def _load_exact_match(path: str) -> list[tuple[str, str]]:
 def _raise_if_out_of_memory(e: BaseException, *, run, plan, adapter, step) -> None:
     """A GPU out-of-memory error or a failed host allocation becomes one message naming the component and
     what the plan suggests (instead of a wall of traceback); anything else is left alone."""
-    from .runstats import is_host_allocation_failure, oom_message
+    from .stepstats import is_host_allocation_failure, oom_message
 
     if isinstance(e, torch.OutOfMemoryError):
         raise MegatrainError(oom_message(e, plan, adapter, step)) from None
@@ -216,7 +216,7 @@ def train(cfg: Config) -> dict:
     log.info(f"megatrain: {run.adapter.model_type} {n_params / 1e6:.2f}M params, {run.adapter.num_layers} layers, "
              f"{cfg.train.precision} on {run.engine.device}; host store {run.store.host_bytes() / 2**30:.2f} GiB; "
              f"data: {run.loader.summary()}")
-    from .runstats import attach
+    from .stepstats import attach
 
     attach(run, log)  # the plan's figures in the start summary; per-step throughput, memory, stream shares
     saver = CheckpointSaver(run.out_dir / "checkpoints", run.store, run.pipeline, keep=cfg.checkpoint.keep)
@@ -266,7 +266,7 @@ def train(cfg: Config) -> dict:
             final = final or (run.resumed.path if run.resumed else None)
             run.pipeline.drain()
             if cfg.export.at_end:
-                from .export import export_checkpoint
+                from ..checkpoint.export import export_checkpoint
 
                 res = export_checkpoint(final, cfg.export.dir or run.out_dir / "export", dtype=cfg.export.dtype,
                                         max_shard_mb=cfg.export.max_shard_mb, replace_export=True)

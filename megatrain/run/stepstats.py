@@ -11,7 +11,7 @@ import traceback
 
 import torch
 
-from .flops import flops_per_token
+from ..planner.flops import flops_per_token
 
 GiB = 2**30
 
@@ -24,7 +24,7 @@ class StepStats:
         self.timeline = None
         self._window = None
         if self.cuda:
-            from .timeline import Timeline
+            from ..runtime.timeline import Timeline
 
             self.timeline = Timeline()
             engine.timeline = pipeline.timeline = self.timeline
@@ -40,7 +40,7 @@ class StepStats:
             self._window[1] = self.timeline.marker()
 
     def __call__(self, record: dict) -> dict:
-        from .sysmem import rss_bytes
+        from ..planner.sysmem import rss_bytes
 
         out = {}
         tokens, dt = record.get("tokens"), record.get("step_time_s")
@@ -67,7 +67,7 @@ def attach(run, log) -> None:
     plan = run.plan
     peak = None
     if run.engine.device.type == "cuda":
-        from .profile import peak_bf16_for
+        from ..planner.profile import peak_bf16_for
 
         measured = plan.profile.peak_bf16 if plan is not None and plan.profile.measured else None
         peak = measured or peak_bf16_for(torch.cuda.get_device_name(run.engine.device))
@@ -179,7 +179,7 @@ def oom_message(exc: BaseException, plan, adapter, step: int | None, host: bool 
                          f"{plan.gpu_limit / GiB:.1f} GiB; other processes on the GPU, or rows longer than planned, "
                          f"take the rest")
     if plan is not None and adapter is not None:
-        from .plan import suggestions
+        from ..planner.plan import suggestions
 
         target = 0.8 * plan.gpu_needed if not host and plan.gpu_needed else None
         try:

@@ -2,7 +2,7 @@
 TensorBoard and wandb when enabled.
 
 Each step's record carries what the trainer measured (loss, grad norm, lr, tokens/s) and what `stats`, when
-set (megatrain.runstats.StepStats), adds: TFLOP/s, MFU, GPU and host memory, the busy shares of the compute,
+set (megatrain.run.stepstats.StepStats), adds: TFLOP/s, MFU, GPU and host memory, the busy shares of the compute,
 H2D and D2H streams; the logger adds the ETA."""
 
 from __future__ import annotations

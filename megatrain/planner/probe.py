@@ -1,8 +1,8 @@
 """`megatrain probe`: measure this machine and write the profile `megatrain plan` uses.
 
-    python3 -m megatrain.probe --out profile.json --layer bench/model-configs/qwen2.5-7b:32x1024
+    python3 -m megatrain.planner.probe --out profile.json --layer bench/model-configs/qwen2.5-7b:32x1024
 
-On any machine: host RAM (cgroup-aware), the CPU AdamW rate (megatrain.optim.CpuAdamW on a tile, bf16 copy
+On any machine: host RAM (cgroup-aware), the CPU AdamW rate (megatrain.runtime.adamw.CpuAdamW on a tile, bf16 copy
 written, as the optimizer pipeline runs it) and a CPU matmul rate. With CUDA besides: pinned H2D and D2H
 bandwidth, each alone and both at once (cudaHostRegister'ed memory, as the store and the landing buffers are),
 pageable H2D, the cost of registering memory, the bf16 matmul rate, and for each `--layer MODEL:BxT` one
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
+from .. import __version__
 from .profile import PROFILE_VERSION, default_profile_path, peak_bf16_for, this_host
-from .lmhead import default_chunk
+from ..runtime.lmhead import default_chunk
 from .sysmem import host_memory, memlock_limit
 
 GiB = 2**30
@@ -37,9 +37,9 @@ def log(msg: str) -> None:
 # ---- CPU -------------------------------------------------------------------------------------------------------
 def adamw_rate(numel: int, stream_dtype: torch.dtype, reps: int = 3) -> float:
     """Parameters per second of CpuAdamW.update over one tile of `numel` parameters (decayed)."""
-    from .models.base import TensorSpec, Unit
-    from .optim import CpuAdamW
-    from .store import LayerTile, _aligned_empty
+    from ..models.base import TensorSpec, Unit
+    from ..runtime.adamw import CpuAdamW
+    from ..runtime.store import LayerTile, _aligned_empty
 
     unit = Unit("layer", 0, (TensorSpec("w", "w", (numel,), True, "normal"),))
     master = _aligned_empty(numel, torch.float32, zero=False).normal_(0, 0.02)
@@ -79,7 +79,7 @@ def _sync(device: str) -> None:
 def _registered(nbytes: int) -> tuple[torch.Tensor, float]:
     """A touched, page-aligned host buffer registered as pinned (as the store does), and the seconds the
     registration took."""
-    from .store import _aligned_empty
+    from ..runtime.store import _aligned_empty
 
     buf = _aligned_empty(nbytes, torch.uint8, zero=True)
     t0 = time.perf_counter()
@@ -143,7 +143,7 @@ def _pageable(dev: torch.Tensor, host: torch.Tensor, reps: int = 3) -> float:
 def _adapter(model_dir: str):
     from transformers import AutoConfig
 
-    from .models import get_adapter
+    from ..models import get_adapter
 
     return get_adapter(AutoConfig.from_pretrained(model_dir))
 
@@ -214,7 +214,7 @@ def head_rate(model_dir: str, micro: int, seq: int, device: str, reps: int = 2) 
     """Executed FLOP/s (6 per LM-head parameter per target) of the engine's chunked LM-head loss + backward."""
     from types import SimpleNamespace
 
-    from .engine import Engine
+    from ..runtime.engine import Engine
 
     ad = _adapter(model_dir)
     H, V = ad.hidden_size, ad.vocab_size

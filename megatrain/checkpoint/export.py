@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint.layout import locate, read_manifest, small_files, verify_file
-from .checkpoint.tensorfile import TensorFileReader, TensorFileWriter, fsync_dir
-from .errors import MegatrainError
-from .models import get_adapter, load_hf_config
+from .layout import locate, read_manifest, small_files, verify_file
+from .tensorfile import TensorFileReader, TensorFileWriter, fsync_dir
+from ..errors import MegatrainError
+from ..models import get_adapter, load_hf_config
 
 INDEX = "model.safetensors.index.json"
 DTYPES = {"bf16": (torch.bfloat16, "bfloat16"), "fp32": (torch.float32, "float32")}

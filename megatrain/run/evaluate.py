@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .engine import Engine
+from ..runtime.engine import Engine
 
 
 @torch.no_grad()

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import MegatrainError
-from .models import ModelAdapter, Unit
+from ..errors import MegatrainError
+from ..models import ModelAdapter, Unit
 
 PAGE = 4096
 ALIGN_ELEMS = PAGE // 2  # tile starts aligned to 2048 elements: page-aligned in bf16 and in fp32 buffers

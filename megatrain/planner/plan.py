@@ -9,7 +9,7 @@ Nothing is loaded or allocated. Sizes follow the code that will allocate them:
             backward, and the next step's forward while the last step's gradients are still being copied out):
             weight slots, layer-boundary checkpoints, d(hidden) buffers, fp32 gradients, rope tables, and one
             micro-batch's layer or LM-head work, measured by running the real template on the meta device
-            (megatrain.actsim). The peak is the largest phase; its components are reported.
+            (megatrain.planner.activations). The peak is the largest phase; its components are reported.
     time    a small event simulation of one steady-state step: H2D weight copies into the slot ring, compute
             per unit at the profile's rates, the CPU AdamW of the last step (D2H pieces, then the update)
             that each unit of the forward waits for. The update is a pipeline over units in forward order
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from .profile import COMPILED_SPEEDUP, GiB, Profile
 
-ALIGN_ELEMS = 2048  # megatrain.store.ALIGN_ELEMS: every tile starts on a page in bf16 and in fp32
+ALIGN_ELEMS = 2048  # megatrain.runtime.store.ALIGN_ELEMS: every tile starts on a page in bf16 and in fp32
 RUNTIME_HOST = {"cuda": 1.5 * GiB, "cpu": 0.6 * GiB}  # peak RSS beyond the store's buffers (H200 runs)
 GPU_WORKSPACE = int(0.25 * GiB)  # cuBLAS/cuDNN workspaces in the caching allocator
 # caching-allocator fragmentation, reserved / allocated on the H200 runs: eager 1.07-1.09 (1.29 with spill and
@@ -90,10 +90,10 @@ def padded_elems(numels) -> int:
 def landing_piece(units) -> int:
     """OptimizerPipeline.piece: the largest unit rounded down to optim.CHUNK, at least one chunk, at most
     offload.PIECE_MAX elements."""
-    from . import offload, optim
+    from ..runtime import adamw, optimizer_pipeline
 
-    chunk = optim.CHUNK
-    return min(offload.PIECE_MAX, max(chunk, max(u.numel for u in units) // chunk * chunk))
+    chunk = adamw.CHUNK
+    return min(optimizer_pipeline.PIECE_MAX, max(chunk, max(u.numel for u in units) // chunk * chunk))
 
 
 def slot_numel(units, tied: bool) -> int:
@@ -116,7 +116,7 @@ def compiled_runtime_host(tokens_per_micro_batch: int) -> float:
 
 
 def default_loss_chunk(vocab: int) -> int:
-    from .lmhead import default_chunk
+    from ..runtime.lmhead import default_chunk
 
     return default_chunk(vocab)  # the Engine's
 
@@ -273,7 +273,7 @@ def _activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | No
     """Per distinct micro-batch size: the layer's forward and backward peaks and the LM head's peak."""
     import torch
 
-    from . import actsim
+    from . import activations as actsim
 
     dtype = torch.bfloat16 if w.precision == "bf16" else torch.float32
     V = adapter.vocab_size
@@ -785,7 +785,7 @@ def plan_command(cfg) -> int:
     """`megatrain plan CONFIG`: print the plan; exit status 1, with the reason, when the run will not fit."""
     import sys
 
-    from .models import get_adapter, load_hf_config
+    from ..models import get_adapter, load_hf_config
     from .profile import load_profile
 
     adapter = get_adapter(load_hf_config(cfg.model.path))
@@ -803,7 +803,7 @@ def check_before_run(cfg, adapter, device: str) -> Plan | None:
     Returns the plan (None when it could not be computed: the run goes ahead, with a warning)."""
     import warnings
 
-    from .errors import MegatrainError
+    from ..errors import MegatrainError
 
     try:
         plan = plan_for_config(cfg, adapter, device)

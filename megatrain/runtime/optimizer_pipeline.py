@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from .optim import CpuAdamW
+from .adamw import CpuAdamW
 from .store import HostStore, _aligned_empty
 
 
@@ -56,12 +56,12 @@ class OptimizerPipeline:
         self._error: BaseException | None = None
         self._registered: list[int] = []
         if self.cuda:
-            from . import optim
+            from . import adamw
 
             # Pieces on CHUNK boundaries keep a piecewise update bit-identical to a whole-tile one. 64M elements
             # (256 MiB) per piece: copies that large run at full PCIe bandwidth, and two such buffers cost 0.5 GiB
             # of host memory however large the layers are.
-            self.piece = min(PIECE_MAX, max(optim.CHUNK, store.max_unit_numel // optim.CHUNK * optim.CHUNK))
+            self.piece = min(PIECE_MAX, max(adamw.CHUNK, store.max_unit_numel // adamw.CHUNK * adamw.CHUNK))
             self.landing = [_aligned_empty(self.piece, torch.float32, zero=False) for _ in range(num_landing)]
             cudart = torch.cuda.cudart()
             for buf in [*self.landing, *self.offload_host.values()]:

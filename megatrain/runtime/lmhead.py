@@ -1,7 +1,7 @@
 """The LM head's pieces: chunk size, cross-entropy of one chunk of logits with its gradient, and the fp32
 accumulation of the head's weight gradient.
 
-On CUDA the cross-entropy is one Triton kernel (megatrain.ce_triton) that writes the gradient over the logits;
+On CUDA the cross-entropy is one Triton kernel (megatrain.runtime.ce_triton) that writes the gradient over the logits;
 elsewhere one fp32 copy of the chunk is made and turned into the gradient in place (n·V·(2 + 4 + 2) bytes).
 Rows whose target is -100 contribute nothing.
 """
@@ -42,7 +42,7 @@ def accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fused
     acc.add_(a @ b)
 
 
-USE_TRITON = True  # the fused kernel on CUDA (megatrain.ce_triton); False: the eager version everywhere
+USE_TRITON = True  # the fused kernel on CUDA (megatrain.runtime.ce_triton); False: the eager version everywhere
 _triton_failed: list[str] = []  # set once if the kernel cannot be built here; then the eager version is used
 
 

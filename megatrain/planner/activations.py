@@ -158,7 +158,7 @@ def head_memory(adapter, batch: int, seq: int, targets: int, chunk: int, dtype: 
     """Peak bytes of the LM-head loss and its backward for one micro-batch (the engine's own `_head_loss`, run on
     the meta device, with its CUDA kernels when `cuda`), excluding the hidden states, weights and gradient
     accumulators it is given, and excluding the d(hidden) it returns (the planner counts those per micro-batch)."""
-    from .engine import Engine
+    from ..runtime.engine import Engine
 
     H, V = adapter.hidden_size, adapter.vocab_size
     h = torch.empty(batch, seq, H, dtype=dtype, device="meta")

@@ -118,14 +118,14 @@ def load_profile(path: str | Path | None) -> Profile:
     p = Path(path).expanduser() if explicit else default_profile_path()
     if not p.is_file():
         if explicit:
-            from .errors import MegatrainError
+            from ..errors import MegatrainError
 
             raise MegatrainError(f"plan.profile: {p} does not exist (write one with `megatrain probe --out {p}`)")
         return DEFAULTS
     try:
         raw = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        from .errors import MegatrainError
+        from ..errors import MegatrainError
 
         raise MegatrainError(f"plan.profile: {p} is not a readable profile ({e})") from None
     return from_dict(raw, str(p))

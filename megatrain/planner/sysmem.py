@@ -2,7 +2,7 @@
 
 A container's limit is often far below the host's MemAvailable: the usable amount is the smallest of
 MemAvailable and, for every cgroup from ours up to the root, limit - usage + reclaimable page cache.
-Only the standard library is used, so `python3 -m megatrain.probe` runs where pydantic is not installed.
+Only the standard library is used, so `python3 -m megatrain.planner.probe` runs where pydantic is not installed.
 """
 
 from __future__ import annotations

@@ -34,10 +34,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .models import ModelAdapter
-from .models.base import AttnContext
+from ..models import ModelAdapter
+from ..models.base import AttnContext
 from .lmhead import accumulate_matmul, ce_loss_and_grad, default_chunk, fusable_dtypes
-from .spill import CheckpointSpill
+from .activation_spill import CheckpointSpill
 from .store import HostStore, LayerTile
 
 IGNORE_INDEX = -100
@@ -138,7 +138,7 @@ class Engine:
         # new version, since the optimizer may have rewritten any tile in between.
         self.weights_version = 0
         self.wait_for_update: Callable[[int], None] = lambda unit_index: None
-        self.timeline = None  # a megatrain.timeline.Timeline to measure stream busy shares (CUDA only)
+        self.timeline = None  # a megatrain.runtime.timeline.Timeline to measure stream busy shares (CUDA only)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             head_uses = [self.head_i, self.embed_i] if adapter.tied else [self.head_i]
