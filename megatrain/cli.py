@@ -58,19 +58,19 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg = load_config(*_split(args.config, args.overrides))
         if args.command == "train":
-            from .run.trainer import train
+            from .run import train
 
             train(cfg)
         elif args.command == "plan":
-            from .planner.plan import plan_command
+            from .planner import plan_command
 
             return plan_command(cfg)
         elif args.command == "data":
             from . import data as data_lib
-            from .run.trainer import _load_tokenizer
 
             data_lib.validate_inputs(cfg.data)
-            print(data_lib.preview(cfg.data, _load_tokenizer(cfg.model.tokenizer or cfg.model.path), args.preview))
+            print(data_lib.preview(cfg.data, data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path),
+                                   args.preview))
     except MegatrainError as e:
         print(f"megatrain: error: {e}", file=sys.stderr)
         return 2

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from megatrain.runtime.engine import CollectGrads, Engine, MicroBatch
 from megatrain.models import get_adapter, load_hf_config
-from megatrain.runtime.adamw import CpuAdamW, clip_coefficient
-from megatrain.runtime.store import HostStore
+from megatrain.runtime import CpuAdamW, EngineOptions, HostStore, MicroBatch, RuntimeOptions, build_runtime
+from megatrain.runtime.adamw import clip_coefficient
 
 # eps = 1e-6: with eps = 1e-8, AdamW's first steps turn an fp32 rounding difference dg in a near-zero gradient
 # element into an update difference of up to lr * dg / eps, and two correct fp32 implementations (megatrain and
@@ -41,29 +40,47 @@ def reference_step(model, opt, batches, max_norm=MAX_NORM) -> tuple[float, dict[
 
 
 class Megatrain:
-    """The engine + CPU AdamW as the trainer drives them, on CPU."""
+    """megatrain's runtime as the trainer builds it (`build_runtime`), driven step by step, on CPU.
 
-    def __init__(self, model_dir, dtype=torch.float32, loss_chunk_tokens=0):
+    Engine options (spill_layers, compile_layers, loss_chunk_tokens, ...) and offload_grad_units, threaded_optimizer
+    are passed through to RuntimeOptions."""
+
+    def __init__(self, model_dir, dtype=torch.float32, *, offload_grad_units: int = 0,
+                 threaded_optimizer: bool | None = None, **engine_options):
         self.adapter = get_adapter(load_hf_config(model_dir))
         self.store = HostStore(self.adapter, dtype)
         self.store.load_safetensors(model_dir)
-        self.engine = Engine(self.store, self.adapter, torch.device("cpu"), loss_chunk_tokens=loss_chunk_tokens)
         self.opt = CpuAdamW(eps=EPS, weight_decay=WD)
+        self.runtime = build_runtime(self.store, "cpu", self.opt, RuntimeOptions(
+            engine=EngineOptions(**engine_options), offload_grad_units=offload_grad_units,
+            threaded_optimizer=threaded_optimizer))
+        self.engine, self.pipeline = self.runtime.engine, self.runtime.pipeline
 
-    def step(self, batches, max_norm=MAX_NORM, lr=LR) -> tuple[float, dict[str, torch.Tensor]]:
+    def train_step(self, batches, max_norm=MAX_NORM, lr=LR, keep_grads: bool = False):
+        """One step as the trainer takes it: the engine's waves, the norm, the pipeline's update. Returns
+        (loss, grad norm, {HF name: gradient} when keep_grads)."""
         mbs = [MicroBatch.from_labels(b["input_ids"], b["labels"]) for b in batches]
-        sink = CollectGrads()
-        out = self.engine.train_step(mbs, sink)
+        out = self.engine.train_step(mbs)
         norm = out.grad_sq_norm.sqrt().item()
         grads = {}
-        for i, tile in enumerate(self.store.tiles):
-            for s, g in zip(tile.unit.specs, tile.views(sink.grads[i]).values()):
-                grads[s.hf_name] = g.clone()
-            self.opt.update(tile, sink.grads[i], lr=lr, clip_coef=clip_coefficient(norm, max_norm))
-        return out.loss_sum.item(), grads
+        if keep_grads:  # the finished gradients, before the update consumes them
+            for i, tile in enumerate(self.store.tiles):
+                for s, g in zip(tile.unit.specs, tile.views(self.pipeline.gradient(i)).values()):
+                    grads[s.hf_name] = g.clone()
+        self.pipeline.finish_step(lr=lr, clip_coef=clip_coefficient(norm, max_norm))
+        return out.loss_sum.item(), norm, grads
+
+    def step(self, batches, max_norm=MAX_NORM, lr=LR) -> tuple[float, dict[str, torch.Tensor]]:
+        loss, _, grads = self.train_step(batches, max_norm, lr, keep_grads=True)
+        return loss, grads
 
     def params(self) -> dict[str, torch.Tensor]:
+        self.pipeline.drain()
         return {s.hf_name: v for t in self.store.tiles for s, v in zip(t.unit.specs, t.views(t.master).values())}
+
+    def close(self) -> None:
+        self.pipeline.drain()
+        self.runtime.close()
 
 
 def random_batches(n_micro: int, batch: int, vocab: int, lengths: list[int], seed: int, pad_id: int = 0):

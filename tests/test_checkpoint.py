@@ -1,7 +1,6 @@
 """Checkpoint saving: the background writer saves exactly step N's state while training goes on, files are
 standard safetensors with checksums, failures are reported, signals only request a stop."""
 
-import math
 import os
 import signal
 
@@ -12,10 +11,7 @@ from safetensors import safe_open
 from conftest import make_model_dir
 from megatrain.checkpoint import CheckpointSaver, StopOnSignal, verify_checkpoint
 from megatrain.checkpoint.resume import load_store, open_checkpoint
-from megatrain.runtime.engine import MicroBatch
 from megatrain.errors import MegatrainError
-from megatrain.runtime.optimizer_pipeline import OptimizerPipeline
-from megatrain.runtime.adamw import clip_coefficient
 from megatrain.runtime.store import HostStore
 from reference import Megatrain, random_batches
 
@@ -29,34 +25,31 @@ def snapshot(store):
         [torch.stack([t.step for t in store.tiles])]
 
 
-def step(m: Megatrain, pipeline, seed: int) -> None:
-    batches = random_batches(2, 2, 97, [9, 12], seed=seed)
-    out = m.engine.train_step([MicroBatch.from_labels(b["input_ids"], b["labels"]) for b in batches], pipeline)
-    pipeline.finish_step(lr=1e-3, clip_coef=clip_coefficient(math.sqrt(out.grad_sq_norm.item()), 1.0))
+def step(m: Megatrain, seed: int) -> None:
+    m.train_step(random_batches(2, 2, 97, [9, 12], seed=seed), lr=1e-3, max_norm=1.0)
 
 
 @pytest.mark.parametrize("threaded", [True, False], ids=["worker-thread", "inline"])
 def test_background_save_holds_exactly_step_n(tmp_path, monkeypatch, threaded):
     """Steps N+1, N+2 run while step N is written slowly; the files still hold step N, bit for bit."""
     make_model_dir(tmp_path / "model", "qwen2", seed=3)
-    m = Megatrain(tmp_path / "model", dtype=torch.bfloat16)
-    pipeline = OptimizerPipeline(m.store, m.opt, torch.device("cpu"), threaded=threaded)  # threaded: as on CUDA
-    m.engine.wait_for_update = pipeline.wait_for_update
+    m = Megatrain(tmp_path / "model", dtype=torch.bfloat16, threaded_optimizer=threaded)  # threaded: as on CUDA
+    pipeline = m.pipeline
     saver = CheckpointSaver(tmp_path / "ckpt", m.store, pipeline, keep=0)
     try:
         for s in range(2):
-            step(m, pipeline, seed=s)
+            step(m, seed=s)
         pipeline.drain()
         at_save = snapshot(m.store)
         monkeypatch.setenv("MEGATRAIN_TEST_SAVE_DELAY_S", "0.05")
         saver.save(2, state(2))
         assert saver.busy
         for s in range(2, 4):  # the optimizer catches up with the writer and waits for it, unit by unit
-            step(m, pipeline, seed=s)
+            step(m, seed=s)
         path = saver.wait()
         pipeline.drain()
     finally:
-        pipeline.close()
+        m.close()
     after = snapshot(m.store)
     assert not torch.equal(after[0], at_save[0])  # training did go on
     fresh = HostStore(m.adapter, torch.bfloat16)

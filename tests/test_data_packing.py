@@ -80,16 +80,17 @@ def _engine(model_dir):
     ad = get_adapter(load_hf_config(model_dir))
     st = HostStore(ad, torch.float32)
     st.load_safetensors(model_dir)
-    return Engine(st, ad, torch.device("cpu")), CollectGrads
+    sink = CollectGrads()
+    return Engine(st, ad, torch.device("cpu"), sink), sink
 
 
-def _run(engine, sink_cls, ids, labels, positions):
+def _run(engine, sink, ids, labels, positions):
     """Sum of token losses and of gradients (the engine divides both by the number of targets)."""
     from megatrain.runtime.engine import MicroBatch
 
     mb = MicroBatch.from_labels(ids, labels, positions)
-    sink = sink_cls()
-    out = engine.train_step([mb], sink)
+    sink.grads.clear()
+    out = engine.train_step([mb])
     n = mb.num_targets
     return float(out.loss_sum) * n, {u: g * n for u, g in sink.grads.items()}, n
 

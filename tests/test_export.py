@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatrain.checkpoint.resume import load_store, open_checkpoint
-from megatrain.runtime.engine import Engine
+from megatrain.runtime.engine import CollectGrads, Engine
 from megatrain.errors import MegatrainError
 from megatrain.checkpoint.export import export_checkpoint
 from megatrain.models import get_adapter, load_hf_config
@@ -24,7 +24,7 @@ def megatrain_logits(ckpt, ids, lengths) -> torch.Tensor:
     adapter = get_adapter(load_hf_config(ckpt))
     store = HostStore(adapter, torch.float32)
     load_store(open_checkpoint(ckpt), store)
-    return Engine(store, adapter, torch.device("cpu")).next_token_logits(ids, lengths)
+    return Engine(store, adapter, torch.device("cpu"), CollectGrads()).next_token_logits(ids, lengths)
 
 
 def sample_inputs(vocab: int = 29):

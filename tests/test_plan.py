@@ -18,7 +18,8 @@ import yaml
 from conftest import tiny_hf_config
 from megatrain.planner import plan as plan_lib
 from megatrain.planner.activations import LiveBytes
-from megatrain.runtime.engine import CollectGrads, Engine, MicroBatch
+from megatrain.runtime.engine import CollectGrads, Engine, EngineOptions, MicroBatch
+from megatrain.runtime.pinned import PinnedHost
 from megatrain.models import get_adapter
 from megatrain.planner.plan import Workload, gpu_phases, landing_piece, make_plan, padded_elems, slot_numel
 from megatrain.planner.profile import DEFAULTS, GiB
@@ -83,7 +84,7 @@ def test_landing_buffers_equal_optimizer_pipeline(monkeypatch, chunk, piece_max)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: object())
     adapter = get_adapter(tiny_hf_config("llama", vocab=1001))
     store = HostStore(adapter, torch.bfloat16)
-    pipe = OptimizerPipeline(store, CpuAdamW(), torch.device("cuda"), threaded=False)
+    pipe = OptimizerPipeline(store, CpuAdamW(), torch.device("cuda"), PinnedHost(cuda=True), threaded=False)
     assert pipe.piece == landing_piece(adapter.units())
     host = plan_lib.host_memory(adapter.units(), Workload((2,), 16, device="cuda"))
     assert host["gradient landing buffers (pinned)"] == sum(b.numel() * 4 for b in pipe.landing) == sum(cudart.registered)
@@ -107,7 +108,7 @@ def test_slots_equal_engine(monkeypatch, tied):
     monkeypatch.setattr(torch.cuda, "Event", Event)
     adapter = get_adapter(tiny_hf_config("qwen2", tied=tied, vocab=4001))
     store = HostStore(adapter, torch.bfloat16)
-    engine = Engine(store, adapter, torch.device("cuda"), num_slots=3)
+    engine = Engine(store, adapter, torch.device("cuda"), CollectGrads(), EngineOptions(num_slots=3))
     assert [s.buf.numel() for s in engine.slots] == [slot_numel(adapter.units(), tied)] * 3
     phases = gpu_phases(adapter, adapter.units(), Workload((2,), 16, num_slots=3), [])
     assert phases[0][1]["weight slots"] == sum(s.buf.numel() * 2 for s in engine.slots)
@@ -120,7 +121,7 @@ class _MetaBatch(MicroBatch):
 
 
 class _GpuLikeSpill:
-    """CheckpointSpill's device-side behaviour on CUDA, on the meta device: a saved checkpoint leaves the device
+    """ActivationSpill's device-side behaviour on CUDA, on the meta device: a saved checkpoint leaves the device
     once copied; `prefetch` allocates it again; `load` hands it over and prefetches the layer below."""
 
     def __init__(self, num_layers, dtype):
@@ -166,7 +167,7 @@ def engine_peak_on_meta(adapter, sizes, seq, dtype=torch.bfloat16, packed=False,
             return torch.empty(n, dtype=dt, device="meta")
         tiles.append(LayerTile(u, mk(torch.float32), mk(torch.float32), mk(torch.float32), mk(dtype)))
     store = SimpleNamespace(tiles=tiles, stream_dtype=dtype, max_unit_numel=max(t.numel for t in tiles))
-    engine = Engine(store, adapter, torch.device("meta"))
+    engine = Engine(store, adapter, torch.device("meta"), _OffloadSink(plan_lib.offloaded(adapter.units(), offload)))
     engine.spill = _GpuLikeSpill(spill, dtype)
     mbs = []
     for b in sizes:
@@ -180,7 +181,7 @@ def engine_peak_on_meta(adapter, sizes, seq, dtype=torch.bfloat16, packed=False,
     for mb in mbs:
         mode.ignore(mb.input_ids, mb.position_ids, mb.target_index, mb.targets)
     with mode:
-        engine.train_step(mbs, _OffloadSink(plan_lib.offloaded(adapter.units(), offload)))
+        engine.train_step(mbs)
     return mode.peak
 
 
@@ -202,20 +203,20 @@ def test_gpu_phases_match_the_engine(model, layers, sizes, seq, packed, spill, o
 
 
 def test_spill_and_offload_host_buffers_equal_the_engines():
-    """The pinned host memory CheckpointSpill and OptimizerPipeline allocate for spill_layers / offload_units."""
+    """The pinned host memory ActivationSpill and OptimizerPipeline allocate for spill_layers / offload_units."""
     from megatrain.runtime.optimizer_pipeline import OptimizerPipeline
     from megatrain.runtime.adamw import CpuAdamW
-    from megatrain.runtime.activation_spill import CheckpointSpill
+    from megatrain.runtime.activation_spill import ActivationSpill
 
     adapter = get_adapter(tiny_hf_config("llama", layers=5, vocab=1001))
     units = adapter.units()
     w = Workload((3, 2), 48, device="cuda", spill_layers=4, offload_units=3)
     host = plan_lib.host_memory(units, w)
-    spill = CheckpointSpill(4, torch.device("cpu"), torch.bfloat16)
+    spill = ActivationSpill(4, torch.device("cpu"), torch.bfloat16)
     spill.begin_step([torch.Size((b, 48, adapter.hidden_size)) for b in w.micro_batches])
     assert host[plan_lib.SPILLED] == spill.host_bytes()
     store = HostStore(adapter, torch.bfloat16)
-    pipe = OptimizerPipeline(store, CpuAdamW(), torch.device("cpu"), offload_units=3)
+    pipe = OptimizerPipeline(store, CpuAdamW(), torch.device("cpu"), PinnedHost(cuda=False), offload_units=3)
     assert set(plan_lib.offloaded(units, 3)) == pipe.offload
     assert host[plan_lib.OFFLOADED] == sum(b.numel() * 4 for b in pipe.offload_host.values())
     plan = make_plan(adapter, w, DEFAULTS)
@@ -299,7 +300,7 @@ def test_train_refuses_before_loading_weights(tmp_path, monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("the host store was allocated before the plan check")
 
-    monkeypatch.setattr(megatrain.run.trainer, "HostStore", forbidden)
+    monkeypatch.setattr(megatrain.run.prepare, "HostStore", forbidden)
     with pytest.raises(MegatrainError, match="will not fit"):
         megatrain.run.trainer.prepare(load_config(cfg_path, ["plan.host_memory_gb=24", "train.device=cpu"]))
     # plan.check=false: the check is skipped, and the run fails later, at the weights

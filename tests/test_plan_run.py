@@ -91,13 +91,15 @@ def _oom(*args, **kwargs):
     ("forward", "layer activations of the forward wave"),
     ("head", "the LM head chunk + loss"),
 ])
-def test_gpu_out_of_memory_names_the_component(tmp_path, phase, component):
+def test_gpu_out_of_memory_names_the_component(tmp_path, monkeypatch, phase, component):
+    import megatrain.runtime.engine
+    from megatrain.run.prefetch import PreparedStep, prepare_step
     from megatrain.run.trainer import prepare, train_step
 
     run = prepare(default_cfg(tmp_path))
     try:
         if phase == "head":
-            run.engine._head_loss = _oom
+            monkeypatch.setattr(megatrain.runtime.engine, "head_loss", _oom)
         else:
             eager = run.engine.layer
 
@@ -108,9 +110,10 @@ def test_gpu_out_of_memory_names_the_component(tmp_path, phase, component):
 
             run.engine.layer = layer
         with pytest.raises(MegatrainError) as e:
-            train_step(run, 0, run.loader.next_step())
+            batches = run.loader.next_step()
+            train_step(run, 0, PreparedStep(batches, prepare_step(batches, pin=False), {}))
     finally:
-        run.pipeline.close()
+        run.runtime.close()
     msg = str(e.value)
     assert msg.startswith(f"GPU out of memory at step 1, allocating {component}"), msg
     assert "Tried to allocate 20.00 GiB" in msg and "Traceback" not in msg
@@ -125,13 +128,13 @@ def test_host_allocation_failure_names_the_component(tmp_path, monkeypatch):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
                            "you tried to allocate 30461468672 bytes. Error code 12 (Cannot allocate memory)")
 
-    monkeypatch.setattr(megatrain.runtime.store, "_aligned_empty", no_memory)
+    monkeypatch.setattr(megatrain.runtime.store, "aligned_empty", no_memory)
     with pytest.raises(MegatrainError) as e:
         prepare(default_cfg(tmp_path))
     msg = str(e.value)
     assert msg.startswith("host RAM ran out, allocating the host store (fp32 master, Adam m and v, streaming copy)")
     assert "the plan expected" in msg and "GiB available" in msg
     # other errors are not dressed up as memory errors
-    monkeypatch.setattr(megatrain.runtime.store, "_aligned_empty", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
+    monkeypatch.setattr(megatrain.runtime.store, "aligned_empty", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
     with pytest.raises(RuntimeError, match="^other$"):
         prepare(default_cfg(tmp_path))

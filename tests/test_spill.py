@@ -1,32 +1,22 @@
 """Memory bounding changes where tensors live, never the result: spilled checkpoints and gradients offloaded to
 host during backward give bit-for-bit the same training as keeping everything on the device."""
 
-import math
-
 import pytest
 import torch
 
 from conftest import make_model_dir
-from megatrain.runtime.engine import Engine, MicroBatch
 from megatrain.runtime.optimizer_pipeline import OptimizerPipeline
-from megatrain.runtime.adamw import clip_coefficient
+from megatrain.runtime.pinned import PinnedHost
 from reference import Megatrain, random_batches
 
 
 def run(model_dir, spill_layers, offload_units, steps=4):
-    mt = Megatrain(model_dir, dtype=torch.bfloat16)
-    mt.engine = Engine(mt.store, mt.adapter, torch.device("cpu"), spill_layers=spill_layers)
-    pipeline = OptimizerPipeline(mt.store, mt.opt, torch.device("cpu"), offload_units=offload_units)
-    mt.engine.wait_for_update = pipeline.wait_for_update
+    mt = Megatrain(model_dir, dtype=torch.bfloat16, spill_layers=spill_layers, offload_grad_units=offload_units)
     losses = []
     for step in range(steps):
-        mbs = [MicroBatch.from_labels(b["input_ids"], b["labels"])
-               for b in random_batches(3, 2, 97, [7, 12, 9], seed=400 + step)]
-        out = mt.engine.train_step(mbs, pipeline)
-        losses.append(out.loss_sum.item())
-        pipeline.finish_step(lr=1e-3, clip_coef=clip_coefficient(math.sqrt(out.grad_sq_norm.item()), 0.5))
-    pipeline.drain()
-    pipeline.close()
+        loss, _, _ = mt.train_step(random_batches(3, 2, 97, [7, 12, 9], seed=400 + step), lr=1e-3, max_norm=0.5)
+        losses.append(loss)
+    mt.close()
     return losses, mt.store
 
 
@@ -44,6 +34,6 @@ def test_offload_set_follows_backward_order(tmp_path):
     make_model_dir(tmp_path, "llama", seed=52)
     mt = Megatrain(tmp_path)
     n = len(mt.store.tiles)
-    p = OptimizerPipeline(mt.store, mt.opt, torch.device("cpu"), offload_units=3)
+    p = OptimizerPipeline(mt.store, mt.opt, torch.device("cpu"), PinnedHost(cuda=False), offload_units=3)
     assert p.offload == {n - 1, n - 2, n - 3}  # head, last layer, the one below
     p.close()

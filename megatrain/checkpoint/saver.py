@@ -55,10 +55,15 @@ def unit_plan(tile) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
 
 
 class CheckpointSaver:
-    """Owns output.dir/checkpoints: starts background saves, waits for them, keeps the newest `keep` (0: all)."""
+    """Owns output.dir/checkpoints: decides when to save (`step_done`), starts background saves, waits for them,
+    keeps the newest `keep` (0: all)."""
 
-    def __init__(self, root: Path, store, pipeline=None, keep: int = 0):
+    def __init__(self, root: Path, store, pipeline=None, keep: int = 0, every: int = 0,
+                 final_step: int | None = None):
+        """every: save every N steps (0: never periodically); final_step: also save when that step is done
+        (the run's last, when checkpoint.at_end or export.at_end asks for it)."""
         self.root, self.store, self.pipeline, self.keep = Path(root), store, pipeline, keep
+        self.every, self.final_step = every, final_step
         self._job: _Job | None = None
         self._thread: threading.Thread | None = None
         self.last: Path | None = None  # the newest checkpoint this saver completed
@@ -76,6 +81,15 @@ class CheckpointSaver:
     @property
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def step_done(self, step: int, run_state: Callable[[], dict], write_files: Callable[[Path], None] | None = None,
+                  stopping: bool = False) -> bool:
+        """Called after each step: save now if the schedule (every N, the final step) or a stop asks for it.
+        `run_state()` is captured only then, at this step boundary. Returns whether a save started."""
+        if not (stopping or (self.every and step % self.every == 0) or step == self.final_step):
+            return False
+        self.save(step, run_state(), write_files)
+        return True
 
     def save(self, step: int, run_state: dict, write_files: Callable[[Path], None] | None = None) -> None:
         """Start saving the store as step `step`; returns once the writer runs. A save still running is

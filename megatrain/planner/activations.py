@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from ..runtime.layer import layer_backward
+from ..runtime.lmhead import HeadKernels, head_loss
 
 
 class LiveBytes(TorchDispatchMode):
@@ -121,9 +123,8 @@ def layer_memory(adapter, batch: int, seq: int, dtype: torch.dtype = torch.bfloa
     """Bytes of one layer for one micro-batch of `batch` x `seq` tokens:
 
     forward_peak   no-grad forward (the forward wave), output included
-    saved          autograd-saved tensors after the recompute's forward, output included
-    backward_peak  recompute + local backward + fp32 accumulation, as Engine._layer_backward does it: saved
-                   tensors, backward transients, the bf16 weight gradients and d(input) included
+    backward_peak  recompute + local backward + fp32 accumulation (runtime.layer.layer_backward, the engine's
+                   own function): saved tensors, backward transients, the bf16 weight gradients and d(input)
     """
     w, ctx, x = _meta_layer_inputs(adapter, batch, seq, dtype, packed)
     grad_acc = {k: torch.empty(v.shape, dtype=torch.float32, device="meta") for k, v in w.items()}
@@ -139,39 +140,31 @@ def layer_memory(adapter, batch: int, seq: int, dtype: torch.dtype = torch.bfloa
 
         mode = LiveBytes()
         mode.ignore(*w.values(), x, dh, ctx.cos, ctx.sin, ctx.mask, *grad_acc.values())
-        with mode:  # the same steps as Engine._layer_backward
-            params = {k: v.detach().requires_grad_(True) for k, v in w.items()}
-            xx = x.detach().requires_grad_(True)
-            with torch.enable_grad():
-                y = adapter.layer_forward(params, xx, ctx)
-                out["saved"] = mode.live
-                grads = torch.autograd.grad(y, [xx, *params.values()], dh)
-            for acc, g in zip(grad_acc.values(), grads[1:]):
-                acc.add_(g)
-            del grads, y
+        with mode:
+            dx = layer_backward(adapter.layer_forward, w, x, ctx, dh, list(grad_acc.values()))
+            del dx
         out["backward_peak"] = mode.peak
     return out
 
 
 def head_memory(adapter, batch: int, seq: int, targets: int, chunk: int, dtype: torch.dtype = torch.bfloat16,
                 cuda: bool = True) -> int:
-    """Peak bytes of the LM-head loss and its backward for one micro-batch (the engine's own `_head_loss`, run on
-    the meta device, with its CUDA kernels when `cuda`), excluding the hidden states, weights and gradient
-    accumulators it is given, and excluding the d(hidden) it returns (the planner counts those per micro-batch)."""
-    from ..runtime.engine import Engine
-
+    """Peak bytes of the LM-head loss and its backward for one micro-batch (runtime.lmhead.head_loss, the engine's
+    own function, run on the meta device with the CUDA kernels when `cuda`), excluding the hidden states, weights
+    and gradient accumulators it is given, and excluding the d(hidden) it returns (the planner counts those per
+    micro-batch)."""
     H, V = adapter.hidden_size, adapter.vocab_size
     h = torch.empty(batch, seq, H, dtype=dtype, device="meta")
-    mb = SimpleNamespace(target_index=torch.empty(targets, dtype=torch.long, device="meta"),
-                         targets=torch.empty(targets, dtype=torch.long, device="meta"))
+    index = torch.empty(targets, dtype=torch.long, device="meta")
+    labels = torch.empty(targets, dtype=torch.long, device="meta")
     norm_w = torch.empty(H, dtype=dtype, device="meta")
     lm_w = torch.empty(V, H, dtype=dtype, device="meta")
     norm_g = torch.empty(H, dtype=torch.float32, device="meta")
     lm_g = torch.empty(V, H, dtype=torch.float32, device="meta")
-    shim = SimpleNamespace(adapter=adapter, loss_chunk=chunk, device=torch.device("meta"), head_kernels=cuda)
     mode = LiveBytes()
-    mode.ignore(h, norm_w, lm_w, norm_g, lm_g, mb.target_index, mb.targets)
+    mode.ignore(h, norm_w, lm_w, norm_g, lm_g, index, labels)
     with mode:
-        loss, dh = Engine._head_loss(shim, h, mb, norm_w, lm_w, norm_g, lm_g, 1.0 / max(targets, 1))
+        loss, dh = head_loss(adapter.final_norm, h, index, labels, norm_w, lm_w, norm_g, lm_g,
+                             1.0 / max(targets, 1), chunk, HeadKernels(fused_ce=cuda, fused_accumulate=cuda))
         del loss, dh
     return mode.peak

@@ -28,9 +28,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from ..runtime.optimizer_pipeline import landing_piece as _landing_piece
+from ..runtime.optimizer_pipeline import offloaded_units
+from ..runtime.schedule import slot_numel as _slot_numel
+from ..runtime.schedule import step_schedule
+from ..runtime.store import padded_numel
 from .profile import COMPILED_SPEEDUP, GiB, Profile
 
-ALIGN_ELEMS = 2048  # megatrain.runtime.store.ALIGN_ELEMS: every tile starts on a page in bf16 and in fp32
 RUNTIME_HOST = {"cuda": 1.5 * GiB, "cpu": 0.6 * GiB}  # peak RSS beyond the store's buffers (H200 runs)
 GPU_WORKSPACE = int(0.25 * GiB)  # cuBLAS/cuDNN workspaces in the caching allocator
 # caching-allocator fragmentation, reserved / allocated on the H200 runs: eager 1.07-1.09 (1.29 with spill and
@@ -81,31 +85,25 @@ class Workload:
                 f"x {self.seq_len} tokens = {self.tokens_per_step:,} tokens per step")
 
 
-# ---- sizes that mirror the allocating code --------------------------------------------------------------
+# ---- sizes of what the runtime allocates: its own functions --------------------------------------------------
 def padded_elems(numels) -> int:
-    """HostStore.total_elems: each unit's tile rounded up to ALIGN_ELEMS elements."""
-    return sum(-(-n // ALIGN_ELEMS) * ALIGN_ELEMS for n in numels)
+    """HostStore.total_elems: each unit's tile padded to the store's alignment."""
+    return sum(padded_numel(n) for n in numels)
 
 
 def landing_piece(units) -> int:
-    """OptimizerPipeline.piece: the largest unit rounded down to optim.CHUNK, at least one chunk, at most
-    offload.PIECE_MAX elements."""
-    from ..runtime import adamw, optimizer_pipeline
-
-    chunk = adamw.CHUNK
-    return min(optimizer_pipeline.PIECE_MAX, max(chunk, max(u.numel for u in units) // chunk * chunk))
+    """OptimizerPipeline.piece for these units."""
+    return _landing_piece(max(u.numel for u in units))
 
 
 def slot_numel(units, tied: bool) -> int:
-    """Engine slot size: the largest unit, or the head's units together (head + embedding when tied)."""
-    head = units[-1].numel + (units[0].numel if tied else 0)
-    return max(max(u.numel for u in units), head)
+    """The engine's weight-slot size for these units."""
+    return _slot_numel([u.numel for u in units], tied)
 
 
 def offloaded(units, n: int) -> list[int]:
-    """OptimizerPipeline.offload: the first n unit indices in backward order (head, last layer, ..., embed)."""
-    order = list(range(len(units)))
-    return ([order[-1]] + order[-2:0:-1] + [order[0]])[:n]
+    """The units the OptimizerPipeline offloads with offload_units=n."""
+    return offloaded_units(len(units), n)
 
 
 def compiled_runtime_host(tokens_per_micro_batch: int) -> float:
@@ -447,8 +445,7 @@ def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float
     e = w.elem
     n = len(units)
     L = n - 2
-    head_units = [n - 1, 0] if adapter.tied else [n - 1]
-    schedule = [[0]] + [[i] for i in range(1, n - 1)] + [head_units] + [[i] for i in range(n - 2, 0, -1)]
+    schedule = [list(use.units) for use in step_schedule(n, adapter.tied)]  # the engine's own
     S = min(w.spill_layers, L)
     C = w.tokens_per_step * adapter.hidden_size * e
     off = set(offloaded(units, w.offload_units))

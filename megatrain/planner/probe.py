@@ -24,7 +24,8 @@ import torch
 
 from .. import __version__
 from .profile import PROFILE_VERSION, default_profile_path, peak_bf16_for, this_host
-from ..runtime.lmhead import default_chunk
+from ..runtime.layer import layer_backward
+from ..runtime.lmhead import HeadKernels, default_chunk, head_loss
 from .sysmem import host_memory, memlock_limit
 
 GiB = 2**30
@@ -39,15 +40,16 @@ def adamw_rate(numel: int, stream_dtype: torch.dtype, reps: int = 3) -> float:
     """Parameters per second of CpuAdamW.update over one tile of `numel` parameters (decayed)."""
     from ..models.base import TensorSpec, Unit
     from ..runtime.adamw import CpuAdamW
-    from ..runtime.store import LayerTile, _aligned_empty
+    from ..runtime.pinned import aligned_empty
+    from ..runtime.store import LayerTile
 
     unit = Unit("layer", 0, (TensorSpec("w", "w", (numel,), True, "normal"),))
-    master = _aligned_empty(numel, torch.float32, zero=False).normal_(0, 0.02)
-    m = _aligned_empty(numel, torch.float32, zero=True)
-    v = _aligned_empty(numel, torch.float32, zero=True)
-    stream = _aligned_empty(numel, stream_dtype, zero=True) if stream_dtype != torch.float32 else master
+    master = aligned_empty(numel, torch.float32, zero=False).normal_(0, 0.02)
+    m = aligned_empty(numel, torch.float32, zero=True)
+    v = aligned_empty(numel, torch.float32, zero=True)
+    stream = aligned_empty(numel, stream_dtype, zero=True) if stream_dtype != torch.float32 else master
     tile = LayerTile(unit, master, m, v, stream)
-    grad = _aligned_empty(numel, torch.float32, zero=False).normal_(0, 1e-3)
+    grad = aligned_empty(numel, torch.float32, zero=False).normal_(0, 1e-3)
     opt = CpuAdamW(weight_decay=0.1)
     opt.update(tile, grad, lr=1e-5)  # first touch, page faults
     best = float("inf")
@@ -76,24 +78,30 @@ def _sync(device: str) -> None:
 
 
 # ---- PCIe ------------------------------------------------------------------------------------------------------
-def _registered(nbytes: int) -> tuple[torch.Tensor, float]:
-    """A touched, page-aligned host buffer registered as pinned (as the store does), and the seconds the
+def _registered(pinned, nbytes: int, what: str) -> tuple[torch.Tensor, float]:
+    """A touched, page-aligned host buffer registered as pinned (as the runtime's are), and the seconds the
     registration took."""
-    from ..runtime.store import _aligned_empty
+    from ..runtime.pinned import aligned_empty
 
-    buf = _aligned_empty(nbytes, torch.uint8, zero=True)
+    buf = aligned_empty(nbytes, torch.uint8, zero=True)
     t0 = time.perf_counter()
-    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
-    seconds = time.perf_counter() - t0
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister failed (error {int(err)})")
-    return buf, seconds
+    pinned.register(buf, what)
+    return buf, time.perf_counter() - t0
 
 
 def bandwidth(nbytes: int, reps: int = 5) -> dict:
-    cudart = torch.cuda.cudart()
-    host_in, register_s = _registered(nbytes)
-    host_out, _ = _registered(nbytes)
+    from ..runtime.pinned import PinnedHost
+
+    pinned = PinnedHost(cuda=True)
+    try:
+        return _bandwidth(pinned, nbytes, reps)
+    finally:
+        pinned.close()
+
+
+def _bandwidth(pinned, nbytes: int, reps: int) -> dict:
+    host_in, register_s = _registered(pinned, nbytes, "probe's H2D source")
+    host_out, _ = _registered(pinned, nbytes, "probe's D2H destination")
     dev_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev_b = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     s_in, s_out = torch.cuda.Stream(), torch.cuda.Stream()
@@ -124,8 +132,6 @@ def bandwidth(nbytes: int, reps: int = 5) -> dict:
     pageable = torch.empty(nbytes, dtype=torch.uint8)
     pageable.fill_(1)
     out["h2d_pageable_bps"] = _pageable(dev_a, pageable)
-    for buf in (host_in, host_out):
-        cudart.cudaHostUnregister(buf.data_ptr())
     return out
 
 
@@ -170,15 +176,8 @@ def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers
         with torch.no_grad():
             return layer(w, x, ctx)
 
-    def bwd():  # Engine._layer_backward
-        params = {k: v.detach().requires_grad_(True) for k, v in w.items()}
-        xx = x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            out = layer(params, xx, ctx)
-            grads = torch.autograd.grad(out, [xx, *params.values()], dh)
-        for acc, g in zip(gviews, grads[1:]):
-            acc.add_(g)
-        return grads[0]
+    def bwd():
+        return layer_backward(layer, w, x, ctx, dh, gviews)
 
     def timed(fn) -> float:
         fn()  # warm up (and compile)
@@ -212,25 +211,22 @@ def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers
 
 def head_rate(model_dir: str, micro: int, seq: int, device: str, reps: int = 2) -> float:
     """Executed FLOP/s (6 per LM-head parameter per target) of the engine's chunked LM-head loss + backward."""
-    from types import SimpleNamespace
-
-    from ..runtime.engine import Engine
-
     ad = _adapter(model_dir)
     H, V = ad.hidden_size, ad.vocab_size
     dtype = torch.bfloat16
     n = micro * (seq - 1)
     h = torch.randn(micro, seq, H, device=device).to(dtype)
-    mb = SimpleNamespace(target_index=torch.randperm(micro * seq, device=device)[:n].sort().values,
-                         targets=torch.randint(0, V, (n,), device=device))
+    index = torch.randperm(micro * seq, device=device)[:n].sort().values
+    targets = torch.randint(0, V, (n,), device=device)
     norm_w = torch.ones(H, dtype=dtype, device=device)
     lm_w = (torch.randn(V, H, device=device) * 0.02).to(dtype)
     norm_g = torch.zeros(H, device=device)
     lm_g = torch.zeros(V, H, device=device)
-    shim = SimpleNamespace(adapter=ad, loss_chunk=default_chunk(V), device=torch.device(device))
+    kernels = HeadKernels.for_device(device)
 
     def run():
-        return Engine._head_loss(shim, h, mb, norm_w, lm_w, norm_g, lm_g, 1.0 / n)
+        return head_loss(ad.final_norm, h, index, targets, norm_w, lm_w, norm_g, lm_g, 1.0 / n, default_chunk(V),
+                         kernels)
 
     run()
     _sync(device)

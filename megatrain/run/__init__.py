@@ -1,0 +1,15 @@
+"""The run: everything between the command line and the runtime. Modules:
+
+    prepare.py    check every input (config, model, tokenizer, data, checkpoints, output paths, the plan), then
+                  fill the host store and build the runtime; nothing is written before that succeeds
+    trainer.py    the step loop: start, step, evaluate, save (the saver decides when), stop, finish
+    prefetch.py   the next step's micro-batches prepared on a thread while this step trains
+    evaluate.py   held-out loss and exact match with the streaming engine
+    stepstats.py  per-step throughput, memory and stream shares; the start summary
+    oom.py        out-of-memory errors turned into one message naming what was being allocated
+    metrics.py    progress bar or plain lines, metrics.jsonl, TensorBoard, wandb
+"""
+
+from .trainer import train
+
+__all__ = ["train"]

@@ -1,10 +1,27 @@
-"""Held-out checks that need generation: greedy decoding with the streaming engine, exact match."""
+"""Evaluation with the streaming engine: held-out loss, and greedy decoding for exact match."""
 
 from __future__ import annotations
 
 import torch
 
-from ..runtime.engine import Engine
+from ..runtime import Engine, MicroBatch
+
+
+def evaluate(run, step: int, log) -> dict:
+    """Held-out loss (data.eval_*) and exact match (train.exact_match_path) at `step`; logged when any."""
+    record = {"step": step}
+    if run.eval_batches:
+        total, count = 0.0, 0
+        for b in run.eval_batches:
+            loss, n = run.engine.eval_loss([MicroBatch.from_labels(b["input_ids"], b["labels"],
+                                                                   b.get("position_ids"))])
+            total, count = total + loss * n, count + n
+        record["eval_loss"] = total / max(count, 1)
+    if run.exact_match:
+        record["eval_exact_match"] = exact_match(run.engine, run.tokenizer, run.exact_match)
+    if len(record) > 1:
+        log.log(record)
+    return record
 
 
 @torch.no_grad()

@@ -61,6 +61,7 @@ class MetricsLogger:
                 record = {**record, **self.stats(record)}
             done = step - self.start_step
             elapsed = time.perf_counter() - self.t0
+            record["elapsed_s"] = elapsed  # since the logger opened: steps' wall time, evaluations and saves
             record["eta_s"] = elapsed / max(done, 1) * (self.total - step)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()

@@ -1,0 +1,86 @@
+"""The step: a host store of every persistent tensor, a GPU that streams one unit at a time through weight slots,
+and a CPU optimizer that overlaps the GPU. Modules, one job each:
+
+    schedule.py            one step's order of work as data (which units, which pass); the planner simulates it
+    engine.py              executes the schedule: slots, streams, events, waves (its docstring: the protocol)
+    layer.py               one layer's recompute + backward for one micro-batch
+    lmhead.py, ce_triton.py  the chunked LM-head loss with its backward; the fused cross-entropy kernel (CUDA)
+    microbatch.py          a micro-batch's tensors in, a step's loss and norm out
+    store.py               HostStore: per-unit tiles of fp32 master, Adam m and v, the streaming copy
+    pinned.py              PinnedHost: the one owner of page-locked (cudaHostRegister'ed) host memory
+    optimizer_pipeline.py  gradients to host, CPU AdamW overlapped with the next forward, updates in order
+    adamw.py               the CPU AdamW kernel per tile, clipping, learning-rate schedules
+    activation_spill.py    layer-boundary activations parked in pinned host memory
+    timeline.py            busy shares of the CUDA streams
+
+`build_runtime` wires them for the trainer, the benchmarks and the tests. The runtime sees tensors only: it never
+imports the command line, the config or the data files' code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .adamw import CpuAdamW
+from .engine import CollectGrads, Engine, EngineOptions, Phase
+from .lmhead import HeadKernels
+from .microbatch import MicroBatch, StepOutput
+from .optimizer_pipeline import OptimizerPipeline, OptimizerThreadError
+from .pinned import PinnedHost
+from .store import HostStore
+from .timeline import Timeline
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    offload_grad_units: int = 0  # gradients of the first N units done in backward go to host memory at once
+    adam_threads: int | None = None  # intra-op threads of the optimizer worker (default: torch's)
+    threaded_optimizer: bool | None = None  # default: on CUDA
+    measure_streams: bool = True  # a Timeline of the streams' busy shares (CUDA)
+
+
+@dataclass
+class Runtime:
+    store: HostStore
+    engine: Engine
+    pipeline: OptimizerPipeline
+    pinned: PinnedHost
+    timeline: Timeline | None
+
+    def close(self) -> None:
+        """Stop the optimizer worker, then unregister every pinned buffer (the store's included)."""
+        try:
+            self.pipeline.close()
+        finally:
+            self.pinned.close()
+
+
+def build_runtime(store: HostStore, device: torch.device | str, optimizer: CpuAdamW,
+                  options: RuntimeOptions = RuntimeOptions()) -> Runtime:
+    """The engine and the optimizer pipeline around a filled store: the store's streaming copy (the master in fp32
+    mode) is pinned on CUDA, and the engine's gradient sink is the pipeline."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    pinned = PinnedHost(cuda)
+    pipeline = None
+    try:
+        pinned.register(store.stream, "host store's streaming copy")
+        timeline = Timeline() if cuda and options.measure_streams else None
+        pipeline = OptimizerPipeline(store, optimizer, device, pinned, threaded=options.threaded_optimizer,
+                                     offload_units=options.offload_grad_units, threads=options.adam_threads,
+                                     timeline=timeline)
+        engine = Engine(store, store.adapter, device, pipeline, options.engine, timeline=timeline, pinned=pinned)
+    except BaseException:
+        if pipeline is not None:
+            pipeline.close()
+        pinned.close()
+        raise
+    return Runtime(store, engine, pipeline, pinned, timeline)
+
+
+__all__ = ["CollectGrads", "CpuAdamW", "Engine", "EngineOptions", "HeadKernels", "HostStore", "MicroBatch",
+           "OptimizerPipeline", "OptimizerThreadError", "Phase", "PinnedHost", "Runtime", "RuntimeOptions",
+           "StepOutput", "Timeline", "build_runtime"]

@@ -1,4 +1,5 @@
-"""Layer-boundary checkpoints kept in pinned host memory instead of on the GPU.
+"""Activation spill: layer-boundary activations (the engine's recompute checkpoints, not the run's saved
+checkpoints of checkpoint/) kept in pinned host memory instead of on the GPU.
 
 The lowest `num_layers` layers' checkpoints (the inputs of layers 0 .. num_layers-1, for every micro-batch) are
 copied to host during the forward wave and brought back during the backward wave, one layer ahead of use, so
@@ -9,23 +10,27 @@ Protocol (CUDA): `save` records an event on the compute stream after the layer i
 waits on it and copies to host; the device tensor is `record_stream`-ed so its memory is not reused before the copy
 ends. `prefetch` waits on the save's completion event on the H2D stream, allocates on that stream, copies, and
 records a ready event; `load` makes the compute stream wait on it. On CPU the same calls copy host to host.
+The host buffer is registered through the runtime's PinnedHost, which unregisters it when it grows or closes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .store import _aligned_empty
+from .pinned import PinnedHost
 
 
-class CheckpointSpill:
-    def __init__(self, num_layers: int, device: torch.device, dtype: torch.dtype, h2d=None, compute=None):
+class ActivationSpill:
+    def __init__(self, num_layers: int, device: torch.device, dtype: torch.dtype, h2d=None, compute=None,
+                 pinned: PinnedHost | None = None):
         self.num_layers, self.device, self.dtype = num_layers, torch.device(device), dtype
         self.cuda = self.device.type == "cuda"
+        if self.cuda and num_layers and pinned is None:
+            raise ValueError("spilling activations on CUDA needs the runtime's PinnedHost")
         self.h2d, self.compute = h2d, compute
+        self.pinned = pinned or PinnedHost(cuda=False)
         self.d2h = torch.cuda.Stream(self.device) if self.cuda and num_layers else None
         self.host = torch.empty(0, dtype=dtype)
-        self._registered = False
         self._saved: dict[int, tuple[list[torch.Tensor], object]] = {}
         self._loaded: dict[int, tuple[list[torch.Tensor], object]] = {}
         self._offsets: list[int] = []
@@ -38,11 +43,9 @@ class CheckpointSpill:
         per_layer = sum(s.numel() for s in shapes)
         need = per_layer * self.num_layers
         if need > self.host.numel():
-            self._unregister()
-            self.host = _aligned_empty(need, self.dtype, zero=False)
-            if self.cuda:
-                torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), need * self.host.element_size(), 0)
-                self._registered = True
+            self.pinned.release(self.host)
+            self.host = torch.empty(0, dtype=self.dtype)  # the old buffer is freed before the larger one exists
+            self.host = self.pinned.empty(need, self.dtype, "activation spill")
         self._shapes, self._per_layer = list(shapes), per_layer
 
     def _views(self, layer: int) -> list[torch.Tensor]:
@@ -99,11 +102,3 @@ class CheckpointSpill:
 
     def host_bytes(self) -> int:
         return self.host.numel() * self.host.element_size()
-
-    def _unregister(self) -> None:
-        if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
-            self._registered = False
-
-    def close(self) -> None:
-        self._unregister()

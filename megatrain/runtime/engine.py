@@ -1,103 +1,87 @@
-"""The schedule of one training step: layer-major waves, weight slots, streams and events.
+"""The executor of one training step's schedule (schedule.py): layer-major waves, weight slots, streams, events.
 
 Order of work in `train_step` (every micro-batch goes through unit u before unit u+1 is touched):
 
     forward wave   embed -> layer 0 .. layer L-1      (no autograd; each layer's input is checkpointed)
-    head           final norm + LM head + cross-entropy in token chunks, fused with its backward
+    head           final norm + LM head + cross-entropy in token chunks, fused with its backward (lmhead.py)
     backward wave  layer L-1 .. layer 0               (recompute the layer from its checkpoint, local autograd,
-                                                       fp32 gradient accumulated over micro-batches)
+                                                       fp32 gradient accumulated over micro-batches: layer.py)
     embed          index_add of the input gradient into the embedding gradient
 
 Stream/event protocol (CUDA; on CPU the slots are the host tiles themselves and every copy is a no-op):
 
     h2d stream      copies unit u's streaming tile into a slot after waiting on that slot's `free` event,
-                    then records the slot's `ready` event. Before it issues the copy, the host thread calls
-                    `wait_for_update(u)`, which returns once the CPU optimizer has written unit u's new
+                    then records the slot's `ready` event. Before it issues the copy, the host thread calls the
+                    sink's `wait_for_update(u)`, which returns once the CPU optimizer has written unit u's new
                     weights (the optimizer of step t overlaps the forward of step t+1).
     compute stream  waits on `ready` before the first kernel that reads the slot, records `free` after the
                     last one. Gradients are accumulated here.
     spill streams   checkpoints of spilled layers go to pinned host memory and come back one layer ahead of their
-                    backward (their protocol: spill.py).
-    d2h stream      owned by the gradient sink: it waits on the event recorded after a unit's gradient is
-                    complete and copies it to host memory; nothing on the compute stream waits for it.
+                    backward (their protocol: activation_spill.py).
+    d2h stream      owned by the gradient sink (optimizer_pipeline.py): it waits on the event recorded after a
+                    unit's gradient is complete and copies it to host memory; the compute stream never waits for it.
 
 No host synchronisation happens inside the waves: labels, target positions and token counts are computed on
-the host before the step, and the loss stays a device scalar until the caller reads it.
+the host before the step, and the loss stays a device scalar until the caller reads it. The engine records what
+it is doing in `phase`, so an out-of-memory error can be told apart by what was being allocated.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from ..models import ModelAdapter
-from ..models.base import AttnContext
-from .lmhead import accumulate_matmul, ce_loss_and_grad, default_chunk, fusable_dtypes
-from .activation_spill import CheckpointSpill
-from .store import HostStore, LayerTile
-
-IGNORE_INDEX = -100
-
-
-@dataclass
-class MicroBatch:
-    """Host tensors of one micro-batch, validated and prepared for the device."""
-
-    input_ids: torch.Tensor  # [B, T] int64
-    position_ids: torch.Tensor  # [B, T] int64; restarts at 0 at each packed document
-    target_index: torch.Tensor  # [n] int64: flat positions (into B*T) that predict a token
-    targets: torch.Tensor  # [n] int64: the token each of those positions predicts
-    packed: bool  # some row holds more than one document
-
-    @property
-    def num_targets(self) -> int:
-        return int(self.targets.numel())
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
-    @classmethod
-    def from_labels(cls, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None):
-        """From Hugging Face style (input_ids, labels): labels are unshifted, -100 where no loss is taken."""
-        B, T = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(T).repeat(B, 1)
-        shifted = torch.full_like(labels, IGNORE_INDEX)
-        shifted[:, :-1] = labels[:, 1:]
-        flat = shifted.reshape(-1)
-        index = torch.nonzero(flat != IGNORE_INDEX).squeeze(1)
-        packed = bool((position_ids != torch.arange(T)).any())
-        return cls(input_ids.long().contiguous(), position_ids.long().contiguous(), index, flat[index].long(), packed)
-
-    def to(self, device: torch.device) -> "MicroBatch":
-        if device.type == "cpu":
-            return self
-        nb = dict(device=device, non_blocking=True)
-        return MicroBatch(self.input_ids.pin_memory().to(**nb), self.position_ids.pin_memory().to(**nb),
-                          self.target_index.pin_memory().to(**nb), self.targets.pin_memory().to(**nb), self.packed)
+from .activation_spill import ActivationSpill
+from .layer import layer_backward
+from .lmhead import HeadKernels, default_chunk, head_loss
+from .microbatch import MicroBatch, StepOutput
+from .schedule import Use, head_units, slot_numel, step_schedule
+from .store import HostStore
 
 
-@dataclass
-class StepOutput:
-    loss_sum: torch.Tensor  # device scalar: sum of token losses (already divided by num_targets => the loss)
-    grad_sq_norm: torch.Tensor  # device scalar: squared global gradient norm
-    num_targets: int
-    num_tokens: int
+class GradientSink(Protocol):
+    """Where finished gradients go (the optimizer pipeline; CollectGrads in tests), and whose updates the next
+    forward waits for."""
+
+    def put(self, unit_index: int, grad: torch.Tensor) -> None: ...  # on the compute stream's timeline
+
+    def wait_for_update(self, unit_index: int) -> None: ...  # before unit u's weights are streamed for a forward
 
 
 class CollectGrads:
-    """Gradient sink that keeps each unit's fp32 gradient where it was made. `put` runs on the compute stream."""
+    """A sink that keeps each unit's fp32 gradient where it was made and applies no update."""
 
     def __init__(self):
         self.grads: dict[int, torch.Tensor] = {}
 
     def put(self, unit_index: int, grad: torch.Tensor) -> None:
         self.grads[unit_index] = grad
+
+    def wait_for_update(self, unit_index: int) -> None:
+        pass
+
+
+class Phase(NamedTuple):
+    """What the engine was doing: 'weights' (slots and copies), 'inputs' (micro-batches to the device, rope
+    tables, masks), 'forward', 'head', 'gradients' (a fp32 accumulator), 'backward', 'embedding backward'."""
+
+    what: str
+    layer: int | None = None
+    micro: int | None = None  # 0-based micro-batch
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    loss_chunk_tokens: int = 0  # target tokens per LM-head chunk (0: lmhead.default_chunk of the vocabulary)
+    num_slots: int = 2
+    compile_layers: bool = False  # torch.compile the layer template
+    spill_layers: int = 0  # checkpoints of the lowest N layers live in pinned host memory
+    head_kernels: HeadKernels | None = None  # None: HeadKernels.for_device
 
 
 @dataclass
@@ -116,60 +100,58 @@ class _Loaded:
 
 
 class Engine:
-    def __init__(self, store: HostStore, adapter: ModelAdapter, device: torch.device,
-                 loss_chunk_tokens: int = 0, num_slots: int = 2, compile_layers: bool = False,
-                 spill_layers: int = 0):
+    def __init__(self, store: HostStore, adapter: ModelAdapter, device: torch.device, sink: GradientSink,
+                 options: EngineOptions = EngineOptions(), timeline=None, pinned=None):
+        """sink: receives each unit's finished gradient and says when its update is written. timeline: a
+        runtime.timeline.Timeline measuring the streams' busy shares (CUDA), or None. pinned: the PinnedHost
+        that registers the activation spill's buffer (needed on CUDA when options.spill_layers > 0)."""
         self.store, self.adapter, self.device = store, adapter, torch.device(device)
+        self.sink, self.timeline, self.options = sink, timeline, options
         # The layer template, optionally compiled: fusing RMSNorm, rope, SwiGLU and the residual adds around
         # the matmuls. One graph per (grad mode, micro-batch shape); weights are graph inputs, so every layer
         # shares the graphs.
-        self.layer = torch.compile(adapter.layer_forward, dynamic=False) if compile_layers else adapter.layer_forward
+        self.layer = torch.compile(adapter.layer_forward, dynamic=False) if options.compile_layers \
+            else adapter.layer_forward
         self.dtype = store.stream_dtype
         self.tiles = store.tiles
-        self.embed_i, self.head_i = 0, len(self.tiles) - 1
-        self.layer_is = list(range(1, len(self.tiles) - 1))
-        V = adapter.vocab_size
-        self.loss_chunk = loss_chunk_tokens or default_chunk(V)  # 512M logits (1 GiB in bf16) per chunk
-        # LM-head kernels: None = on CUDA (fused cross-entropy, fp32 accumulation inside the weight-gradient GEMM).
-        # The planner's meta-device simulation and the kernel A/B bench set these on shims of their own.
-        self.head_kernels: bool | None = None
-        self.fused_head_accumulate = True
+        self.loss_chunk = options.loss_chunk_tokens or default_chunk(adapter.vocab_size)
+        self.head_kernels = options.head_kernels or HeadKernels.for_device(self.device)
+        self.schedule = step_schedule(len(self.tiles), adapter.tied)
+        self.head_units = head_units(len(self.tiles), adapter.tied)
+        self.phase = Phase("weights")
         # A slot's contents are reused only within one pass (the last layer around the head): every pass starts a
         # new version, since the optimizer may have rewritten any tile in between.
         self.weights_version = 0
-        self.wait_for_update: Callable[[int], None] = lambda unit_index: None
-        self.timeline = None  # a megatrain.runtime.timeline.Timeline to measure stream busy shares (CUDA only)
         self.cuda = self.device.type == "cuda"
+        self.h2d = self.compute = None
         if self.cuda:
-            head_uses = [self.head_i, self.embed_i] if adapter.tied else [self.head_i]
-            slot_numel = max(store.max_unit_numel, sum(self.tiles[i].numel for i in head_uses))
+            numel = slot_numel([t.numel for t in self.tiles], adapter.tied)
             self.h2d = torch.cuda.Stream(self.device)
             self.compute = torch.cuda.current_stream(self.device)
-            self.slots = [_Slot(torch.empty(slot_numel, dtype=self.dtype, device=self.device),
-                                torch.cuda.Event(), torch.cuda.Event()) for _ in range(num_slots)]
+            self.slots = [_Slot(torch.empty(numel, dtype=self.dtype, device=self.device),
+                                torch.cuda.Event(), torch.cuda.Event()) for _ in range(options.num_slots)]
             for s in self.slots:
                 s.free.record(self.compute)
             self._next_slot = 0
-        # checkpoints of the lowest `spill_layers` layers live in pinned host memory (see spill.py)
-        self.spill = CheckpointSpill(min(spill_layers, adapter.num_layers), self.device, self.dtype,
-                                     getattr(self, "h2d", None), getattr(self, "compute", None))
+        self.spill = ActivationSpill(min(options.spill_layers, adapter.num_layers), self.device, self.dtype,
+                                     self.h2d, self.compute, pinned)
 
     # ---- weights in and out of slots --------------------------------------------------------------
-    def _fetch(self, unit_indices: list[int]) -> _Loaded:
+    def _fetch(self, unit_indices: tuple[int, ...]) -> _Loaded:
         """Start bringing these units' weights to the device; returns at once (the copy is asynchronous)."""
         tiles = [self.tiles[i] for i in unit_indices]
         if not self.cuda:
             for i in unit_indices:
-                self.wait_for_update(i)
+                self.sink.wait_for_update(i)
             return _Loaded([t.views(t.stream) for t in tiles])
-        key = (tuple(unit_indices), self.weights_version)
+        key = (unit_indices, self.weights_version)
         # Slots are used strictly in ring order, so the slot taken here is the one released longest ago. If it
         # still holds these very weights (the last layer, around the head), the copy is skipped.
         slot = self.slots[self._next_slot]
         self._next_slot = (self._next_slot + 1) % len(self.slots)
         if slot.holds != key:
             for i in unit_indices:
-                self.wait_for_update(i)
+                self.sink.wait_for_update(i)
             with torch.cuda.stream(self.h2d):
                 self.h2d.wait_event(slot.free)
                 with self._span("h2d", self.h2d):
@@ -196,158 +178,120 @@ class Engine:
         if loaded.slot is not None:
             loaded.slot.free.record(self.compute)
             if self.timeline is not None and loaded.busy_from is not None:
-                end = self.timeline.marker(self.compute)
-                self.timeline.add("compute", loaded.busy_from, end)
+                self.timeline.add("compute", loaded.busy_from, self.timeline.marker(self.compute))
 
     def _span(self, name: str, stream):
         return self.timeline.span(name, stream) if self.timeline is not None else nullcontext()
 
-    def _grad_buffer(self, tile: LayerTile) -> torch.Tensor:
-        return torch.zeros(tile.numel, dtype=torch.float32, device=self.device)
+    def _grad_buffer(self, unit_index: int) -> torch.Tensor:
+        self.phase = Phase("gradients")
+        return torch.zeros(self.tiles[unit_index].numel, dtype=torch.float32, device=self.device)
+
+    def _inputs(self, microbatches: list[MicroBatch]):
+        self.phase = Phase("inputs")
+        mbs = [mb.to(self.device) for mb in microbatches]
+        return mbs, [self.adapter.make_context(mb.position_ids, self.dtype, mb.packed) for mb in mbs]
 
     # ---- the step ----------------------------------------------------------------------------------
-    def train_step(self, microbatches: list[MicroBatch], sink) -> StepOutput:
+    def train_step(self, microbatches: list[MicroBatch]) -> StepOutput:
         num_targets = sum(mb.num_targets for mb in microbatches)
         if num_targets == 0:
             raise ValueError("a step without any target token (every label is -100)")
         self.weights_version += 1
-        mbs = [mb.to(self.device) for mb in microbatches]
-        ctxs = [self.adapter.make_context(mb.position_ids, self.dtype, mb.packed) for mb in mbs]
-        L = len(self.layer_is)
-        schedule = [[self.embed_i]] + [[i] for i in self.layer_is] + [self._head_units()] + \
-                   [[i] for i in reversed(self.layer_is)]
+        mbs, ctxs = self._inputs(microbatches)
+        schedule: list[Use] = self.schedule
         # Use k's weights were fetched when use k-1 finished queueing its compute: the copy overlaps that
         # compute, and a wait for the optimizer (wait_for_update) never delays kernels already decided.
-        pending = [self._fetch(schedule[0])]
-
-        def weights(k: int) -> _Loaded:
-            return pending[k]
+        pending = [self._fetch(schedule[0].units)]
 
         def done(k: int) -> None:
             self._release(pending[k])
             pending[k] = None
             if k + 1 < len(schedule):
-                pending.append(self._fetch(schedule[k + 1]))
+                self.phase = Phase("weights")
+                pending.append(self._fetch(schedule[k + 1].units))
 
         sq_norms: list[torch.Tensor] = []
-
-        # forward wave
-        with torch.no_grad():
-            (w_embed,) = self._acquire(weights(0))
-            hidden = [F.embedding(mb.input_ids, w_embed["weight"]) for mb in mbs]
-            done(0)
-            self.spill.begin_step([h.shape for h in hidden])
-            checkpoints: list[list[torch.Tensor] | None] = []
-            for li in range(L):
-                (w,) = self._acquire(weights(1 + li))
-                if self.spill.spills(li):
-                    self.spill.save(li, hidden)
-                    checkpoints.append(None)
+        checkpoints: dict[int, list[torch.Tensor] | None] = {}  # layer -> its inputs (None: spilled to host)
+        for k, use in enumerate(schedule):
+            w = self._acquire(pending[k])
+            if use.kind == "embed":
+                with torch.no_grad():
+                    hidden = [F.embedding(mb.input_ids, w[0]["weight"]) for mb in mbs]
+            elif use.kind == "forward":
+                self.phase = Phase("forward", use.layer)
+                if self.spill.spills(use.layer):
+                    self.spill.save(use.layer, hidden)
+                    checkpoints[use.layer] = None
                 else:
-                    checkpoints.append(hidden)
-                hidden = [self.layer(w, h, c) for h, c in zip(hidden, ctxs)]
-                done(1 + li)
+                    checkpoints[use.layer] = hidden
+                with torch.no_grad():
+                    hidden = [self.layer(w[0], h, c) for h, c in zip(hidden, ctxs)]
+            elif use.kind == "head":
+                embed_grad = self._grad_buffer(0)
+                grad = self._grad_buffer(use.units[0])
+                loss_sum, grads_out = self._head(w, mbs, hidden, grad, embed_grad, 1.0 / num_targets)
+                del hidden
+            else:  # backward
+                grad = self._grad_buffer(use.units[0])
+                gviews = list(self.tiles[use.units[0]].views(grad).values())
+                self.spill.prefetch(use.layer - 1)  # overlaps this layer's backward (no-op unless it was spilled)
+                ckpt = checkpoints.pop(use.layer)
+                if ckpt is None:
+                    ckpt = self.spill.load(use.layer)
+                for m, (c, dh) in enumerate(zip(ctxs, grads_out)):
+                    self.phase = Phase("backward", use.layer, m)
+                    grads_out[m] = layer_backward(self.layer, w[0], ckpt[m], c, dh, gviews)
+                    ckpt[m] = None  # this checkpoint is spent
+                del gviews
+            done(k)
+            if use.kind == "embed":
+                self.spill.begin_step([h.shape for h in hidden])
+            elif use.kind in ("head", "backward"):  # this unit's gradient is complete
+                sq_norms.append(self._emit(use.units[0], grad))
+                del grad  # the sink owns it now (offloaded units free their device copy early)
 
-        # head: loss and its backward, chunked over target tokens
-        head_w = self._acquire(weights(1 + L))
-        head_tile = self.tiles[self.head_i]
-        head_grad = self._grad_buffer(head_tile)
-        embed_grad = self._grad_buffer(self.tiles[self.embed_i])
-        norm_w, lm_w = self._head_weights(head_w)
-        lm_grad = self.tiles[self.embed_i].views(embed_grad)["weight"] if self.adapter.tied \
+        # embedding backward: scatter-add of the input gradient; needs no weights
+        self.phase = Phase("embedding backward")
+        ev = self.tiles[0].views(embed_grad)["weight"]
+        for mb, dh in zip(mbs, grads_out):
+            ev.index_add_(0, mb.input_ids.reshape(-1), dh.reshape(-1, dh.shape[-1]).float())
+        sq_norms.append(self._emit(0, embed_grad))
+        return StepOutput(loss_sum, torch.stack(sq_norms).sum(), num_targets,
+                          sum(mb.num_tokens for mb in microbatches))
+
+    def _head(self, w, mbs, hidden, head_grad, embed_grad, scale: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The LM head over every micro-batch: (the step's loss sum, d(hidden) per micro-batch)."""
+        norm_w, lm_w = self._head_weights(w)
+        head_tile = self.tiles[self.head_units[0]]
+        lm_grad = self.tiles[0].views(embed_grad)["weight"] if self.adapter.tied \
             else head_tile.views(head_grad)["lm_head.weight"]
         norm_grad = head_tile.views(head_grad)["norm.weight"]
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         grads_out = []
-        for mb, h in zip(mbs, hidden):
-            loss, dh = self._head_loss(h, mb, norm_w, lm_w, norm_grad, lm_grad, 1.0 / num_targets)
+        for m, (mb, h) in enumerate(zip(mbs, hidden)):
+            self.phase = Phase("head", micro=m)
+            loss, dh = head_loss(self.adapter.final_norm, h, mb.target_index, mb.targets, norm_w, lm_w, norm_grad,
+                                 lm_grad, scale, self.loss_chunk, self.head_kernels)
             loss_sum += loss
             grads_out.append(dh)
-        done(1 + L)
-        del hidden
-        sq_norms.append(self._emit(sink, self.head_i, head_grad))
-        del head_grad, lm_grad, norm_grad  # the sink owns it now (offloaded units free their device copy early)
+        return loss_sum, grads_out
 
-        # backward wave
-        for li in reversed(range(L)):
-            unit_index = self.layer_is[li]
-            k = 2 + L + (L - 1 - li)
-            (w,) = self._acquire(weights(k))
-            grad = self._grad_buffer(self.tiles[unit_index])
-            gviews = list(self.tiles[unit_index].views(grad).values())
-            self.spill.prefetch(li - 1)  # overlaps this layer's backward (no-op unless layer li-1 was spilled)
-            ckpt = checkpoints[li] if checkpoints[li] is not None else self.spill.load(li)
-            for m, (c, dh) in enumerate(zip(ctxs, grads_out)):
-                grads_out[m] = self._layer_backward(w, ckpt[m], c, dh, gviews)
-                ckpt[m] = None  # this checkpoint is spent
-            done(k)
-            sq_norms.append(self._emit(sink, unit_index, grad))
-            del grad, gviews
-
-        # embedding backward: scatter-add of the input gradient; needs no weights
-        ev = self.tiles[self.embed_i].views(embed_grad)["weight"]
-        for mb, dh in zip(mbs, grads_out):
-            ev.index_add_(0, mb.input_ids.reshape(-1), dh.reshape(-1, dh.shape[-1]).float())
-        sq_norms.append(self._emit(sink, self.embed_i, embed_grad))
-        grad_sq = torch.stack(sq_norms).sum()
-        return StepOutput(loss_sum, grad_sq, num_targets, sum(mb.num_tokens for mb in microbatches))
-
-    def _head_units(self) -> list[int]:
-        return [self.head_i, self.embed_i] if self.adapter.tied else [self.head_i]
-
-    @staticmethod
-    def _emit(sink, unit_index: int, grad: torch.Tensor) -> torch.Tensor:
+    def _emit(self, unit_index: int, grad: torch.Tensor) -> torch.Tensor:
         sq = torch.dot(grad, grad)
-        sink.put(unit_index, grad)
+        self.sink.put(unit_index, grad)
         return sq
 
-    def _layer_backward(self, w, checkpoint, ctx: AttnContext, dh, grad_views) -> torch.Tensor:
-        """Recompute one layer for one micro-batch and run its local backward; returns d(input)."""
-        params = {k: v.detach().requires_grad_(True) for k, v in w.items()}
-        x = checkpoint.detach().requires_grad_(True)
-        with torch.enable_grad():
-            out = self.layer(params, x, ctx)
-            grads = torch.autograd.grad(out, [x, *params.values()], dh)
-        for acc, g in zip(grad_views, grads[1:]):
-            acc.add_(g)
-        return grads[0]
-
-    def _head_loss(self, h, mb: MicroBatch, norm_w, lm_w, norm_grad, lm_grad, scale: float):
-        """Final norm + LM head + cross-entropy over the micro-batch's target positions, never holding more
-        than `loss_chunk` rows of logits. Returns (sum of token losses * scale, d hidden) and accumulates the
-        norm and LM-head gradients."""
-        H = h.shape[-1]
-        x = h.reshape(-1, H).index_select(0, mb.target_index).detach().requires_grad_(True)
-        nw = norm_w.detach().requires_grad_(True)
-        with torch.enable_grad():
-            xn = self.adapter.final_norm(nw, x)
-        d_xn = torch.empty_like(xn)
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        xn_d = xn.detach()
-        scale_t = torch.full((), scale, dtype=torch.float32, device=h.device)  # a fill kernel: no host sync
-        n, C = xn_d.shape[0], self.loss_chunk
-        kernels = getattr(self, "head_kernels", None)  # getattr: shims (probe, actsim, bench) may leave it out
-        kernels = lm_grad.is_cuda if kernels is None else kernels
-        fused = kernels and getattr(self, "fused_head_accumulate", True) and fusable_dtypes(lm_grad, xn_d)
-        for a in range(0, n, C):
-            xc, y = xn_d[a: a + C], mb.targets[a: a + C]
-            chunk_loss, dlogits = ce_loss_and_grad(xc @ lm_w.t(), y, scale_t, kernel=kernels)
-            loss += chunk_loss
-            torch.mm(dlogits, lm_w, out=d_xn[a: a + C])
-            accumulate_matmul(lm_grad, dlogits.t(), xc, fused)
-            del dlogits
-        dx, dnw = torch.autograd.grad(xn, [x, nw], d_xn)
-        norm_grad.add_(dnw)
-        dh = torch.zeros_like(h)
-        dh.reshape(-1, H).index_copy_(0, mb.target_index, dx)
-        return loss * scale, dh
+    def _head_weights(self, head_w: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        lm_w = head_w[1]["weight"] if self.adapter.tied else head_w[0]["lm_head.weight"]
+        return head_w[0]["norm.weight"], lm_w
 
     # ---- evaluation ----------------------------------------------------------------------------------
     @torch.no_grad()
     def eval_loss(self, microbatches: list[MicroBatch]) -> tuple[float, int]:
         """(mean token loss, target count) with the same streaming forward and no gradients."""
         hidden, mbs = self._forward_only(microbatches)
-        loaded = self._fetch(self._head_units())
+        loaded = self._fetch(self.head_units)
         norm_w, lm_w = self._head_weights(self._acquire(loaded))
         total, n = torch.zeros((), device=self.device), 0
         for mb, h in zip(mbs, hidden):
@@ -363,30 +307,27 @@ class Engine:
     def next_token_logits(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] at position lengths-1 of each right-padded row (for greedy decoding and checks)."""
         B = input_ids.shape[0]
-        mb = MicroBatch.from_labels(input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+        mb = MicroBatch.from_labels(input_ids, torch.full_like(input_ids, -100))
         hidden, _ = self._forward_only([mb])
-        loaded = self._fetch(self._head_units())
+        loaded = self._fetch(self.head_units)
         norm_w, lm_w = self._head_weights(self._acquire(loaded))
         last = hidden[0][torch.arange(B, device=self.device), (lengths - 1).to(self.device)]
         logits = (self.adapter.final_norm(norm_w, last) @ lm_w.t()).float()
         self._release(loaded)
         return logits
 
-    def _head_weights(self, head_w: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        lm_w = head_w[1]["weight"] if self.adapter.tied else head_w[0]["lm_head.weight"]
-        return head_w[0]["norm.weight"], lm_w
-
     def _forward_only(self, microbatches: list[MicroBatch]):
         self.weights_version += 1
-        mbs = [mb.to(self.device) for mb in microbatches]
-        ctxs = [self.adapter.make_context(mb.position_ids, self.dtype, mb.packed) for mb in mbs]
-        loaded = self._fetch([self.embed_i])
-        (w_embed,) = self._acquire(loaded)
-        hidden = [F.embedding(mb.input_ids, w_embed["weight"]) for mb in mbs]
-        self._release(loaded)
-        for i in self.layer_is:
-            loaded = self._fetch([i])
+        mbs, ctxs = self._inputs(microbatches)
+        for use in self.schedule:
+            if use.kind not in ("embed", "forward"):
+                break
+            loaded = self._fetch(use.units)
             (w,) = self._acquire(loaded)
-            hidden = [self.layer(w, h, c) for h, c in zip(hidden, ctxs)]
+            self.phase = Phase("forward", use.layer)
+            if use.kind == "embed":
+                hidden = [F.embedding(mb.input_ids, w["weight"]) for mb in mbs]
+            else:
+                hidden = [self.layer(w, h, c) for h, c in zip(hidden, ctxs)]
             self._release(loaded)
         return hidden, mbs

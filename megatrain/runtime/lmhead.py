@@ -1,12 +1,17 @@
-"""The LM head's pieces: chunk size, cross-entropy of one chunk of logits with its gradient, and the fp32
-accumulation of the head's weight gradient.
+"""The LM head: final norm + LM head + cross-entropy with its backward, over chunks of target tokens, so full
+logits never exist (DESIGN.md rule 7). `head_loss` is a plain function: the engine runs it in every step, the
+probe times it and the planner measures its memory with it on the meta device.
 
-On CUDA the cross-entropy is one Triton kernel (megatrain.runtime.ce_triton) that writes the gradient over the logits;
-elsewhere one fp32 copy of the chunk is made and turned into the gradient in place (n·V·(2 + 4 + 2) bytes).
-Rows whose target is -100 contribute nothing.
+On CUDA the cross-entropy is one Triton kernel (ce_triton.py) that writes the gradient over the logits, and the
+LM head's fp32 weight gradient is accumulated inside its GEMM; elsewhere one fp32 copy of the chunk is made and
+turned into the gradient in place (n·V·(2 + 4 + 2) bytes), and the product is added to the accumulator. Which
+kernels run is the caller's explicit `HeadKernels`. Rows whose target is -100 contribute nothing.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -42,7 +47,6 @@ def accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fused
     acc.add_(a @ b)
 
 
-USE_TRITON = True  # the fused kernel on CUDA (megatrain.runtime.ce_triton); False: the eager version everywhere
 _triton_failed: list[str] = []  # set once if the kernel cannot be built here; then the eager version is used
 
 
@@ -50,7 +54,7 @@ def ce_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: torch.T
     """(sum of token losses, d(loss * scale)/d logits in logits.dtype) for logits [n, V] and targets [n].
     kernel: use the fused CUDA kernel where it can run (it writes the gradient over `logits`); on the meta device
     (the planner's memory simulation) its allocations are mimicked."""
-    if kernel and USE_TRITON and not _triton_failed:
+    if kernel and not _triton_failed:
         from . import ce_triton
 
         if logits.is_meta:  # what the kernel allocates: one fp32 loss per row; the gradient reuses the logits
@@ -78,3 +82,48 @@ def _ce_eager(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor):
     grad.scatter_add_(1, safe[:, None], torch.full_like(lse, -1.0)[:, None])
     grad.mul_((valid.float() * scale)[:, None])
     return loss, grad.to(logits.dtype)
+
+
+@dataclass(frozen=True)
+class HeadKernels:
+    """Which LM-head kernels run: the fused cross-entropy (Triton, CUDA) and the in-GEMM fp32 accumulation of the
+    weight gradient (addmm with out_dtype). Both on CUDA by default, neither elsewhere."""
+
+    fused_ce: bool
+    fused_accumulate: bool
+
+    @classmethod
+    def for_device(cls, device: torch.device | str) -> "HeadKernels":
+        cuda = torch.device(device).type == "cuda"
+        return cls(fused_ce=cuda, fused_accumulate=cuda)
+
+
+def head_loss(final_norm: Callable, h: torch.Tensor, target_index: torch.Tensor, targets: torch.Tensor,
+              norm_w: torch.Tensor, lm_w: torch.Tensor, norm_grad: torch.Tensor, lm_grad: torch.Tensor,
+              scale: float, chunk: int, kernels: HeadKernels) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final norm + LM head + cross-entropy over one micro-batch's target positions (`target_index` into the
+    flattened [B*T] hidden states `h`, predicting `targets`), never holding more than `chunk` rows of logits.
+    Returns (sum of token losses * scale, d(loss * scale)/d h) and accumulates the norm's and the LM head's
+    fp32 gradients into `norm_grad` and `lm_grad`."""
+    H = h.shape[-1]
+    x = h.reshape(-1, H).index_select(0, target_index).detach().requires_grad_(True)
+    nw = norm_w.detach().requires_grad_(True)
+    with torch.enable_grad():
+        xn = final_norm(nw, x)
+    d_xn = torch.empty_like(xn)
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    xn_d = xn.detach()
+    scale_t = torch.full((), scale, dtype=torch.float32, device=h.device)  # a fill kernel: no host sync
+    fused = kernels.fused_accumulate and fusable_dtypes(lm_grad, xn_d)
+    for a in range(0, xn_d.shape[0], chunk):
+        xc, y = xn_d[a: a + chunk], targets[a: a + chunk]
+        chunk_loss, dlogits = ce_loss_and_grad(xc @ lm_w.t(), y, scale_t, kernel=kernels.fused_ce)
+        loss += chunk_loss
+        torch.mm(dlogits, lm_w, out=d_xn[a: a + chunk])
+        accumulate_matmul(lm_grad, dlogits.t(), xc, fused)
+        del dlogits
+    dx, dnw = torch.autograd.grad(xn, [x, nw], d_xn)
+    norm_grad.add_(dnw)
+    dh = torch.zeros_like(h)
+    dh.reshape(-1, H).index_copy_(0, target_index, dx)
+    return loss * scale, dh

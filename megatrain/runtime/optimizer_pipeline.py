@@ -25,51 +25,62 @@ from typing import Callable
 
 import torch
 
+from . import adamw
 from .adamw import CpuAdamW
-from .store import HostStore, _aligned_empty
-
+from .pinned import PinnedHost
+from .schedule import gradient_order
+from .store import HostStore
 
 PIECE_MAX = 64 << 20  # elements per landing buffer
 
 
+def landing_piece(max_unit_numel: int) -> int:
+    """Elements per landing buffer: the largest unit rounded down to adamw.CHUNK (pieces on CHUNK boundaries keep
+    a piecewise update bit-identical to a whole-tile one), at least one CHUNK, at most PIECE_MAX (256 MiB: copies
+    that large run at full PCIe bandwidth, and two buffers cost 0.5 GiB of host memory however large the layers)."""
+    return min(PIECE_MAX, max(adamw.CHUNK, max_unit_numel // adamw.CHUNK * adamw.CHUNK))
+
+
+def offloaded_units(num_units: int, n: int) -> list[int]:
+    """The units whose gradients go to host memory during backward: the first n to complete (head, last layer, ...),
+    which would otherwise wait longest on the GPU for the next forward's copy-out."""
+    return gradient_order(num_units)[:n]
+
+
+class OptimizerThreadError(RuntimeError):
+    """The optimizer worker failed; its exception is the cause."""
+
+
 class OptimizerPipeline:
-    def __init__(self, store: HostStore, optimizer: CpuAdamW, device: torch.device, num_landing: int = 2,
-                 threaded: bool | None = None, offload_units: int = 0, threads: int | None = None):
-        """threaded: run updates on a worker thread (default on CUDA). On a CPU-only machine the optimizer and
-        the engine share the same cores, so by default updates run inline in `finish_step` (the same result).
-        threads: intra-op threads of the worker's AdamW (default: torch's, one per core)."""
+    def __init__(self, store: HostStore, optimizer: CpuAdamW, device: torch.device, pinned: PinnedHost,
+                 num_landing: int = 2, threaded: bool | None = None, offload_units: int = 0,
+                 threads: int | None = None, timeline=None):
+        """pinned: registers the landing buffers and offloaded gradients' host copies. threaded: run updates on a
+        worker thread (default on CUDA). On a CPU-only machine the optimizer and the engine share the same cores,
+        so by default updates run inline in `finish_step` (the same result). threads: intra-op threads of the
+        worker's AdamW (default: torch's, one per core). timeline: measures the d2h stream's busy share."""
         self.store, self.optimizer, self.device = store, optimizer, torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.threaded = self.cuda if threaded is None else threaded
         self.order = list(range(len(store.tiles)))  # forward order: embed, layers, head
-        # The first `offload_units` units to finish in backward (head, last layer, ...) would otherwise wait longest
-        # on the GPU for the next forward's copy-out: their gradients go straight to host buffers instead, so GPU
-        # memory for gradients stops growing with depth, at 4 B/param of host memory for those units.
-        backward_order = [self.order[-1]] + self.order[-2:0:-1] + [self.order[0]]
-        self.offload = set(backward_order[:offload_units])
-        self.offload_host = {i: _aligned_empty(store.tiles[i].numel, torch.float32, zero=False) for i in self.offload}
+        # Offloaded units' gradients go straight to host buffers: GPU memory for gradients stops growing with
+        # depth, at 4 B/param of host memory for those units.
+        self.offload = set(offloaded_units(len(store.tiles), offload_units))
+        self.offload_host = {i: pinned.empty(store.tiles[i].numel, torch.float32, f"offloaded gradient of "
+                                             f"{store.tiles[i].unit.name}") for i in sorted(self.offload)}
         self._grads: dict[int, tuple[torch.Tensor, object]] = {}
         self._ready = [threading.Event() for _ in self.order]
         for e in self._ready:
             e.set()  # the initial weights are ready
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        self._registered: list[int] = []
         if self.cuda:
-            from . import adamw
-
-            # Pieces on CHUNK boundaries keep a piecewise update bit-identical to a whole-tile one. 64M elements
-            # (256 MiB) per piece: copies that large run at full PCIe bandwidth, and two such buffers cost 0.5 GiB
-            # of host memory however large the layers are.
-            self.piece = min(PIECE_MAX, max(adamw.CHUNK, store.max_unit_numel // adamw.CHUNK * adamw.CHUNK))
-            self.landing = [_aligned_empty(self.piece, torch.float32, zero=False) for _ in range(num_landing)]
-            cudart = torch.cuda.cudart()
-            for buf in [*self.landing, *self.offload_host.values()]:
-                cudart.cudaHostRegister(buf.data_ptr(), buf.numel() * 4, 0)
-                self._registered.append(buf.data_ptr())
+            self.piece = landing_piece(store.max_unit_numel)
+            self.landing = [pinned.empty(self.piece, torch.float32, "gradient landing buffer")
+                            for _ in range(num_landing)]
             self.d2h = torch.cuda.Stream(self.device)
             self.compute = torch.cuda.current_stream(self.device)
-        self.timeline = None  # set with the engine's, to measure the d2h stream's busy share
+        self.timeline = timeline
         # Called with a unit index right before that unit's tile is modified (first piece of its update). A
         # background checkpoint writer uses it to finish writing the unit's step-t state before step t+1
         # overwrites it, so a save needs no copy of the host state.
@@ -107,6 +118,11 @@ class OptimizerPipeline:
             event.record(self.compute)
         self._grads[unit_index] = (grad, event)
 
+    def gradient(self, unit_index: int) -> torch.Tensor:
+        """This step's finished fp32 gradient of a unit, where it waits for `finish_step` (the device, or host
+        memory for offloaded units): for inspection, e.g. by equivalence tests."""
+        return self._grads[unit_index][0]
+
     def wait_for_update(self, unit_index: int) -> None:
         """Blocks the scheduling thread until the last step's update of this unit has been written."""
         while not self._ready[unit_index].wait(timeout=1.0):
@@ -134,14 +150,11 @@ class OptimizerPipeline:
             self.wait_for_update(i)
 
     def close(self) -> None:
+        """Stop the worker (its buffers are unregistered by the runtime's PinnedHost)."""
         if self._worker is not None:
             self._jobs.put(None)
             self._worker.join(timeout=60)
-        if self._registered:
-            cudart = torch.cuda.cudart()
-            for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
-            self._registered.clear()
+            self._worker = None
 
     @staticmethod
     def _no_stats() -> dict:
@@ -154,7 +167,8 @@ class OptimizerPipeline:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise RuntimeError("the optimizer thread failed") from self._error
+            raise OptimizerThreadError(f"the optimizer thread failed: {type(self._error).__name__}: "
+                                       f"{self._error}") from self._error
 
     # ---- worker ---------------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -2,8 +2,8 @@
 
 Each kind of state (fp32 master, Adam m, Adam v, the streaming copy) is one large page-aligned allocation; a
 unit's tile is a contiguous, page-aligned slice of each, laid out in the unit's spec order. The streaming copy is
-bf16 in bf16 mode and *is* the master in fp32 mode (12 B/param instead of 14). On CUDA machines the streaming
-allocation is registered as pinned once (cudaHostRegister: exact size, ~30x faster than pin_memory()).
+bf16 in bf16 mode and *is* the master in fp32 mode (12 B/param instead of 14). On CUDA machines the runtime
+registers the streaming allocation as pinned once (`PinnedHost`, runtime/pinned.py).
 
 The store does not schedule: it only holds, loads and exposes views.
 """
@@ -18,22 +18,15 @@ import torch
 
 from ..errors import MegatrainError
 from ..models import ModelAdapter, Unit
+from .pinned import PAGE, aligned_empty
 
-PAGE = 4096
 ALIGN_ELEMS = PAGE // 2  # tile starts aligned to 2048 elements: page-aligned in bf16 and in fp32 buffers
 IGNORED_CHECKPOINT_TENSORS = ("rotary_emb.inv_freq",)
 
 
-def _aligned_empty(numel: int, dtype: torch.dtype, zero: bool) -> torch.Tensor:
-    """A flat tensor whose first element sits on a page boundary."""
-    esize = torch.empty((), dtype=dtype).element_size()
-    pad = PAGE // esize
-    raw = torch.empty(numel + pad, dtype=dtype)
-    offset = (-raw.data_ptr() % PAGE) // esize
-    buf = raw[offset: offset + numel]
-    if zero:
-        buf.zero_()
-    return buf
+def padded_numel(numel: int) -> int:
+    """Elements a unit of `numel` parameters takes in each store allocation (its tile, padded to ALIGN_ELEMS)."""
+    return -(-numel // ALIGN_ELEMS) * ALIGN_ELEMS
 
 
 @dataclass
@@ -64,13 +57,13 @@ class HostStore:
         starts, total = [], 0
         for u in self.units:
             starts.append(total)
-            total += -(-u.numel // ALIGN_ELEMS) * ALIGN_ELEMS
+            total += padded_numel(u.numel)
         self.total_elems = total
-        self.master = _aligned_empty(total, torch.float32, zero=False)
-        self.exp_avg = _aligned_empty(total, torch.float32, zero=True)
-        self.exp_avg_sq = _aligned_empty(total, torch.float32, zero=True)
+        self.master = aligned_empty(total, torch.float32, zero=False)
+        self.exp_avg = aligned_empty(total, torch.float32, zero=True)
+        self.exp_avg_sq = aligned_empty(total, torch.float32, zero=True)
         self.separate_stream_copy = stream_dtype != torch.float32
-        self.stream = _aligned_empty(total, stream_dtype, zero=False) if self.separate_stream_copy else self.master
+        self.stream = aligned_empty(total, stream_dtype, zero=False) if self.separate_stream_copy else self.master
         self.tiles: list[LayerTile] = []
         ends = [s + u.numel for u, s in zip(self.units, starts)]
         for a, b in zip(ends, starts[1:] + [total]):  # alignment padding: zero, so whole buffers are deterministic
@@ -80,7 +73,6 @@ class HostStore:
         for u, s in zip(self.units, starts):
             sl = slice(s, s + u.numel)
             self.tiles.append(LayerTile(u, self.master[sl], self.exp_avg[sl], self.exp_avg_sq[sl], self.stream[sl]))
-        self._registered: list[int] = []
 
     # ---- sizes ------------------------------------------------------------------------------------
     @property
@@ -150,26 +142,6 @@ class HostStore:
     def refresh_stream_copy(self, tile: LayerTile) -> None:
         if self.separate_stream_copy:
             tile.stream.copy_(tile.master)
-
-    # ---- pinned registration (CUDA only) ------------------------------------------------------------
-    def pin(self) -> None:
-        """Register the streaming allocation (and the master in fp32 mode) as pinned memory, once."""
-        if not torch.cuda.is_available() or self._registered:
-            return
-        cudart = torch.cuda.cudart()
-        buf = self.stream
-        err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
-        if int(err) != 0:
-            raise MegatrainError(f"cudaHostRegister of {buf.numel() * buf.element_size() / 2**30:.1f} GiB failed "
-                                 f"(error {int(err)}): is the memlock limit (ulimit -l) too low?")
-        self._registered.append(buf.data_ptr())
-
-    def unpin(self) -> None:
-        if self._registered:
-            cudart = torch.cuda.cudart()
-            for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
-            self._registered.clear()
 
 
 def _weight_map(model_dir: Path) -> dict[str, str]:

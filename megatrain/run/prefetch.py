@@ -1,0 +1,89 @@
+"""The next step's data, prepared while this step trains.
+
+Reading a step's rows from the Arrow files, collating them, building the engine's micro-batches (label shift,
+target positions) and pinning them for the device take host time between two steps, while the GPU would wait:
+one worker thread does it for step t+1 during step t. The order is the loader's own (one worker, sequential), and
+each prepared step carries the loader's state after it, so a checkpoint records the position of the steps
+actually trained, not of the one prepared ahead.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+from ..runtime import MicroBatch
+
+
+@dataclass
+class PreparedStep:
+    batches: list[dict]  # the loader's batches (input_ids, labels, position_ids, num_real_tokens)
+    microbatches: list[MicroBatch]
+    loader_state: dict  # the loader's state once this step has been drawn
+
+    @property
+    def tokens(self) -> int:
+        """Real (non-padding) tokens of the step."""
+        return sum(int(b["num_real_tokens"]) if "num_real_tokens" in b else b["input_ids"].numel()
+                   for b in self.batches)
+
+
+def prepare_step(batches: list[dict], pin: bool) -> list[MicroBatch]:
+    mbs = [MicroBatch.from_labels(b["input_ids"], b["labels"], b.get("position_ids")) for b in batches]
+    return [mb.pin() for mb in mbs] if pin else mbs
+
+
+class StepPrefetcher:
+    """`next()` returns the next PreparedStep, drawing up to `ahead` steps in advance on a worker thread
+    (ahead=0: drawn when asked, on the caller's thread). Stops at `last_step` steps drawn in all."""
+
+    def __init__(self, loader, *, pin: bool, steps: int, ahead: int = 1):
+        self.loader, self.pin, self.ahead = loader, pin, ahead
+        self._left = steps
+        self._state = loader.state_dict()  # position of the steps handed out so far
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, ahead))
+        self._stop = threading.Event()
+        self._worker = None
+        if ahead > 0 and steps > 0:
+            self._worker = threading.Thread(target=self._run, name="megatrain-data", daemon=True)
+            self._worker.start()
+
+    def _draw(self) -> PreparedStep:
+        batches = self.loader.next_step()
+        return PreparedStep(batches, prepare_step(batches, self.pin), self.loader.state_dict())
+
+    def _run(self) -> None:
+        try:
+            for _ in range(self._left):
+                item = self._draw()
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+        except BaseException as e:  # handed to the training thread by next()
+            self._queue.put(e)
+
+    def next(self) -> PreparedStep:
+        if self._worker is None:
+            item = self._draw()
+        else:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+        self._state = item.loader_state
+        return item
+
+    def state_dict(self) -> dict:
+        """The loader's state after the last step handed out by next()."""
+        return self._state
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._worker is not None:
+            self._worker.join(timeout=10)
+            self._worker = None

@@ -1,0 +1,65 @@
+"""What the engine is given and what it returns: a micro-batch's host tensors, a step's loss and norm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class MicroBatch:
+    """Host tensors of one micro-batch, validated and prepared for the device."""
+
+    input_ids: torch.Tensor  # [B, T] int64
+    position_ids: torch.Tensor  # [B, T] int64; restarts at 0 at each packed document
+    target_index: torch.Tensor  # [n] int64: flat positions (into B*T) that predict a token
+    targets: torch.Tensor  # [n] int64: the token each of those positions predicts
+    packed: bool  # some row holds more than one document
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.targets.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @classmethod
+    def from_labels(cls, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None):
+        """From Hugging Face style (input_ids, labels): labels are unshifted, -100 where no loss is taken."""
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T).repeat(B, 1)
+        shifted = torch.full_like(labels, IGNORE_INDEX)
+        shifted[:, :-1] = labels[:, 1:]
+        flat = shifted.reshape(-1)
+        index = torch.nonzero(flat != IGNORE_INDEX).squeeze(1)
+        packed = bool((position_ids != torch.arange(T)).any())
+        return cls(input_ids.long().contiguous(), position_ids.long().contiguous(), index, flat[index].long(), packed)
+
+    def pin(self) -> "MicroBatch":
+        """The same tensors in page-locked memory, so `to(cuda)` is an asynchronous DMA (done ahead of the step
+        by the run's data prefetch; idempotent)."""
+        if self.input_ids.is_pinned():
+            return self
+        return MicroBatch(self.input_ids.pin_memory(), self.position_ids.pin_memory(),
+                          self.target_index.pin_memory(), self.targets.pin_memory(), self.packed)
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        if device.type == "cpu":
+            return self
+        src = self.pin()
+        nb = dict(device=device, non_blocking=True)
+        return MicroBatch(src.input_ids.to(**nb), src.position_ids.to(**nb), src.target_index.to(**nb),
+                          src.targets.to(**nb), self.packed)
+
+
+@dataclass
+class StepOutput:
+    loss_sum: torch.Tensor  # device scalar: sum of token losses (already divided by num_targets => the loss)
+    grad_sq_norm: torch.Tensor  # device scalar: squared global gradient norm
+    num_targets: int
+    num_tokens: int
