@@ -69,7 +69,7 @@ class CheckpointSaver:
         self.last: Path | None = None  # the newest checkpoint this saver completed
         self.last_seconds = 0.0
         if pipeline is not None:
-            pipeline.before_update = self.before_update
+            pipeline.add_before_update(self.before_update)
 
     # ---- called by the optimizer (any thread) ------------------------------------------------------
     def before_update(self, unit_index: int) -> None:

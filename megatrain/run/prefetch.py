@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 from ..runtime import MicroBatch
@@ -21,6 +22,7 @@ class PreparedStep:
     batches: list[dict]  # the loader's batches (input_ids, labels, position_ids, num_real_tokens)
     microbatches: list[MicroBatch]
     loader_state: dict  # the loader's state once this step has been drawn
+    wait_s: float = 0.0  # how long the training thread waited for it (0 when it was ready)
 
     @property
     def tokens(self) -> int:
@@ -69,12 +71,14 @@ class StepPrefetcher:
             self._queue.put(e)
 
     def next(self) -> PreparedStep:
+        t0 = time.perf_counter()
         if self._worker is None:
             item = self._draw()
         else:
             item = self._queue.get()
             if isinstance(item, BaseException):
                 raise item
+        item.wait_s = time.perf_counter() - t0
         self._state = item.loader_state
         return item
 

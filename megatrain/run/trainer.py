@@ -109,21 +109,26 @@ def train_step(run: Run, step: int, data: PreparedStep, stats: StepStats | None 
         out = run.engine.train_step(data.microbatches)
         if stats is not None:
             stats.end()  # the step's GPU work is queued: the end marker follows it
+        t_queued = time.perf_counter()
         grad_norm = math.sqrt(out.grad_sq_norm.item())  # waits for the step's GPU work, all queued
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
         raise_if_out_of_memory(e, phase=run.engine.phase, plan=run.plan, adapter=run.adapter, step=step + 1)
         raise
     loss = out.loss_sum.item()
+    t_done = time.perf_counter()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise MegatrainError(f"step {step + 1}: loss {loss}, grad norm {grad_norm}; the update was not applied. "
                              f"Lower train.lr or check the data.")
     lr = lr_at(step, lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, schedule=t.lr_schedule,
                min_lr_ratio=t.min_lr_ratio)
     run.pipeline.finish_step(lr=lr, clip_coef=clip_coefficient(grad_norm, t.max_grad_norm))
-    dt = time.perf_counter() - t0
+    dt = time.perf_counter() - t0 + data.wait_s
     tokens = data.tokens
+    # where the host thread's time went: waiting for data, queueing the step (waits for the optimizer's updates
+    # included), waiting for the GPU to finish it
     return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-            "tokens_per_s": tokens / dt, "step_time_s": dt}
+            "tokens_per_s": tokens / dt, "step_time_s": dt, "data_wait_s": data.wait_s,
+            "queue_s": t_queued - t0, "gpu_wait_s": t_done - t_queued}
 
 
 def state_at(run: Run, s: Session, step: int, lr: float) -> dict:

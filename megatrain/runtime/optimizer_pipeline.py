@@ -81,10 +81,7 @@ class OptimizerPipeline:
             self.d2h = torch.cuda.Stream(self.device)
             self.compute = torch.cuda.current_stream(self.device)
         self.timeline = timeline
-        # Called with a unit index right before that unit's tile is modified (first piece of its update). A
-        # background checkpoint writer uses it to finish writing the unit's step-t state before step t+1
-        # overwrites it, so a save needs no copy of the host state.
-        self.before_update: Callable[[int], None] = lambda unit_index: None
+        self._before_update: list[Callable[[int], None]] = []
         # Where the worker's time went since the last take_stats(): in AdamW, waiting for gradient copies,
         # parameters updated (the bench reports the in-step AdamW rate from these).
         self.stats = self._no_stats()
@@ -117,6 +114,16 @@ class OptimizerPipeline:
             event = torch.cuda.Event()
             event.record(self.compute)
         self._grads[unit_index] = (grad, event)
+
+    def add_before_update(self, hook: Callable[[int], None]) -> None:
+        """`hook(u)` is called (on the worker) right before unit u's tile is modified. A background checkpoint
+        writer uses it to finish writing the unit's step-t state before step t+1 overwrites it, so a save needs no
+        copy of the host state."""
+        self._before_update.append(hook)
+
+    def _notify_before_update(self, unit_index: int) -> None:
+        for hook in self._before_update:
+            hook(unit_index)
 
     def gradient(self, unit_index: int) -> torch.Tensor:
         """This step's finished fp32 gradient of a unit, where it waits for `finish_step` (the device, or host
@@ -182,7 +189,7 @@ class OptimizerPipeline:
                 else:
                     for i in self.order:
                         grad, _ = grads.pop(i)
-                        self.before_update(i)
+                        self._notify_before_update(i)
                         self.optimizer.update(self.store.tiles[i], grad, lr=lr, clip_coef=coef)
                         self._ready[i].set()
         except BaseException as e:  # surfaced on the training thread by wait_for_update / finish_step
@@ -222,7 +229,7 @@ class OptimizerPipeline:
             done_events[k % len(self.landing)].synchronize()
             tile = self.store.tiles[i]
             if a == 0:
-                self.before_update(i)
+                self._notify_before_update(i)
             src = grads[i][0][a: a + n] if i in self.offload else self.landing[k % len(self.landing)][:n]
             t1 = time.perf_counter()
             self.optimizer.update(tile, src, lr=lr, clip_coef=coef, offset=a, new_step=(a == 0))
