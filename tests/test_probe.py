@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatrain.planner import sysmem
-from megatrain.planner.plan import Workload, make_plan
+from megatrain.planner import Workload, make_plan
 from megatrain.planner.profile import DEFAULTS, GiB, from_dict, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_gpu_profile_sets_the_rates_of_the_plan(tmp_path):
     from transformers import AutoConfig
 
     from megatrain.models import get_adapter
-    from megatrain.planner.plan import executed_flops
+    from megatrain.planner.timing import executed_flops
 
     prof = from_dict(H200_PROFILE, "h200.json")
     assert prof.peak_bf16 == 989.4e12 and prof.h2d_bps == 55e9 and prof.bidir_bps == 50e9
@@ -98,7 +98,7 @@ def test_plan_for_another_machine_uses_its_recorded_memory(tmp_path):
     """Planning on a laptop for the profiled GPU box: host RAM and GPU size come from the profile."""
     from megatrain.config import load_config
     from megatrain.models import get_adapter, load_hf_config
-    from megatrain.planner.plan import plan_for_config, target_device
+    from megatrain.planner import plan_for_config, target_device
 
     path = tmp_path / "h200.json"
     path.write_text(json.dumps(H200_PROFILE))

@@ -1,21 +1,31 @@
 """The planner: what a run will use and how fast it goes, from config.json and the config alone, before any weight
-is read; and `megatrain probe`, which measures the machine it plans for. Modules:
+is read; and `megatrain probe`, which measures the machine it plans for. Modules, one job each:
 
-    plan.py         Plan and make_plan: the workload, host and GPU memory, step time, what would fit, the report
+    plan.py         the entry points: Plan and make_plan (a workload's plan and whether it fits), plan_for_config,
+                    plan_command (`megatrain plan`), check_before_run (`megatrain train`'s check), target_device
+    workload.py     Workload, what the run asks of the engine (step shape, engine settings), from a Config
+    memory.py       host RAM by component and the GPU phase by phase, walking the runtime's step schedule
     activations.py  one layer's and the LM head's activation memory, measured by running the runtime's own
                     functions on the meta device
+    timing.py       executed FLOPs and step time: an event simulation of the runtime's step schedule and of the
+                    CPU optimizer pipeline
+    suggest.py      what would fit when the run does not
+    report.py       the plan as text, and the refusal `megatrain train` gives
     profile.py      the machine profile (rates, sizes) and its H200 defaults
     probe.py        `megatrain probe`: measures this machine into a profile
     sysmem.py       host RAM free (cgroup-aware), disk free, memlock
     flops.py        FLOP counting for throughput reports
 
 The planner simulates the runtime's schedule (runtime/schedule.py) and sizes what the runtime allocates with the
-runtime's own functions; it never builds an Engine. Only the standard library and torch are needed here (the
-probe runs where pydantic is not installed).
+runtime's own functions and constants (runtime/store.py, optimizer_pipeline.py, lmhead.py); it never builds an
+Engine nor calls a private name of the runtime. Only the standard library and torch are needed here (the probe
+runs where pydantic is not installed).
 """
 
-from .plan import (Plan, Workload, check_before_run, make_plan, plan_command, plan_for_config, refusal, suggestions,
-                   target_device)
+from .plan import Plan, check_before_run, make_plan, plan_command, plan_for_config, target_device
+from .report import refusal
+from .suggest import suggestions
+from .workload import Workload
 
 __all__ = ["Plan", "Workload", "check_before_run", "make_plan", "plan_command", "plan_for_config", "refusal",
            "suggestions", "target_device"]

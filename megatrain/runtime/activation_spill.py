@@ -20,6 +20,11 @@ import torch
 from .pinned import PinnedHost
 
 
+def spill_numel(num_layers: int, shapes: list[torch.Size]) -> int:
+    """Elements of the host buffer for `num_layers` layers' inputs of micro-batches of these shapes."""
+    return num_layers * sum(s.numel() for s in shapes)
+
+
 class ActivationSpill:
     def __init__(self, num_layers: int, device: torch.device, dtype: torch.dtype, h2d=None, compute=None,
                  pinned: PinnedHost | None = None):
@@ -40,8 +45,8 @@ class ActivationSpill:
 
     def begin_step(self, shapes: list[torch.Size]) -> None:
         """Lay out host space for this step's micro-batch shapes (grown, and registered once, when needed)."""
-        per_layer = sum(s.numel() for s in shapes)
-        need = per_layer * self.num_layers
+        per_layer = spill_numel(1, shapes)
+        need = spill_numel(self.num_layers, shapes)
         if need > self.host.numel():
             self.pinned.release(self.host)
             self.host = torch.empty(0, dtype=self.dtype)  # the old buffer is freed before the larger one exists

@@ -32,6 +32,12 @@ from .schedule import gradient_order
 from .store import HostStore
 
 PIECE_MAX = 64 << 20  # elements per landing buffer
+NUM_LANDING = 2  # landing buffers: the copy of piece k+1 overlaps the update of piece k
+
+
+def update_order(num_units: int) -> list[int]:
+    """The order in which the optimizer updates units (and the next forward needs them): forward order."""
+    return list(range(num_units))
 
 
 def landing_piece(max_unit_numel: int) -> int:
@@ -53,7 +59,7 @@ class OptimizerThreadError(RuntimeError):
 
 class OptimizerPipeline:
     def __init__(self, store: HostStore, optimizer: CpuAdamW, device: torch.device, pinned: PinnedHost,
-                 num_landing: int = 2, threaded: bool | None = None, offload_units: int = 0,
+                 num_landing: int = NUM_LANDING, threaded: bool | None = None, offload_units: int = 0,
                  threads: int | None = None, timeline=None):
         """pinned: registers the landing buffers and offloaded gradients' host copies. threaded: run updates on a
         worker thread (default on CUDA). On a CPU-only machine the optimizer and the engine share the same cores,
@@ -62,7 +68,7 @@ class OptimizerPipeline:
         self.store, self.optimizer, self.device = store, optimizer, torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.threaded = self.cuda if threaded is None else threaded
-        self.order = list(range(len(store.tiles)))  # forward order: embed, layers, head
+        self.order = update_order(len(store.tiles))
         # Offloaded units' gradients go straight to host buffers: GPU memory for gradients stops growing with
         # depth, at 4 B/param of host memory for those units.
         self.offload = set(offloaded_units(len(store.tiles), offload_units))

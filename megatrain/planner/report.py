@@ -1,0 +1,94 @@
+"""The plan as text: the report `megatrain plan` prints (`render`) and the error `megatrain train` gives when the
+run will not fit (`refusal`).
+
+The report has one section per resource, in the order a reader checks them: host RAM by component (memory.py)
+against what is available, the GPU's components at its peak phase and what the allocator and the CUDA context add,
+disk per checkpoint, the predicted step time with its parts and bound (timing.py), the notes on where the figures
+come from, and, when the run does not fit, the problems and what would fit (suggest.py). Nothing is computed
+here: every figure is a field of the Plan (plan.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .profile import GiB
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+
+def _g(x: float) -> str:
+    """GiB, with more decimals for small amounts (tiny models)."""
+    return f"{x / GiB:8.2f}" if x >= 0.1 * GiB or x == 0 else f"{x / GiB:8.4f}"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
+
+
+def _flops(x: float) -> str:
+    return f"{x / 1e12:.0f} TFLOP/s" if x >= 1e13 else f"{x / 1e12:.3g} TFLOP/s"
+
+
+def render(p: Plan) -> str:
+    """The report `megatrain plan` prints (Plan.report)."""
+    w, t = p.workload, p.time
+    lines = [f"megatrain plan: {p.model}, {_count(p.params)} parameters, {w.precision} streaming on {w.device}"
+             f"{' (compiled layers)' if w.compile else ''}",
+             f"  step: {w.describe()}"]
+    src = p.profile.source if p.profile.measured else "defaults"
+    lines.append(f"  machine profile: {src}" + (f" (measured {p.profile.created} on {p.profile.host})"
+                                                if p.profile.measured else ""))
+    lines.append("")
+    lines.append(f"{'host RAM':<58}{'GiB':>8}")
+    for k, v in p.host.items():
+        lines.append(f"  {k:<56}{_g(v)}")
+    avail = (f"   of {p.host_available / GiB:.2f} available ({p.host_source})" if p.host_available is not None else "")
+    lines.append(f"  {'total':<56}{_g(p.host_total)}{avail}")
+    lines.append(f"  {'of which pinned':<56}{_g(p.pinned)}")
+    if w.device == "cuda":
+        lines.append("")
+        lines.append(f"GPU memory at the peak: {p.gpu_peak_phase}")
+        for k, v in p.gpu.items():
+            if v:
+                lines.append(f"  {k:<56}{_g(v)}")
+        lines.append(f"  {'allocated (torch.cuda.max_memory_allocated)':<56}{_g(p.gpu_peak)}")
+        lim = (f"   of {p.gpu_limit / GiB:.2f} ({p.gpu_limit_source})" if p.gpu_limit is not None else "")
+        lines.append(f"  {'needed (+ allocator reserve, CUDA context)':<56}{_g(p.gpu_needed)}{lim}")
+    lines.append("")
+    free = f"; {p.disk_free / GiB:.0f} GiB free in the output folder" if p.disk_free is not None else ""
+    lines.append(f"disk per checkpoint: {p.disk_per_checkpoint / GiB:.1f} GiB (fp32 master + Adam m + v, "
+                 f"12 B/param){free}")
+    lines.append("")
+    lines.append(f"step time (predicted): {t['step_s']:.2f} s, bound by {t['bound']}")
+    if w.device == "cuda":
+        lines.append(f"  compute {t['compute_s']:.2f} s ({t['rate_source']}), H2D weights {t['h2d_s']:.2f} s, "
+                     f"D2H gradients {t['d2h_s']:.2f} s, CPU AdamW {t['optimizer_s']:.2f} s (overlapped with the "
+                     f"next forward); GPU idle {t['gpu_idle_s']:.2f} s")
+    mfu = f", MFU {t['mfu'] * 100:.1f}%" if t.get("mfu") else ""
+    lines.append(f"  {t['tokens_per_s']:,.0f} tokens/s, {_flops(t['executed_tflops'] * 1e12)} executed, "
+                 f"{_flops(t['tflops_6n'] * 1e12)} (6N){mfu}")
+    for n in p.notes:
+        lines.append(f"note: {n}")
+    if p.problems:
+        lines.append("")
+        lines.append("DOES NOT FIT:")
+        lines += [f"  {x}" for x in p.problems]
+        if p.suggestions:
+            lines.append("would fit:")
+            lines += [f"  {x}" for x in p.suggestions]
+    else:
+        lines.append("fits.")
+    return "\n".join(lines)
+
+
+def refusal(plan: Plan) -> str:
+    """The one error `megatrain train` gives when the plan says the run cannot fit."""
+    lines = ["the run will not fit (megatrain plan CONFIG shows the whole plan):"]
+    lines += [f"  {p}" for p in plan.problems]
+    if plan.suggestions:
+        lines.append("what would fit:")
+        lines += [f"  {s}" for s in plan.suggestions]
+    lines.append("(plan.check=false runs it anyway)")
+    return "\n".join(lines)

@@ -1,0 +1,68 @@
+"""What a run asks of the engine: the planner's one input besides the model and the machine.
+
+A `Workload` is the step's shape (micro-batches, tokens per row) and the engine's settings that change what it
+allocates or how long it takes (streaming precision, weight slots, LM-head chunk, compile, spilled checkpoints,
+offloaded gradients). Each field names the runtime argument it stands for: `EngineOptions` and
+`OptimizerPipeline(offload_units)` in megatrain/runtime, the micro-batches the trainer builds (megatrain/run).
+`workload_from_config` reads it from a validated `megatrain.config.Config`; bench/plan_vs_measured.py builds one
+from a benchmark's command line instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PENDING = "needs engine support (not implemented yet)"  # what the planner models but the engine cannot do yet
+
+
+@dataclass(frozen=True)
+class Workload:
+    micro_batches: tuple[int, ...]  # sequences in each micro-batch of one optimizer step
+    seq_len: int  # tokens per row (an upper bound when rows are padded only to the batch's longest)
+    device: str = "cuda"
+    precision: str = "bf16"  # streaming dtype; the engine computes in it too
+    loss_chunk_tokens: int = 0
+    num_slots: int = 2
+    compile: bool = False
+    packed: bool = False
+    targets_per_row: int | None = None  # default seq_len - 1 (every position but the last predicts a token)
+    spill_layers: int = 0  # Engine(spill_layers): the lowest N layers' checkpoints live in pinned host memory
+    offload_units: int = 0  # OptimizerPipeline(offload_units): the first N units done in backward
+    #                         (runtime.optimizer_pipeline.offloaded_units) send their fp32 gradients to pinned host
+    #                         memory during backward
+    checkpoint_every: int = 1  # keep every K-th layer boundary, recompute the rest in backward (PENDING)
+    head_kernels: bool = True  # CUDA: the fused cross-entropy kernel and the in-GEMM accumulation of the head
+    #                            (False: the eager head of the first H200 runs, for bench/plan_vs_measured.py)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return sum(self.micro_batches) * self.seq_len
+
+    @property
+    def elem(self) -> int:
+        return 2 if self.precision == "bf16" else 4
+
+    def describe(self) -> str:
+        sizes: dict[int, int] = {}
+        for b in self.micro_batches:
+            sizes[b] = sizes.get(b, 0) + 1
+        mbs = " + ".join(f"{n}x{b}" for b, n in sizes.items())
+        return (f"{len(self.micro_batches)} micro-batch{'es' if len(self.micro_batches) > 1 else ''} ({mbs} rows) "
+                f"x {self.seq_len} tokens = {self.tokens_per_step:,} tokens per step")
+
+
+def workload_from_config(cfg, device: str) -> Workload:
+    """The workload of a validated megatrain.config.Config on `device` ('cuda' or 'cpu')."""
+    t, eng = cfg.train, cfg.engine
+    return Workload(
+        micro_batches=(t.micro_batch_size,) * t.grad_accum_steps, seq_len=cfg.data.max_seq_len, device=device,
+        precision=t.precision, loss_chunk_tokens=eng.loss_chunk_tokens, num_slots=eng.num_slots,
+        compile=eng.compile == "on" or (eng.compile == "auto" and device == "cuda"), packed=cfg.data.packing,
+        spill_layers=eng.spill_layers, offload_units=eng.offload_grad_units)
+
+
+def checkpoint_copies(cfg) -> int:
+    """Checkpoints on disk at once at most, from a validated Config's checkpoint section (0: no saves)."""
+    ck = cfg.checkpoint
+    saves = (cfg.train.steps // ck.every if ck.every else 0) + (1 if ck.at_end else 0)
+    return min(saves, ck.keep + 1) if ck.keep else saves
