@@ -1,10 +1,15 @@
-"""megatrain's step on one GPU: step time, tokens/s, TFLOP/s (6·N and MFU with attention), GPU peak, host peak
-RSS and bytes/param, and the busy shares of the compute, H2D and D2H streams.
+"""megatrain's step on one GPU: step time, wall time per step, tokens/s, TFLOP/s (6·N and MFU with attention), GPU
+peak, host peak RSS and bytes/param, and the busy shares of the compute, H2D and D2H streams.
 
-    python bench/bench_megatrain.py --model bench/model-configs/qwen2.5-7b --seq 1024 --seqs 158 --micro 32
+    python bench/bench_megatrain.py --model bench/model-configs/qwen2.5-7b --seq 1024 --seqs 158 --micro 79 --compile
 
-Random-initialised weights, random tokens (full-length rows, every token a target). The first --warmup steps
-are not measured. Prints a table last and writes JSON (--json).
+The runtime is built as the trainer builds it (`megatrain.runtime.build_runtime`): the store's streaming copy
+pinned, the engine with the optimizer pipeline as its gradient sink and the stream timeline. Random-initialised
+weights, random tokens (full-length rows, every token a target). The first --warmup steps are not measured.
+Per step: `step_s`, from the start of `engine.train_step` to the loss and norm read back (the GPU work of the step),
+and `wall_s`, from the end of the previous step's `finish_step` to the end of this one's (what a training loop
+sees per step; compare bench_cli.py's wall time per step). Prints a table last and writes JSON (--json).
+`--device cpu` runs the same code on the CPU (a check of the script, with a tiny config.json).
 """
 
 from __future__ import annotations
@@ -20,13 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import H200_BF16_PEAK, hf_config, peak_rss_bytes, rss_bytes, table, write_json  # noqa: E402
-from megatrain.runtime.engine import Engine, MicroBatch  # noqa: E402
 from megatrain.models import get_adapter  # noqa: E402
-from megatrain.runtime.optimizer_pipeline import OptimizerPipeline  # noqa: E402
-from megatrain.runtime.adamw import CpuAdamW, clip_coefficient  # noqa: E402
-from megatrain.runtime.store import HostStore  # noqa: E402
-from megatrain.runtime.timeline import Timeline  # noqa: E402
 from megatrain.planner.flops import flops_per_token  # noqa: E402
+from megatrain.runtime import (CpuAdamW, EngineOptions, HostStore, MicroBatch, RuntimeOptions,  # noqa: E402
+                               build_runtime)
+from megatrain.runtime.adamw import clip_coefficient  # noqa: E402
 
 
 def split(total: int, micro: int) -> list[int]:
@@ -40,74 +43,84 @@ def run(args) -> dict:
     cfg = hf_config(args.model, num_hidden_layers=args.layers, hidden_size=args.hidden,
                     intermediate_size=args.intermediate)
     adapter = get_adapter(cfg)
-    device = torch.device("cuda")
-    if args.gpu_budget:  # a hard cap: the caching allocator raises out-of-memory rather than exceed it
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(args.gpu_budget * 2**30 / total)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if args.gpu_budget and cuda:  # a hard cap: the caching allocator raises out-of-memory rather than exceed it
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.gpu_budget * 2**30 / total, device)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     t0 = time.perf_counter()
     store = HostStore(adapter, torch.bfloat16 if args.precision == "bf16" else torch.float32)
     store.init_random(0, 0.02)
-    store.pin()
-    init_s = time.perf_counter() - t0
-    engine = Engine(store, adapter, device, num_slots=args.slots, compile_layers=args.compile,
-                    spill_layers=args.spill)
-    if args.switch_interval:
-        sys.setswitchinterval(args.switch_interval)
-    pipeline = OptimizerPipeline(store, CpuAdamW(weight_decay=0.1), device, offload_units=args.offload,
-                                 threads=args.adam_threads)
-    engine.wait_for_update = pipeline.wait_for_update
-    timeline = Timeline()
-    engine.timeline = pipeline.timeline = timeline
+    runtime = build_runtime(store, device, CpuAdamW(weight_decay=0.1), RuntimeOptions(
+        engine=EngineOptions(num_slots=args.slots, compile_layers=args.compile, spill_layers=args.spill),
+        offload_grad_units=args.offload, adam_threads=args.adam_threads))
+    init_s = time.perf_counter() - t0  # the store's allocation and init, pinning, slots, landing buffers
+    engine, pipeline, timeline = runtime.engine, runtime.pipeline, runtime.timeline
     n_params = store.num_params
     fpt6, fpt_model = flops_per_token(adapter, args.seq)
+    tokens = args.seqs * args.seq
     g = torch.Generator().manual_seed(0)
     records = []
-    for step in range(args.warmup + args.steps):
-        mbs = []
-        for b in split(args.seqs, args.micro):
-            ids = torch.randint(0, adapter.vocab_size, (b, args.seq), generator=g)
-            mbs.append(MicroBatch.from_labels(ids, ids))
-        start = timeline.marker()
-        t = time.perf_counter()
-        out = engine.train_step(mbs, pipeline)
-        norm = out.grad_sq_norm.sqrt().item()
-        loss = out.loss_sum.item()
-        end = timeline.marker()
-        dt = time.perf_counter() - t
-        pipeline.finish_step(lr=1e-5, clip_coef=clip_coefficient(norm, 1.0))
-        shares = timeline.shares(start, end)
-        tokens = args.seqs * args.seq
-        rec = {"step": step, "loss": loss, "grad_norm": norm, "step_s": dt, "tokens_per_s": tokens / dt,
-               "tflops_6n": fpt6 * tokens / dt / 1e12, "mfu": fpt_model * tokens / dt / H200_BF16_PEAK,
-               "busy_compute": shares.get("compute", 0.0), "busy_h2d": shares.get("h2d", 0.0),
-               "busy_d2h": shares.get("d2h", 0.0)}
-        rec["gpu_idle"] = 1.0 - rec["busy_compute"]
-        # the optimizer thread since the last step's end (it updates step t-1 during this step's forward)
-        st = pipeline.take_stats()
-        rec.update(adamw_s=st["update_s"], adamw_wait_s=st["copy_wait_s"],
-                   adamw_gparam_s=st["params"] / st["update_s"] / 1e9 if st["update_s"] else None)
-        records.append(rec)
-        print(f"step {step}: {dt:.2f}s loss {loss:.3f} {rec['tflops_6n']:.0f} TFLOP/s(6N) "
-              f"compute {rec['busy_compute']:.2f} h2d {rec['busy_h2d']:.2f} d2h {rec['busy_d2h']:.2f} "
-              f"adamw {rec['adamw_s']:.2f}s ({rec['adamw_gparam_s'] or 0:.2f} Gparam/s) "
-              f"waiting {rec['adamw_wait_s']:.2f}s", flush=True)
-    pipeline.drain()
-    pipeline.close()
+    try:
+        last_end = time.perf_counter()  # step 0's wall time runs from here
+        for step in range(args.warmup + args.steps):
+            mbs = []
+            for b in split(args.seqs, args.micro):
+                ids = torch.randint(0, adapter.vocab_size, (b, args.seq), generator=g)
+                mbs.append(MicroBatch.from_labels(ids, ids))
+            start = timeline.marker() if timeline else None
+            t = time.perf_counter()
+            out = engine.train_step(mbs)
+            norm = out.grad_sq_norm.sqrt().item()
+            loss = out.loss_sum.item()
+            end = timeline.marker() if timeline else None
+            dt = time.perf_counter() - t
+            pipeline.finish_step(lr=1e-5, clip_coef=clip_coefficient(norm, 1.0))
+            now = time.perf_counter()
+            wall, last_end = now - last_end, now
+            shares = timeline.shares(start, end) if timeline else {}
+            rec = {"step": step, "loss": loss, "grad_norm": norm, "step_s": dt, "wall_s": wall,
+                   "tokens_per_s": tokens / dt, "tflops_6n": fpt6 * tokens / dt / 1e12,
+                   "mfu": fpt_model * tokens / dt / H200_BF16_PEAK,
+                   "busy_compute": shares.get("compute", 0.0) if cuda else None,
+                   "busy_h2d": shares.get("h2d", 0.0) if cuda else None,
+                   "busy_d2h": shares.get("d2h", 0.0) if cuda else None}
+            rec["gpu_idle"] = 1.0 - rec["busy_compute"] if cuda else None
+            # the optimizer thread since the last step's end (it updates step t-1 during this step's forward)
+            st = pipeline.take_stats()
+            rec.update(adamw_s=st["update_s"], adamw_wait_s=st["copy_wait_s"],
+                       adamw_gparam_s=st["params"] / st["update_s"] / 1e9 if st["update_s"] else None)
+            records.append(rec)
+            busy = (f"compute {rec['busy_compute']:.2f} h2d {rec['busy_h2d']:.2f} d2h {rec['busy_d2h']:.2f} "
+                    if cuda else "")
+            print(f"step {step}: {dt:.2f}s (wall {wall:.2f}s) loss {loss:.3f} {rec['tflops_6n']:.0f} TFLOP/s(6N) "
+                  f"{busy}adamw {rec['adamw_s']:.2f}s ({rec['adamw_gparam_s'] or 0:.2f} Gparam/s) "
+                  f"waiting {rec['adamw_wait_s']:.2f}s", flush=True)
+        pipeline.drain()
+    finally:
+        runtime.close()
     measured = records[args.warmup:]
-    mean = lambda k: sum(r[k] for r in measured) / len(measured)
+
+    def mean(k):
+        vals = [r[k] for r in measured if r[k] is not None]
+        return sum(vals) / len(vals) if vals else None
+
     return {
-        "label": args.label, "compile": args.compile, "loss_chunk": engine.loss_chunk, "spill_layers": args.spill,
-        "offload_units": args.offload,
+        "label": args.label, "device": device.type, "compile": args.compile, "loss_chunk": engine.loss_chunk,
+        "spill_layers": args.spill, "offload_units": args.offload,
         "model": Path(args.model).name, "layers": adapter.num_layers,
         "hidden": adapter.hidden_size, "params": n_params, "seq": args.seq, "seqs_per_step": args.seqs,
-        "micro": args.micro, "tokens_per_step": args.seqs * args.seq, "precision": args.precision,
-        "step_s": mean("step_s"), "tokens_per_s": mean("tokens_per_s"), "tflops_6n": mean("tflops_6n"),
-        "mfu": mean("mfu"), "busy_compute": mean("busy_compute"), "busy_h2d": mean("busy_h2d"),
-        "busy_d2h": mean("busy_d2h"), "gpu_idle": mean("gpu_idle"),
+        "micro": args.micro, "tokens_per_step": tokens, "precision": args.precision,
+        "step_s": mean("step_s"), "wall_step_s": mean("wall_s"), "tokens_per_s": mean("tokens_per_s"),
+        "tflops_6n": mean("tflops_6n"), "mfu": mean("mfu"), "busy_compute": mean("busy_compute"),
+        "busy_h2d": mean("busy_h2d"), "busy_d2h": mean("busy_d2h"), "gpu_idle": mean("gpu_idle"),
         "adamw_s": mean("adamw_s"), "adamw_wait_s": mean("adamw_wait_s"),
         "adamw_threads": args.adam_threads, "switch_interval": args.switch_interval,
-        "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "gpu_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "gpu_budget_gib": args.gpu_budget,
+        "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        "gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
+        "gpu_budget_gib": args.gpu_budget,
         "host_peak_rss_gib": peak_rss_bytes() / 2**30, "host_rss_gib": rss_bytes() / 2**30,
         "host_bytes_per_param": peak_rss_bytes() / n_params, "init_s": init_s, "steps": records,
     }
@@ -136,8 +149,11 @@ def main():
     p.add_argument("--gpu-budget", type=float, default=None,
                    help="GiB the caching allocator may hold (torch.cuda.set_per_process_memory_fraction)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--device", default="cuda", help="cuda (the benchmark), or cpu to check the script")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
     args.label = args.label or Path(args.model).name
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -152,8 +168,8 @@ def main():
         res = run(args)
     res["attn"] = args.attn
     write_json(args.json, {"command": " ".join(sys.argv), "result": res})
-    cols = ["label", "params", "tokens_per_step", "step_s", "tokens_per_s", "tflops_6n", "mfu", "gpu_idle",
-            "busy_h2d", "busy_d2h", "gpu_peak_gib", "host_peak_rss_gib", "host_bytes_per_param"]
+    cols = ["label", "params", "tokens_per_step", "step_s", "wall_step_s", "tokens_per_s", "tflops_6n", "mfu",
+            "gpu_idle", "busy_h2d", "busy_d2h", "gpu_peak_gib", "host_peak_rss_gib", "host_bytes_per_param"]
     print(table([res], cols))
 
 

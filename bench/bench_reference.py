@@ -4,6 +4,8 @@ fp32 master weights on the GPU, bf16 autocast, gradient checkpointing (so it rec
 attention, fused GPU AdamW, gradient accumulation over micro-batches, global-norm clipping.
 
     python bench/bench_reference.py --model bench/model-configs/llama-3b-shape --seq 1024 --seqs 64 --micro 8
+
+`--device cpu` runs the same loop on the CPU (a check of the script, with a tiny config.json).
 """
 
 from __future__ import annotations
@@ -31,34 +33,39 @@ def main():
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--device", default="cuda", help="cuda (the benchmark), or cpu to check the script")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from transformers import AutoModelForCausalLM
 
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
     cfg = hf_config(args.model)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with dev:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1, fused=True)  # fused: CUDA and CPU
     n_params = sum(p.numel() for p in model.parameters())
     fpt6, fpt_model = flops_per_token(get_adapter(cfg), args.seq)
     g = torch.Generator().manual_seed(0)
     records = []
     for step in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         for _ in range(args.seqs // args.micro):
-            ids = torch.randint(0, cfg.vocab_size, (args.micro, args.seq), generator=g).cuda(non_blocking=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            ids = torch.randint(0, cfg.vocab_size, (args.micro, args.seq), generator=g).to(dev, non_blocking=True)
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
                 loss = model(input_ids=ids, labels=ids).loss / (args.seqs // args.micro)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         dt = time.perf_counter() - t
         tokens = args.seqs * args.seq
         records.append({"step": step, "step_s": dt, "tokens_per_s": tokens / dt,
@@ -69,7 +76,7 @@ def main():
     res = {"label": f"transformers-in-gpu {Path(args.model).name}", "params": n_params, "seq": args.seq,
            "seqs_per_step": args.seqs, "micro": args.micro, "tokens_per_step": args.seqs * args.seq,
            "step_s": mean("step_s"), "tokens_per_s": mean("tokens_per_s"), "tflops_6n": mean("tflops_6n"),
-           "mfu": mean("mfu"), "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "mfu": mean("mfu"), "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
            "host_peak_rss_gib": peak_rss_bytes() / 2**30, "steps": records}
     write_json(args.json, {"command": " ".join(sys.argv), "result": res})
     print(table([res], ["label", "params", "tokens_per_step", "step_s", "tokens_per_s", "tflops_6n", "mfu",

@@ -4,9 +4,10 @@ eager version, and the attention kernels (SDPA flash, cuDNN, FlexAttention).
 
     python bench/head_attn_variants.py --model bench/model-configs/llama-3.1-8b --micro 16 --seq 4096
 
-Head variants run the engine's own `_head_loss` on one micro-batch of random hidden states; each is compared with
-an fp32 reference of the same loss and gradients (TF32 off). Attention variants time forward and forward +
-backward of causal GQA attention. Prints a table last and writes JSON.
+Head variants run the engine's own LM-head loss (`megatrain.runtime.lmhead.head_loss`, with explicit
+`HeadKernels`) on one micro-batch of random hidden states; each is compared with an fp32 reference of the same loss
+and gradients (TF32 off). Without CUDA only the head part runs (a check of the script). Attention variants time
+forward and forward + backward of causal GQA attention. Prints a table last and writes JSON.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import hf_config, table, write_json  # noqa: E402
-from megatrain.runtime import lmhead  # noqa: E402
-from megatrain.runtime.engine import Engine  # noqa: E402
 from megatrain.models import get_adapter  # noqa: E402
+from megatrain.runtime import lmhead  # noqa: E402
+from megatrain.runtime.lmhead import HeadKernels, head_loss  # noqa: E402
 
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke test of the head part only
@@ -51,10 +51,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def head_reference(h, mb, norm_w, lm_w, adapter, chunk: int):
+def head_reference(h, target_index, targets, norm_w, lm_w, adapter, chunk: int):
     """fp32 (TF32 off) loss sum, d hidden and LM-head weight gradient, scale 1/n."""
     H = h.shape[-1]
-    x = h.reshape(-1, H).index_select(0, mb.target_index).float().requires_grad_(True)
+    x = h.reshape(-1, H).index_select(0, target_index).float().requires_grad_(True)
     w = lm_w.float().requires_grad_(True)
     xn = adapter.final_norm(norm_w.float(), x)
     n = x.shape[0]
@@ -64,14 +64,14 @@ def head_reference(h, mb, norm_w, lm_w, adapter, chunk: int):
     for a in range(0, n, chunk):
         xc = xn_d[a: a + chunk].requires_grad_(True)
         with torch.enable_grad():
-            lc = F.cross_entropy(xc @ w.t(), mb.targets[a: a + chunk], reduction="sum")
+            lc = F.cross_entropy(xc @ w.t(), targets[a: a + chunk], reduction="sum")
             gx, gw = torch.autograd.grad(lc / n, [xc, w])
         loss += lc.double()
         dxn[a: a + chunk] = gx
         dw += gw
     (dx,) = torch.autograd.grad(xn, [x], dxn)
     dh = torch.zeros(h.reshape(-1, H).shape, device=h.device)
-    dh.index_copy_(0, mb.target_index, dx)
+    dh.index_copy_(0, target_index, dx)
     return loss, dh, dw
 
 
@@ -83,22 +83,22 @@ def head_variants(args, adapter) -> list[dict]:
     g = torch.Generator(device=dev).manual_seed(0)
     h = torch.randn(B, T, H, device=dev, generator=g).to(dtype)
     idx = torch.arange(B * T, device=dev).view(B, T)[:, :-1].reshape(-1)
-    mb = SimpleNamespace(target_index=idx, targets=torch.randint(0, V, (n,), device=dev, generator=g))
+    targets = torch.randint(0, V, (n,), device=dev, generator=g)
     norm_w = (1 + 0.1 * torch.randn(H, device=dev, generator=g)).to(dtype)
     lm_w = (torch.randn(V, H, device=dev, generator=g) * 0.02).to(dtype)
     torch.backends.cuda.matmul.allow_tf32 = False
-    ref_loss, ref_dh, ref_dw = head_reference(h, mb, norm_w, lm_w, adapter, 2048)
+    ref_loss, ref_dh, ref_dw = head_reference(h, idx, targets, norm_w, lm_w, adapter, 2048)
     rows = []
     default = lmhead.default_chunk(V)
     for chunk, fused, kernel in [(max(128, (1 << 28) // V), False, False), (default // 2, True, False),
                                  (default, True, False), (default, True, True)]:
-        lmhead.USE_TRITON = kernel
-        shim = SimpleNamespace(adapter=adapter, loss_chunk=chunk, device=dev, fused_head_accumulate=fused)
+        kernels = HeadKernels(fused_ce=kernel, fused_accumulate=fused)
         norm_g = torch.zeros(H, device=dev)
         lm_g = torch.zeros(V, H, device=dev)
 
         def run():
-            return Engine._head_loss(shim, h, mb, norm_w, lm_w, norm_g, lm_g, 1.0 / n)
+            return head_loss(adapter.final_norm, h, idx, targets, norm_w, lm_w, norm_g, lm_g, 1.0 / n, chunk,
+                             kernels)
 
         loss, dh = run()
         lm_g.zero_()
@@ -112,7 +112,6 @@ def head_variants(args, adapter) -> list[dict]:
                      "triton_refused": "; ".join(lmhead._triton_failed) or None})
         print(rows[-1], flush=True)
     torch.backends.cuda.matmul.allow_tf32 = True
-    lmhead.USE_TRITON = True
     return rows
 
 

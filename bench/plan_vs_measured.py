@@ -23,12 +23,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from megatrain.models import get_adapter  # noqa: E402
-from megatrain.planner.plan import Workload, make_plan  # noqa: E402
-from megatrain.planner.profile import DEFAULTS, GiB, load_profile  # noqa: E402
+from megatrain.planner import Workload, make_plan  # noqa: E402
+from megatrain.planner.profile import DEFAULTS, GiB, load_profile  # noqa: E402  (not exported by megatrain.planner)
 
 
 def load_results(*dirs: Path) -> list[dict]:
-    """Every bench_megatrain.py result (a JSON whose result has step_s) under the folders, oldest first."""
+    """Every bench_megatrain.py result on CUDA (a JSON whose result has step_s) under the folders, oldest first."""
     out = []
     for d in dirs:
         for f in sorted(Path(d).rglob("*.json")):
@@ -37,7 +37,8 @@ def load_results(*dirs: Path) -> list[dict]:
             except (OSError, json.JSONDecodeError):
                 continue
             r = payload.get("result") if isinstance(payload, dict) else None
-            if isinstance(r, dict) and "step_s" in r and "bench_megatrain" in payload.get("command", ""):
+            if (isinstance(r, dict) and "step_s" in r and "bench_megatrain" in payload.get("command", "")
+                    and r.get("device", "cuda") == "cuda"):  # --device cpu runs check the script only
                 out.append({**r, "file": str(f.relative_to(HERE.parent) if f.is_relative_to(HERE.parent) else f),
                             "command": payload.get("command", "")})
     return out

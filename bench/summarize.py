@@ -1,4 +1,6 @@
-"""Markdown table of every benchmark JSON under bench/results/ (for bench/README.md)."""
+"""Markdown table of every benchmark JSON under bench/results/ (for bench/README.md), or under the folders given
+(a device call's $OUT). A "wall s" column (wall time per step: bench_megatrain.py's and bench_cli.py's
+`wall_step_s`) appears when some result has one."""
 
 import json
 import sys
@@ -8,6 +10,7 @@ COLS = [("label", "run"), ("params", "params (B)"), ("tokens_per_step", "tokens/
         ("tokens_per_s", "tokens/s"), ("tflops_6n", "TFLOP/s 6·N"), ("mfu", "MFU (attn)"), ("gpu_idle", "GPU idle"),
         ("busy_h2d", "H2D busy"), ("busy_d2h", "D2H busy"), ("gpu_peak_gib", "GPU peak GiB"),
         ("host_peak_rss_gib", "host RSS GiB"), ("host_bytes_per_param", "host B/param")]
+WALL = ("wall_step_s", "wall s")
 
 
 def fmt(key, v):
@@ -25,15 +28,19 @@ def fmt(key, v):
 def main(root="bench/results"):
     rows = []
     for f in sorted(Path(root).rglob("*.json")):
-        d = json.loads(f.read_text())
-        r = d.get("result", {})
-        if "step_s" not in r:
+        try:
+            d = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        r = d.get("result", {}) if isinstance(d, dict) else {}
+        if not isinstance(r, dict) or "step_s" not in r:
             continue
         rows.append((f, d, r))
-    print("| " + " | ".join(h for _, h in COLS) + " | file |")
-    print("|" + "---|" * (len(COLS) + 1))
+    cols = COLS[:4] + [WALL] + COLS[4:] if any(r.get(WALL[0]) is not None for _, _, r in rows) else COLS
+    print("| " + " | ".join(h for _, h in cols) + " | file |")
+    print("|" + "---|" * (len(cols) + 1))
     for f, d, r in rows:
-        print("| " + " | ".join(fmt(k, r.get(k)) for k, _ in COLS) + f" | {f.relative_to(root)} |")
+        print("| " + " | ".join(fmt(k, r.get(k)) for k, _ in cols) + f" | {f.relative_to(root)} |")
 
 
 if __name__ == "__main__":

@@ -45,3 +45,13 @@ def make_model_dir(path, family: str, tied: bool = False, seed: int = 0, layers:
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` (tests/gpu) are collected everywhere and skipped where torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

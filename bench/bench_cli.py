@@ -1,0 +1,265 @@
+"""`megatrain train`, the real command line in a subprocess, on the same model and batch as bench_megatrain.py, so
+the two can be compared in one device call: step time, wall time per step, tokens/s, TFLOP/s, stream busy shares,
+GPU peak and the child's host peak RSS, read from the run's metrics.jsonl.
+
+    python bench/bench_cli.py --model bench/model-configs/qwen2.5-7b --seq 1024 --seqs 158 --micro 79 --compile
+
+In --workdir (default: a temporary folder, removed afterwards) it writes
+  model/      the model's config.json (init: random, seeded by train.seed);
+  tokenizer/  a word-level tokenizer of at most 4,096 words plus 4 special tokens (never more than the model's
+              vocab_size), saved with transformers' PreTrainedTokenizerFast.save_pretrained, and given as
+              model.tokenizer: beside a config.json, AutoTokenizer would load it as the model family's tokenizer
+              class (Qwen2Tokenizer for qwen2), which does not tokenise these words;
+  data.jsonl  synthetic text rows of --seq + 16 words, one token each, so every row is truncated to exactly
+              data.max_seq_len tokens (no padding, no packing: every row is full, as bench_megatrain.py's random
+              full-length rows; every token but the last predicts one, as there);
+  run.yaml    train.steps = --warmup + --steps, micro_batch_size --micro, grad_accum_steps --seqs / --micro,
+              precision bf16, lr 1e-5 constant, weight decay 0.1, clipping 1.0 (bench_megatrain.py's optimizer),
+              engine.compile on with --compile (off without, as bench_megatrain.py), no evaluation,
+              checkpoint.at_end and export.at_end false; --set KEY=VALUE adds overrides;
+  run/        output.dir (metrics.jsonl), and cli.log, the command's output;
+then runs `python3 -m megatrain.cli train run.yaml` and reads metrics.jsonl. Per step: `step_time_s` (the trainer's
+step: engine.train_step to the optimizer's hand-off) and the wall time per step, the difference of consecutive
+`elapsed_s` (wall time since the metrics logger opened: data, logging and the saver's turn included). Reports their
+means over the steps after --warmup (`step_s`, `wall_step_s`), prints a table last and writes JSON (--json).
+`--device cpu` sets train.device=cpu (a check of the script, with a tiny config.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from common import table, write_json  # noqa: E402
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+MAX_WORDS = 4096
+# per-step fields kept from metrics.jsonl (those a megatrain version does not write are None)
+STEP_FIELDS = ["step_time_s", "wall_s", "data_wait_s", "queue_s", "gpu_wait_s", "tokens_per_s", "wall_tokens_per_s",
+               "tflops_6n", "tflops_attn", "mfu", "busy_compute", "busy_h2d", "busy_d2h", "gpu_peak_gib",
+               "gpu_reserved_gib", "host_rss_gib"]
+
+
+def model_config(args) -> dict:
+    """config.json of --model, with --layers applied (and layer_types kept consistent)."""
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+        if isinstance(cfg.get("layer_types"), list) and cfg["layer_types"]:
+            cfg["layer_types"] = [cfg["layer_types"][0]] * args.layers
+    return cfg
+
+
+def write_model_dir(path: Path, cfg: dict) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def write_tokenizer(path: Path, cfg: dict) -> int:
+    """A word-level tokenizer (words w0, w1, ... and 4 special tokens); returns the number of words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    n_words = min(MAX_WORDS, cfg["vocab_size"] - len(SPECIALS))
+    if n_words < 1:
+        raise SystemExit(f"vocab_size {cfg['vocab_size']} is too small for a tokenizer")
+    vocab = {t: i for i, t in enumerate(SPECIALS + [f"w{k}" for k in range(n_words)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(path))
+    # as the run loads it (megatrain.data.load_tokenizer): one token per word, or rows would not be full
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(path), local_files_only=True)("w0 w1 w2")["input_ids"]
+    if ids != [vocab["w0"], vocab["w1"], vocab["w2"]]:
+        raise SystemExit(f"the tokenizer in {path} does not load as written: 'w0 w1 w2' -> {ids}")
+    return n_words
+
+
+def write_data(path: Path, rows: int, words_per_row: int, n_words: int, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(rows):
+            f.write(json.dumps({"text": " ".join(f"w{rng.randrange(n_words)}" for _ in range(words_per_row))}) + "\n")
+
+
+def write_config(path: Path, args, model_dir: Path, tokenizer: Path, data: Path, out_dir: Path) -> dict:
+    import yaml
+
+    cfg = {
+        "model": {"path": str(model_dir), "init": "random", "tokenizer": str(tokenizer)},
+        "data": {"path": str(data), "format": "text", "max_seq_len": args.seq, "packing": False,
+                 "overlong": "truncate", "cache_dir": str(path.parent / "data-cache")},
+        "train": {"steps": args.warmup + args.steps, "micro_batch_size": args.micro,
+                  "grad_accum_steps": args.seqs // args.micro, "lr": 1e-5, "lr_schedule": "constant",
+                  "warmup_steps": 0, "weight_decay": 0.1, "max_grad_norm": 1.0, "seed": 0,
+                  "precision": args.precision, "device": args.device, "eval_every": 0},
+        "engine": {"compile": "on" if args.compile else "off"},
+        "checkpoint": {"every": 0, "at_end": False},
+        "export": {"at_end": False},
+        "output": {"dir": str(out_dir), "overwrite": True},
+    }
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return cfg
+
+
+def run_cli(config: Path, overrides: list[str], log: Path) -> tuple[int, float, list[str]]:
+    """`python3 -m megatrain.cli train CONFIG [overrides]` from the repository root, its output shown and logged.
+    Returns (exit status, wall seconds, the command)."""
+    cmd = [sys.executable, "-m", "megatrain.cli", "train", str(config), *overrides]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    print("running:", shlex.join(cmd), flush=True)
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1)
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            f.write(line)
+        rc = proc.wait()
+    return rc, time.perf_counter() - t0, cmd
+
+
+def step_records(metrics: Path) -> list[dict]:
+    """The step records of metrics.jsonl (evaluation records have no loss), with `wall_s` per step."""
+    steps = []
+    for line in metrics.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            if "loss" in r:
+                steps.append(r)
+    prev = 0.0  # step 1's wall time runs from the logger's start
+    for r in steps:
+        r["wall_s"] = r["elapsed_s"] - prev
+        prev = r["elapsed_s"]
+        r["wall_tokens_per_s"] = r["tokens"] / r["wall_s"] if r["wall_s"] > 0 else None
+    return steps
+
+
+def num_params(model_dir: Path) -> int:
+    from megatrain.models import get_adapter, load_hf_config
+
+    return sum(u.numel for u in get_adapter(load_hf_config(model_dir)).units())
+
+
+def summarise(args, steps: list[dict], params: int) -> dict:
+    measured = [r for r in steps if r["step"] > args.warmup]
+
+    def mean(k):
+        vals = [r[k] for r in measured if r.get(k) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    peak = lambda k: max((r[k] for r in measured if r.get(k) is not None), default=None)  # noqa: E731
+    child_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest child: the run
+    busy = mean("busy_compute")
+    return {
+        "label": args.label, "device": args.device, "compile": args.compile, "model": Path(args.model).name,
+        "layers": args.layers, "params": params, "seq": args.seq, "seqs_per_step": args.seqs, "micro": args.micro,
+        "tokens_per_step": measured[0]["tokens"] if measured else None, "precision": args.precision,
+        "steps_measured": len(measured),
+        "step_s": mean("step_time_s"), "wall_step_s": mean("wall_s"), "data_wait_s": mean("data_wait_s"),
+        "queue_s": mean("queue_s"), "gpu_wait_s": mean("gpu_wait_s"), "tokens_per_s": mean("tokens_per_s"),
+        "wall_tokens_per_s": mean("wall_tokens_per_s"), "tflops_6n": mean("tflops_6n"),
+        "tflops_attn": mean("tflops_attn"), "mfu": mean("mfu"),
+        "busy_compute": busy, "busy_h2d": mean("busy_h2d"), "busy_d2h": mean("busy_d2h"),
+        "gpu_idle": 1.0 - busy if busy is not None else None,
+        "gpu_peak_gib": peak("gpu_peak_gib"), "gpu_reserved_gib": peak("gpu_reserved_gib"),
+        "host_rss_gib": peak("host_rss_gib"), "host_peak_rss_gib": child_rss / 2**30,
+        "host_bytes_per_param": child_rss / params,
+        "steps": [{k: r.get(k) for k in ["step", "loss", "grad_norm", "tokens", *STEP_FIELDS, "elapsed_s"]}
+                  for r in steps],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="folder with config.json")
+    p.add_argument("--label", default=None)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--seqs", type=int, default=158, help="sequences per optimizer step (a multiple of --micro)")
+    p.add_argument("--micro", type=int, default=79, help="sequences per micro-batch (micro_batch_size)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps")
+    p.add_argument("--warmup", type=int, default=1, help="steps run first and not measured")
+    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
+    p.add_argument("--compile", action="store_true", help="engine.compile: on (default off)")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="train.device (cpu: check the script)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra config override passed to megatrain train (repeatable), e.g. plan.check=false")
+    p.add_argument("--workdir", default=None, help="where the model dir, data, config and run go (kept); "
+                                                   "default a temporary folder, removed afterwards")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
+    if args.seqs % args.micro:
+        p.error(f"--seqs ({args.seqs}) must be a multiple of --micro ({args.micro}): the CLI's step is "
+                f"grad_accum_steps micro-batches of micro_batch_size rows")
+    args.label = args.label or f"cli-{Path(args.model).name}"
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_cli-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        cfg = model_config(args)
+        if cfg.get("max_position_embeddings", args.seq) < args.seq:
+            p.error(f"--seq {args.seq} exceeds the model's max_position_embeddings {cfg['max_position_embeddings']}")
+        t0 = time.perf_counter()
+        write_model_dir(work / "model", cfg)
+        n_words = write_tokenizer(work / "tokenizer", cfg)
+        write_data(work / "data.jsonl", rows=args.seqs * (args.warmup + args.steps), words_per_row=args.seq + 16,
+                   n_words=n_words)
+        out_dir = work / "run"
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        out_dir.mkdir(parents=True)
+        write_config(work / "run.yaml", args, work / "model", work / "tokenizer", work / "data.jsonl", out_dir)
+        prep_s = time.perf_counter() - t0
+        rc, total_s, cmd = run_cli(work / "run.yaml", args.set, work / "cli.log")
+        metrics = out_dir / "metrics.jsonl"
+        steps = step_records(metrics) if metrics.is_file() else []
+        res = summarise(args, steps, num_params(work / "model"))
+        res.update(cli_exit_status=rc, cli_total_s=total_s, inputs_s=prep_s, cli_command=shlex.join(cmd),
+                   overrides=args.set, workdir=str(work) if args.workdir else None)
+        full = args.seqs * args.seq
+        short = [r["step"] for r in steps if r.get("tokens") != full]
+        ok = rc == 0 and res["steps_measured"] == args.steps and not short
+        if rc:
+            res["error"] = f"megatrain train exited with {rc}"
+        elif res["steps_measured"] != args.steps:
+            res["error"] = f"{res['steps_measured']} measured steps in {metrics}, expected {args.steps}"
+        elif short:  # rows not full: the comparison with bench_megatrain.py would not hold
+            res["error"] = f"steps {short} did not have {full} real tokens ({args.seqs} full rows of {args.seq})"
+        write_json(args.json, {"command": " ".join(sys.argv), "result": res})
+        print(table([res], ["label", "params", "tokens_per_step", "step_s", "wall_step_s", "tokens_per_s",
+                            "tflops_6n", "mfu", "gpu_idle", "busy_h2d", "busy_d2h", "gpu_peak_gib",
+                            "host_peak_rss_gib", "host_bytes_per_param"]))
+        if not ok:
+            print(f"bench_cli: {res['error']}", file=sys.stderr)
+        return 0 if ok else 1
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

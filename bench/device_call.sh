@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One device call: the set-up every call needs, then a call script (a list of commands), then the results table.
+#
+#   MEGATRAIN_REV=<commit> OUT=/tmp/out bash bench/device_call.sh bench/calls/<date>-<name>.sh
+#
+# Set-up: strict pipes, unbuffered Python, MEGATRAIN_REV (the device's copy of the tree has no usable git history:
+# pass the commit it runs; the JSONs record it), OUT (default /tmp/out), the wheels in .whl/ (carried to the
+# device: pydantic, datasets, ... that its image lacks; WHEELS=DIR for another folder, WHEELS= for none) installed
+# into /tmp/site and put first on PYTHONPATH, and the machine (GPUs, Python, torch, CUDA, the libraries megatrain
+# imports, CPUs, memory) printed and saved to $OUT/machine.txt. The call script is then sourced in a subshell (an
+# `exit` in it ends the call script, not this runner) with OUT, M (bench/model-configs) and the helper `run_logged`
+# available; a copy of it is kept as $OUT/run.sh. Last, bench/summarize.py tabulates every benchmark JSON under $OUT.
+#
+#   run_logged NAME SECONDS CMD ARGS...   runs CMD under `timeout SECONDS`, its output to $OUT/NAME.log (the last
+#                                         ${TAIL:-6} lines shown), and appends "NAME rc=N" to $OUT/status.txt
+# The runner's exit status is the call script's, or 1 if it was 0 but a command run with run_logged failed.
+set -uo pipefail
+if [ $# -ne 1 ] || [ ! -f "$1" ]; then
+  echo "usage: [MEGATRAIN_REV=<commit>] [OUT=DIR] bash bench/device_call.sh CALL_SCRIPT" >&2
+  exit 2
+fi
+CALL=$(realpath "$1")
+cd "$(dirname "$0")/.."  # the repository root: call scripts name bench/... and $M relative to it
+export PYTHONUNBUFFERED=1 MEGATRAIN_REV=${MEGATRAIN_REV:-unknown}
+export OUT=${OUT:-/tmp/out} M=bench/model-configs
+mkdir -p "$OUT"
+cp "$CALL" "$OUT/run.sh"
+
+WHEELS=${WHEELS-.whl}  # WHEELS= (empty): install nothing (a check of a call script on a machine that has them)
+if [ -n "$WHEELS" ] && compgen -G "$WHEELS/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHEELS"/*.whl || { echo "device_call: installing $WHEELS/*.whl failed" >&2; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+{
+  echo "call: $CALL  rev: $MEGATRAIN_REV  date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+  nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+  python3 - <<'EOF'
+import platform
+import torch
+print(f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"devices {torch.cuda.device_count()}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
+for name in ("transformers", "triton", "typing_extensions", "pydantic", "pyarrow", "datasets", "pytest",
+             "megatrain.config"):
+    try:
+        mod = __import__(name)
+        print(f"{name} {getattr(mod, '__version__', '')} ({mod.__file__})")
+    except Exception as e:  # ImportError, or a library refusing an old dependency
+        print(f"{name}: not importable ({e})")
+EOF
+  echo "CPUs: $(nproc)"
+  free -g | head -2
+} 2>&1 | tee "$OUT/machine.txt"
+
+run_logged() {
+  local name=$1 seconds=$2
+  shift 2
+  echo "== $name: $*"
+  timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n "${TAIL:-6}" "$OUT/$name.log"
+  echo "$name rc=$rc" | tee -a "$OUT/status.txt"
+  return $rc
+}
+export -f run_logged
+
+( source "$CALL" )
+rc=$?
+echo "== call script exit status $rc"
+[ -f "$OUT/status.txt" ] && cat "$OUT/status.txt"
+if [ $rc -eq 0 ] && [ -f "$OUT/status.txt" ] && grep -qv " rc=0$" "$OUT/status.txt"; then
+  rc=1  # a command run with run_logged failed
+fi
+python3 bench/summarize.py "$OUT"
+exit $rc
