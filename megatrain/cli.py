@@ -1,18 +1,24 @@
-"""`megatrain train | data | plan | probe | export`: parse, validate, call."""
+"""`megatrain train | data | plan | probe | export`: parse, validate, call.
+
+Every user error, of every subcommand and of the arguments themselves, is one line `megatrain: error: <message>`
+on stderr and exit status 2 (errors.report, errors.ArgumentParser); `megatrain plan` exits 1 when the run will not
+fit. `train`, `plan` and `data` without a config file: no arguments run the embedded demo; overrides alone start
+from the schema's defaults (config.load_command_line).
+"""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from .errors import MegatrainError
+from .errors import ArgumentParser, MegatrainError, report
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatrain", description="Train Hugging Face causal LMs larger than GPU memory.")
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(prog="megatrain", description="Train Hugging Face causal LMs larger than GPU memory.")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train (no CONFIG: the embedded tiny default)")
-    t.add_argument("config", nargs="?", help="YAML config; omit for the embedded default")
+    t = sub.add_parser("train", help="train (no arguments: the embedded demo)")
+    t.add_argument("config", nargs="?", help="YAML config; omit it and every override for the embedded demo "
+                                             "(overrides alone start from the defaults)")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.lr=1e-4")
     d = sub.add_parser("data", help="show what the model will see")
     d.add_argument("config", nargs="?")
@@ -20,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--preview", type=int, default=3, metavar="N", help="examples to print")
     pl = sub.add_parser("plan", help="host RAM, GPU memory, disk and step time of a run, before running it "
                                      "(exit status 1: it will not fit)")
-    pl.add_argument("config", nargs="?", help="YAML config; omit for the embedded default")
+    pl.add_argument("config", nargs="?", help="YAML config; omit it and every override for the embedded demo")
     pl.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.device=cuda to plan for a GPU")
     sub.add_parser("probe", help="measure this machine for the planner (see megatrain probe --help)", add_help=False)
     e = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
@@ -33,50 +39,62 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _split(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
-    # `megatrain train train.steps=10` means the default config with an override
+    # `megatrain train model.path=m data.path=d`: no config file, overrides only
     if config and "=" in config and not config.endswith((".yaml", ".yml")):
         return None, [config, *overrides]
     return config, overrides
 
 
+def _exit_status(e: SystemExit) -> int:
+    return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["probe"]:  # its own options, no config: runs where only torch and transformers are installed
-        from .planner.probe import main as probe_main
-
-        return probe_main(argv[1:])
-    args = _parser().parse_args(argv)
-    from .config import load_config
-
     try:
-        if args.command == "export":  # reads a checkpoint, not a config
-            from .checkpoint.export import export_checkpoint
+        if argv[:1] == ["probe"]:  # its own options, no config: runs where only torch and transformers are installed
+            from .planner.probe import main as probe_main
 
-            res = export_checkpoint(args.source, args.out_dir, dtype=args.dtype, max_shard_mb=args.max_shard_mb)
-            print(f"megatrain: exported {res['checkpoint']} to {res['path']} ({res['shards']} shard(s), "
-                  f"{res['bytes'] / 1e6:.1f} MB, {res['seconds']:.1f}s)", file=sys.stderr)
-            return 0
-        cfg = load_config(*_split(args.config, args.overrides))
-        if args.command == "train":
-            from .run import train
-
-            train(cfg)
-        elif args.command == "plan":
-            from .planner import plan_command
-
-            return plan_command(cfg)
-        elif args.command == "data":
-            from . import data as data_lib
-
-            data_lib.validate_inputs(cfg.data)
-            print(data_lib.preview(cfg.data, data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path),
-                                   args.preview))
+            return probe_main(argv[1:])
+        args = _parser().parse_args(argv)
+        return _run(args)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2, already printed)
+        return _exit_status(e)
     except MegatrainError as e:
-        print(f"megatrain: error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     except KeyboardInterrupt:
         print("megatrain: interrupted", file=sys.stderr)
         return 130
+
+
+def _run(args) -> int:
+    if args.command == "export":  # reads a checkpoint, not a config
+        from .checkpoint.export import export_checkpoint
+
+        res = export_checkpoint(args.source, args.out_dir, dtype=args.dtype, max_shard_mb=args.max_shard_mb)
+        print(f"megatrain: exported {res['checkpoint']} to {res['path']} ({res['shards']} shard(s), "
+              f"{res['bytes'] / 1e6:.1f} MB, {res['seconds']:.1f}s)", file=sys.stderr)
+        return 0
+    from .config import check_paths, load_command_line
+
+    cfg = load_command_line(*_split(args.config, args.overrides))
+    if args.command == "train":
+        from .run import train
+
+        train(cfg)  # checks every path itself (run.prepare.check_inputs)
+    elif args.command == "plan":
+        from .planner import plan_command
+        from .planner.profile import default_profile_path
+
+        check_paths(cfg, outputs=False, default_profile=default_profile_path())
+        return plan_command(cfg)
+    elif args.command == "data":
+        from . import data as data_lib
+
+        check_paths(cfg, outputs=False)
+        data_lib.validate_inputs(cfg.data)
+        print(data_lib.preview(cfg.data, data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path),
+                               args.preview))
     return 0
 
 

@@ -1,9 +1,15 @@
 """YAML + `key.sub=value` overrides -> one validated `Config`.
 
 Every problem is reported at once, each naming the key, the bad value, what is allowed, and where the key was
-written (file and line, or the command line). Unknown keys are rejected with the nearest valid name.
-Relative input paths (model.path, model.tokenizer, data.*path) are resolved against the config file's folder;
-output.dir, resume and export.dir are relative to the working directory.
+written (file and line, or the command line). Unknown keys are rejected with the nearest valid name; so are a key
+given twice in one mapping, numbers that are not finite (nan, inf) and a file that is not UTF-8.
+Relative input paths (model.path, model.tokenizer, data.*path) in a config file are resolved against the file's
+folder, those given on the command line against the working directory; output.dir, resume and export.dir are
+relative to the working directory.
+
+On the command line (`load_command_line`) no config file and no overrides means the embedded demo; overrides alone
+start from the schema's defaults. `check_paths` checks that every path of a config that exists is of the right
+kind (a folder, a file) and that the folders the run writes are not files nor under one.
 """
 
 from __future__ import annotations
@@ -16,13 +22,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .data.config import DataConfig
-from .errors import ConfigError
+from .errors import ConfigError, MegatrainError, check_dir_target, decode_utf8, load_json
 
 DEFAULT_CONFIG = Path(__file__).parent / "defaults" / "default.yaml"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ModelConfig(_Strict):
@@ -108,17 +114,93 @@ class Config(_Strict):
 
 
 INPUT_PATHS = (("model", "path"), ("model", "tokenizer"), ("train", "exact_match_path"))  # data paths: DataConfig.resolve_relative
+MERGE_TAG = "tag:yaml.org,2002:merge"
+DEMO_HINT = ("give a config file (megatrain train my_run.yaml) or model.path=... on the command line; "
+             "`megatrain train` alone runs the embedded demo")
 
 
-def _key_lines(node, prefix=()) -> dict[tuple, int]:
-    """Map each key path in a YAML document to its 1-based line number."""
-    out = {}
-    if isinstance(node, yaml.MappingNode):
-        for k, v in node.value:
-            path = prefix + (k.value,)
-            out[path] = k.start_mark.line + 1
-            out.update(_key_lines(v, path))
+def _key_name(loc: tuple) -> str:
+    """('data', 'datasets', 0, 'weight') -> 'data.datasets[0].weight'."""
+    out = ""
+    for k in loc:
+        out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
     return out
+
+
+def _key_lines(node, prefix=(), duplicates=None) -> dict[tuple, int]:
+    """Map each key path in a YAML document to its 1-based line number (list items by index); a key given twice
+    in one mapping is added to `duplicates` as (path, first line, line)."""
+    out: dict[tuple, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        seen: dict = {}
+        for k, v in node.value:
+            if k.tag == MERGE_TAG:
+                continue
+            path = prefix + (k.value,)
+            line = k.start_mark.line + 1
+            if k.value in seen and duplicates is not None:
+                duplicates.append((path, seen[k.value], line))
+            seen.setdefault(k.value, line)
+            out[path] = line
+            out.update(_key_lines(v, path, duplicates))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            out.setdefault(prefix + (i,), v.start_mark.line + 1)
+            out.update(_key_lines(v, prefix + (i,), duplicates))
+    return out
+
+
+def _problems(problems: list[str]) -> ConfigError:
+    """One problem: its line; several: a count and one line each."""
+    if len(problems) == 1:
+        return ConfigError(problems[0])
+    return ConfigError(f"{len(problems)} problems in the config:\n  " + "\n  ".join(problems))
+
+
+def _parse_yaml(text: str, prefix: tuple = ()) -> tuple[Any, dict[tuple, int], list]:
+    """A YAML document -> (its value, the line of each key path, the duplicate keys as (path, first line, line)).
+    Raises yaml.YAMLError."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        duplicates: list = []
+        lines = _key_lines(node, prefix, duplicates)  # before construction, which flattens merge keys in place
+        return (loader.construct_document(node) if node is not None else None), lines, duplicates
+    finally:
+        loader.dispose()
+
+
+def _read(path: Path) -> tuple[dict, dict[tuple, int]]:
+    """The raw mapping of a config file and the line of each key."""
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, not a YAML file")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw, lines, duplicates = _parse_yaml(decode_utf8(path.read_bytes(), path))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: malformed YAML: {getattr(e, 'problem', e)}") from None
+    if raw is None:
+        return {}, {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, train, ...)")
+    if duplicates:
+        raise _problems([f"{path}:{line}: {_key_name(key)}: duplicate key (first on line {first}); the later one "
+                         f"would silently win" for key, first, line in duplicates])
+    return raw, lines
+
+
+def _resolve_inputs(raw: dict, base: Path, registry: bool | None = None) -> None:
+    """Rewrite the relative input paths of a raw config mapping against `base`."""
+    for section, key in INPUT_PATHS:
+        sec = raw.get(section)
+        v = sec.get(key) if isinstance(sec, dict) else None
+        if isinstance(v, str) and v and not Path(v).expanduser().is_absolute():
+            sec[key] = str(base / v)
+    if isinstance(raw.get("data"), dict):
+        DataConfig.resolve_relative(raw["data"], base, registry)
 
 
 def _set(d: dict, path: list[str], value: Any) -> None:
@@ -128,6 +210,44 @@ def _set(d: dict, path: list[str], value: Any) -> None:
             raise ConfigError(f"override {'.'.join(path)}: '{k}' is not a section")
         d = nxt
     d[path[-1]] = value
+
+
+def _get(d: Any, path: list[str]) -> tuple[bool, Any]:
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return False, None
+        d = d[k]
+    return True, d
+
+
+def _apply_overrides(raw: dict, overrides) -> set[tuple]:
+    """Set each `key.sub=value` (a YAML value) in `raw`; relative input paths among them are resolved against the
+    working directory. Returns the key paths set."""
+    parsed = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}': expected key.sub=value")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        try:
+            v, _, duplicates = _parse_yaml(value, tuple(parts)) if value != "" else (None, {}, [])
+        except yaml.YAMLError as e:
+            raise ConfigError(f"command line: {key.strip()}: malformed YAML value {value!r}: "
+                              f"{getattr(e, 'problem', e)}") from None
+        if duplicates:
+            raise _problems([f"command line: {_key_name(k)}: duplicate key; the later one would silently win"
+                             for k, _, _ in duplicates])
+        parsed.append((parts, v))
+    given: dict = {}
+    for parts, v in parsed:
+        _set(given, parts, v)
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    registry = bool(data.get("dataset_info")) or None  # plain dataset entries are then names, not paths
+    _resolve_inputs(given, Path.cwd(), registry)
+    for parts, v in parsed:
+        found, resolved = _get(given, parts)
+        _set(raw, parts, resolved if found else v)
+    return {tuple(p) for p, _ in parsed}
 
 
 def _model_at(loc: tuple) -> type[BaseModel] | None:
@@ -141,62 +261,90 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
 
 
 def _describe(err: dict, where: str) -> str:
-    loc = tuple(str(x) for x in err["loc"])
-    key = ".".join(loc)
+    loc = tuple(err["loc"])
+    key = _key_name(loc)
     if err["type"] == "extra_forbidden":
         parent = _model_at(loc[:-1])
         names = list(parent.model_fields) if parent else []
-        close = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.5)
-        hint = f"; did you mean '{'.'.join(loc[:-1] + (close[0],))}'?" if close else \
+        close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.5)
+        hint = f"; did you mean '{_key_name(loc[:-1] + (close[0],))}'?" if close else \
             f"; valid keys here: {', '.join(names)}"
         return f"{where}{key}: unknown key{hint}"
+    if err["type"] == "missing" and loc in (("model",), ("model", "path")):
+        return f"{where}model.path: required: {DEMO_HINT}"
     if err["type"] == "missing":
         return f"{where}{key}: required key is missing"
     got = err.get("input")
+    if err["type"] == "finite_number":
+        return f"{where}{key}: must be a finite number (got {got!r})"
     return f"{where}{key}: {err['msg']} (got {got!r})"
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Read, merge overrides, validate. Raises ConfigError listing every problem."""
-    path = Path(path) if path else DEFAULT_CONFIG
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
-    try:
-        raw = yaml.safe_load(text) or {}
-        lines = _key_lines(yaml.compose(text)) if raw else {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ConfigError(f"{where}: malformed YAML: {getattr(e, 'problem', e)}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, train, ...)")
-    base = path.resolve().parent
-    for section, key in INPUT_PATHS:
-        v = raw.get(section, {}).get(key) if isinstance(raw.get(section), dict) else None
-        if isinstance(v, str) and not Path(v).expanduser().is_absolute():
-            raw[section][key] = str(base / v)
-    if isinstance(raw.get("data"), dict):
-        DataConfig.resolve_relative(raw["data"], base)
-    from_cli = set()
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}': expected key.sub=value")
-        key, value = item.split("=", 1)
-        parts = key.strip().split(".")
-        _set(raw, parts, yaml.safe_load(value) if value != "" else None)
-        from_cli.add(tuple(parts))
+def _validate(raw: dict, lines: dict[tuple, int], path: Path | None, from_cli: set[tuple]) -> Config:
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
         problems = []
         for err in e.errors():
-            loc = tuple(str(x) for x in err["loc"])
-            if loc in from_cli or loc[:-1] in from_cli:
+            loc = tuple(err["loc"])  # keys are str, list indices int: as in `lines`
+            if any(loc[:k] in from_cli for k in range(1, len(loc) + 1)):
                 where = "command line: "
             else:
                 line = lines.get(loc) or lines.get(loc[:-1]) or lines.get(loc[:1])
-                where = f"{path}:{line}: " if line else f"{path}: "
+                where = f"{path}:{line}: " if line else (f"{path}: " if path else "")
             problems.append(_describe(err, where))
-        n = len(problems)
-        raise ConfigError(f"{n} problem{'s' if n > 1 else ''} in the config:\n  " + "\n  ".join(problems)) from None
+        raise _problems(problems) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read, merge overrides, validate. Raises ConfigError listing every problem. No path: the embedded demo."""
+    path = Path(path) if path else DEFAULT_CONFIG
+    raw, lines = _read(path)
+    _resolve_inputs(raw, path.resolve().parent)
+    from_cli = _apply_overrides(raw, overrides)
+    return _validate(raw, lines, path, from_cli)
+
+
+def load_command_line(config: str | Path | None, overrides: list[str] = ()) -> Config:
+    """What `megatrain train|plan|data [CONFIG] [key=value ...]` means: CONFIG with the overrides; neither: the
+    embedded demo; overrides alone: the schema's defaults with the overrides (none of the demo's settings)."""
+    if config or not overrides:
+        return load_config(config, overrides)
+    raw: dict = {}
+    return _validate(raw, {}, None, _apply_overrides(raw, overrides))
+
+
+def check_paths(cfg: Config, outputs: bool = True, default_profile: Path | None = None) -> None:
+    """Each path of the config that exists is of the kind it must be (a missing one is reported by what reads it);
+    the machine profile (plan.profile, else `default_profile` if there is one) parses; with `outputs`, output.dir
+    (and export.dir when exporting) can be created: neither is a file nor lies under one."""
+
+    def kind(key: str, value: str | None, folder: bool, expected: str) -> None:
+        if not value:
+            return
+        p = Path(value).expanduser()
+        if folder and p.is_file():
+            raise MegatrainError(f"{key}: {p} is a file; expected {expected}")
+        if not folder and p.is_dir():
+            raise MegatrainError(f"{key}: {p} is a directory; expected {expected}")
+
+    kind("model.path", cfg.model.path, True,
+         "a Hugging Face model directory (config.json, *.safetensors, tokenizer files)")
+    kind("model.tokenizer", cfg.model.tokenizer, True,
+         "a directory of tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
+    kind("train.exact_match_path", cfg.train.exact_match_path, False, "an alpaca JSON-lines file")
+    if cfg.data.chat_template and "{" not in cfg.data.chat_template:
+        kind("data.chat_template", cfg.data.chat_template, False, "a Jinja file (or the template itself)")
+    kind("plan.profile", cfg.plan.profile, False, "a profile written by `megatrain probe`")
+    if cfg.resume and cfg.resume != "auto":
+        kind("resume", cfg.resume, True, "a checkpoint directory (step-N) or a run's output.dir")
+    profile = Path(cfg.plan.profile).expanduser() if cfg.plan.profile else default_profile
+    if profile is not None and profile.is_file():
+        try:
+            load_json(profile)
+        except MegatrainError as e:
+            raise MegatrainError(f"plan.profile: {e}") from None
+    if outputs:
+        check_dir_target(cfg.output.dir, "output.dir")
+        if cfg.export.at_end:
+            check_dir_target(cfg.export.dir or Path(cfg.output.dir) / "export", "export.dir")

@@ -1,7 +1,17 @@
-"""User-facing errors: one line that names the key, file, tensor or layer at fault."""
+"""User-facing errors: one line that names the key, file, tensor or layer at fault.
 
+Every subcommand reports a user error the same way: `megatrain: error: <message>` on stderr, exit status 2
+(argparse's own status for usage errors; `ArgumentParser` below gives its messages the same prefix).
+"""
+
+import argparse
 import json
+import os
+import sys
 from pathlib import Path
+
+ERROR_PREFIX = "megatrain: error: "
+USER_ERROR_EXIT = 2
 
 
 class MegatrainError(Exception):
@@ -12,9 +22,78 @@ class ConfigError(MegatrainError):
     """One or more invalid configuration keys; the message lists every problem at once."""
 
 
-def load_json(path: Path):
-    """Parse a JSON file; a syntax error becomes a MegatrainError naming the file and line."""
+def report(e: BaseException) -> int:
+    """Print a user error the one way every subcommand does; the exit status to return."""
+    print(f"{ERROR_PREFIX}{e}", file=sys.stderr)
+    return USER_ERROR_EXIT
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the usage line kept and the message line in megatrain's form (exit status 2, as argparse)."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(USER_ERROR_EXIT, f"{ERROR_PREFIX}{message}\n")
+
+
+# ---- reading files -----------------------------------------------------------------------------------------------
+def utf8_problem(data: bytes, pos: int, offset: int = 0) -> tuple[int, str]:
+    """(line within `data`, description) of the byte at `pos` that is not valid UTF-8; `data` starts at byte
+    `offset` of its file."""
+    line = data.count(b"\n", 0, pos) + 1
+    column = pos - data.rfind(b"\n", 0, pos)
+    return line, f"not valid UTF-8 (byte 0x{data[pos]:02x} at column {column}, byte offset {offset + pos})"
+
+
+def decode_utf8(data: bytes, name) -> str:
+    """The text of a file's bytes; bytes that are not UTF-8 are an error naming the file, line, column and offset
+    (never replaced silently)."""
     try:
-        return json.loads(Path(path).read_text())
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line, problem = utf8_problem(data, e.start)
+        raise MegatrainError(f"{name}:{line}: {problem}; save the file as UTF-8") from None
+
+
+def read_text(path) -> str:
+    """A text file, strictly UTF-8 (see decode_utf8)."""
+    return decode_utf8(Path(path).read_bytes(), path)
+
+
+def load_json(path: Path):
+    """Parse a JSON file; a syntax error (or a byte that is not UTF-8) becomes a MegatrainError naming the file
+    and line."""
+    try:
+        return json.loads(read_text(path))
     except json.JSONDecodeError as e:
         raise MegatrainError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+
+
+# ---- paths -------------------------------------------------------------------------------------------------------
+def check_dir_target(path, key: str) -> None:
+    """A folder the run creates or writes into: not a file, not under a file, and writable where it will be
+    created. `key` names it in the message (output.dir, export.dir, ...)."""
+    _check_target(Path(path).expanduser(), key, folder=True)
+
+
+def check_file_target(path, key: str) -> None:
+    """A file that will be written: not a folder, not under a file, its folder writable or creatable."""
+    _check_target(Path(path).expanduser(), key, folder=False)
+
+
+def _check_target(p: Path, key: str, folder: bool) -> None:
+    if p.exists():
+        if folder and not p.is_dir():
+            raise MegatrainError(f"{key}: {p} is a file, not a directory")
+        if not folder and p.is_dir():
+            raise MegatrainError(f"{key}: {p} is a directory, not a file")
+        if not os.access(p, os.W_OK | (os.X_OK if folder else 0)):
+            raise MegatrainError(f"{key}: {p} is not writable")
+        return
+    for parent in p.parents:  # the nearest one that exists decides
+        if parent.exists():
+            if not parent.is_dir():
+                raise MegatrainError(f"{key}: {p} lies under {parent}, which is a file")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise MegatrainError(f"{key}: cannot create {p}: {parent} is not writable")
+            return

@@ -10,11 +10,12 @@ import time
 def test_default_run_learns(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-m", "megatrain.cli", "train", f"output.dir={tmp_path / 'run'}"],
-                       capture_output=True, text=True, env=env, timeout=600)
+    # no arguments at all: the embedded demo, writing to runs/default under the working directory
+    r = subprocess.run([sys.executable, "-m", "megatrain.cli", "train"],
+                       capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     elapsed = time.time() - t0
     assert r.returncode == 0, r.stderr[-3000:]
-    records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(l) for l in (tmp_path / "runs" / "default" / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in records if "loss" in x]
     evals = [x for x in records if "eval_exact_match" in x]
     assert len(steps) == 300

@@ -16,12 +16,12 @@ import torch
 import yaml
 
 from conftest import tiny_hf_config
-from megatrain.planner import plan as plan_lib
 from megatrain.planner.activations import LiveBytes
 from megatrain.runtime.engine import CollectGrads, Engine, EngineOptions, MicroBatch
 from megatrain.runtime.pinned import PinnedHost
 from megatrain.models import get_adapter
-from megatrain.planner.plan import Workload, gpu_phases, landing_piece, make_plan, padded_elems, slot_numel
+from megatrain.planner import Workload, make_plan, memory, timing
+from megatrain.planner.memory import gpu_phases, landing_piece, padded_elems, slot_numel
 from megatrain.planner.profile import DEFAULTS, GiB
 from megatrain.runtime.store import HostStore, LayerTile
 
@@ -47,7 +47,7 @@ def test_host_components_equal_host_store_buffers(family, tied, precision):
     store = HostStore(adapter, dtype)
     units = adapter.units()
     assert padded_elems(u.numel for u in units) == store.total_elems
-    host = plan_lib.host_memory(units, Workload((2,), 16, device="cuda", precision=precision))
+    host = memory.host_memory(units, Workload((2,), 16, device="cuda", precision=precision))
     assert host["fp32 master weights"] == store.master.numel() * 4
     assert host["Adam m (fp32)"] == store.exp_avg.numel() * 4
     assert host["Adam v (fp32)"] == store.exp_avg_sq.numel() * 4
@@ -86,7 +86,7 @@ def test_landing_buffers_equal_optimizer_pipeline(monkeypatch, chunk, piece_max)
     store = HostStore(adapter, torch.bfloat16)
     pipe = OptimizerPipeline(store, CpuAdamW(), torch.device("cuda"), PinnedHost(cuda=True), threaded=False)
     assert pipe.piece == landing_piece(adapter.units())
-    host = plan_lib.host_memory(adapter.units(), Workload((2,), 16, device="cuda"))
+    host = memory.host_memory(adapter.units(), Workload((2,), 16, device="cuda"))
     assert host["gradient landing buffers (pinned)"] == sum(b.numel() * 4 for b in pipe.landing) == sum(cudart.registered)
 
 
@@ -167,7 +167,7 @@ def engine_peak_on_meta(adapter, sizes, seq, dtype=torch.bfloat16, packed=False,
             return torch.empty(n, dtype=dt, device="meta")
         tiles.append(LayerTile(u, mk(torch.float32), mk(torch.float32), mk(torch.float32), mk(dtype)))
     store = SimpleNamespace(tiles=tiles, stream_dtype=dtype, max_unit_numel=max(t.numel for t in tiles))
-    engine = Engine(store, adapter, torch.device("meta"), _OffloadSink(plan_lib.offloaded(adapter.units(), offload)))
+    engine = Engine(store, adapter, torch.device("meta"), _OffloadSink(memory.offloaded(adapter.units(), offload)))
     engine.spill = _GpuLikeSpill(spill, dtype)
     mbs = []
     for b in sizes:
@@ -211,17 +211,17 @@ def test_spill_and_offload_host_buffers_equal_the_engines():
     adapter = get_adapter(tiny_hf_config("llama", layers=5, vocab=1001))
     units = adapter.units()
     w = Workload((3, 2), 48, device="cuda", spill_layers=4, offload_units=3)
-    host = plan_lib.host_memory(units, w)
+    host = memory.host_memory(units, w)
     spill = ActivationSpill(4, torch.device("cpu"), torch.bfloat16)
     spill.begin_step([torch.Size((b, 48, adapter.hidden_size)) for b in w.micro_batches])
-    assert host[plan_lib.SPILLED] == spill.host_bytes()
+    assert host[memory.SPILLED] == spill.host_bytes()
     store = HostStore(adapter, torch.bfloat16)
     pipe = OptimizerPipeline(store, CpuAdamW(), torch.device("cpu"), PinnedHost(cuda=False), offload_units=3)
-    assert set(plan_lib.offloaded(units, 3)) == pipe.offload
-    assert host[plan_lib.OFFLOADED] == sum(b.numel() * 4 for b in pipe.offload_host.values())
+    assert set(memory.offloaded(units, 3)) == pipe.offload
+    assert host[memory.OFFLOADED] == sum(b.numel() * 4 for b in pipe.offload_host.values())
     plan = make_plan(adapter, w, DEFAULTS)
     assert plan.pinned == (host["bf16 streaming copy (pinned)"] + host["gradient landing buffers (pinned)"] +
-                           spill.host_bytes() + host[plan_lib.OFFLOADED])
+                           spill.host_bytes() + host[memory.OFFLOADED])
 
 
 # ---- time --------------------------------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def test_executed_flops_and_bounds():
     adapter = adapter_of("qwen2.5-7b")
     units = adapter.units()
     w = Workload((32,) * 4 + (30,), 1024)
-    fl = plan_lib.executed_flops(adapter, units, w)
+    fl = timing.executed_flops(adapter, units, w)
     layer_params = sum(u.numel for u in units if u.kind == "layer")
     attn = 2.0 * 1024 * adapter.num_heads * adapter.head_dim * adapter.num_layers
     tokens = w.tokens_per_step
@@ -315,7 +315,9 @@ def test_default_config_plans_and_fits(tmp_path):
     for part in ("fp32 master weights", "Adam m (fp32)", "bf16 streaming copy", "disk per checkpoint",
                  "step time (predicted)", "fits."):
         assert part in r.stdout
-    r = cli("plan", "train.device=cuda", cwd=tmp_path)  # for a GPU: the GPU section, from the default profile
+    from megatrain.config import DEFAULT_CONFIG
+
+    r = cli("plan", str(DEFAULT_CONFIG), "train.device=cuda", cwd=tmp_path)  # for a GPU: the GPU section
     assert r.returncode == 0, r.stderr
     for part in ("GPU memory at the peak", "weight slots", "layer-boundary checkpoints", "layer activations",
                  "gradient landing buffers (pinned)", "no machine profile"):
@@ -342,7 +344,7 @@ H200_PROFILE = ROOT / "bench" / "results" / "2026-11-21" / "h200_profile.json"
 def test_measured_peaks_are_reproduced(profile):
     """The first H200 runs (bench/results/2026-11-21): GPU peak and host RSS within 10%, step time within 15%,
     with the default rates and with that machine's probe (h200_profile.json). (The time and host-runtime defaults
-    were fitted to these runs, and so were plan.ADAMW_IN_STEP and COMPILED_SPEEDUP; the GPU model was not, but
+    were fitted to these runs, and so were timing.ADAMW_IN_STEP and COMPILED_SPEEDUP; the GPU model was not, but
     for the compiled activation factor.) bench/plan_vs_measured.py compares every result, later ones included."""
     from megatrain.planner.profile import load_profile
 
@@ -374,7 +376,7 @@ def test_a_layer_rate_of_the_other_compile_mode_is_converted(run_compiled):
     adapter = adapter_of("qwen2.5-7b")
     w = Workload((79, 79), 1024, compile=run_compiled)
     same, other = make_plan(adapter, w, _probed(run_compiled)), make_plan(adapter, w, _probed(not run_compiled))
-    head = plan_lib.executed_flops(adapter, adapter.units(), w)["head"] / same.profile.head_flops
+    head = timing.executed_flops(adapter, adapter.units(), w)["head"] / same.profile.head_flops
     ratio = (other.time["compute_s"] - head) / (same.time["compute_s"] - head)
     assert ratio == pytest.approx(COMPILED_SPEEDUP if not run_compiled else 1 / COMPILED_SPEEDUP, rel=1e-6)
     assert not any("COMPILED_SPEEDUP" in n for n in same.notes)
@@ -389,12 +391,12 @@ def test_forward_waits_for_the_optimizer_unit_by_unit():
     units = adapter.units()
     w = Workload((16, 16), 1024)
     slow = make_plan(adapter, w, DEFAULTS)
-    adam = DEFAULTS.adamw_params_per_s * plan_lib.ADAMW_IN_STEP
+    adam = DEFAULTS.adamw_params_per_s * timing.ADAMW_IN_STEP
     assert slow.time["optimizer_s"] == pytest.approx(slow.params / adam)
     first_piece = 4.0 * min(landing_piece(units), units[0].numel) / DEFAULTS.bidir_bps
     # nothing computes before the embedding's first piece has landed and it and layer 0 are updated
     assert slow.time["gpu_idle_s"] >= first_piece + (units[0].numel + units[1].numel) / adam
-    fl = plan_lib.executed_flops(adapter, units, w)
+    fl = timing.executed_flops(adapter, units, w)
     # the head starts once every unit is updated; then the head and the whole backward (here at the faster rate)
     after = fl["head"] / DEFAULTS.head_flops + fl["backward"] / max(DEFAULTS.layer_flops, DEFAULTS.attention_flops)
     assert slow.step_s >= slow.time["optimizer_s"] + after

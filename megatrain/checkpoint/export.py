@@ -25,7 +25,7 @@ import torch
 
 from .layout import locate, read_manifest, small_files, verify_file
 from .tensorfile import TensorFileReader, TensorFileWriter, fsync_dir
-from ..errors import MegatrainError
+from ..errors import MegatrainError, check_dir_target
 from ..models import get_adapter, load_hf_config
 
 INDEX = "model.safetensors.index.json"
@@ -79,13 +79,10 @@ class _ShardStream:
 
 def check_export_target(out: Path, replace_export: bool = False) -> None:
     """The export goes to a new or empty directory, or (replace_export) replaces an earlier export: never over
-    anything else."""
+    anything else, and never where a file is in the way (`out` a file, or under one)."""
     out = Path(out).expanduser()
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise MegatrainError(f"export: {out} exists and is not a directory")
-    if any(out.iterdir()) and not (replace_export and (out / INDEX).is_file()):
+    check_dir_target(out, "export")
+    if out.exists() and any(out.iterdir()) and not (replace_export and (out / INDEX).is_file()):
         raise MegatrainError(f"export: {out} is not empty; choose another directory")
 
 

@@ -55,6 +55,8 @@ def locate(path: Path, what: str) -> Path:
     p = Path(path).expanduser()
     if not p.exists():
         raise MegatrainError(f"{what}: {p} does not exist")
+    if not p.is_dir():
+        raise MegatrainError(f"{what}: {p} is a file; expected a checkpoint directory (step-N) or a run's output.dir")
     if (p / MANIFEST).is_file():
         return p
     if STEP_DIR.match(p.name) and p.is_dir():

@@ -52,7 +52,7 @@ def _check_roles(roles: dict[str, str] | None) -> None:
 class DatasetSpec(BaseModel):
     """One entry of `data.datasets` / `data.eval_datasets`: a path or a registry name, and how to read it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str | None = Field(None, description="dataset name in data.dataset_info (instead of path)")
     path: str | None = Field(None, description="file or directory: .json/.jsonl/.parquet/.csv/.txt, or a "
@@ -78,7 +78,7 @@ class DatasetSpec(BaseModel):
 
 
 class DataConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # --- where the data is ----------------------------------------------------------------------------------
     path: str | None = Field(None, description="training data: .json/.jsonl/.parquet/.csv/.txt file, a "
@@ -172,8 +172,10 @@ class DataConfig(BaseModel):
         return self
 
     @staticmethod
-    def resolve_relative(raw: dict, base: Path) -> None:
-        """Rewrite relative input paths of a raw `data:` mapping against the config file's folder `base`."""
+    def resolve_relative(raw: dict, base: Path, registry: bool | None = None) -> None:
+        """Rewrite relative input paths of a raw `data:` mapping against `base` (the config file's folder, or the
+        working directory for command-line overrides). Plain-string dataset entries are registry names, not paths,
+        when `raw` sets dataset_info or `registry` says one is set elsewhere."""
 
         def fix(v):
             return str(base / v) if isinstance(v, str) and not Path(v).expanduser().is_absolute() else v
@@ -191,5 +193,5 @@ class DataConfig(BaseModel):
             for i, e in enumerate(entries):
                 if isinstance(e, dict) and "path" in e:
                     e["path"] = fix(e["path"])
-                elif isinstance(e, str) and not raw.get("dataset_info"):
+                elif isinstance(e, str) and not (raw.get("dataset_info") or registry):
                     entries[i] = fix(e)  # plain strings are paths unless a registry is given

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import MegatrainError
 from .formats import RowError, to_sample
-from .sources import RAW_COL, ROW_COL, RawPart
+from .sources import ERR_COL, RAW_COL, ROW_COL, RawPart, check_strings_utf8
 from .template import IGNORE, EncodeOptions, encode
 from .tokenizer import tokenizer_fingerprint
 
@@ -44,6 +44,8 @@ def encode_row(raw: dict, index: int, *, tok, fmt: str, columns: dict, roles: di
     """One raw row -> its tokenised columns. Module level, so `map` can send it to worker processes."""
     if RAW_COL in raw:
         row_no = raw[ROW_COL]
+        if raw.get(ERR_COL):  # its bytes could not be read (e.g. not UTF-8)
+            return _bad(row_no, raw[ERR_COL])
         try:
             row = json.loads(raw[RAW_COL])
         except json.JSONDecodeError as e:
@@ -87,6 +89,8 @@ def tokenise(part: RawPart, tok, opts: EncodeOptions, root: str, num_proc: int |
     fp = hashlib.sha256(key.encode()).hexdigest()[:20]
     out = Path(root) / "megatrain" / f"tokens-{fp}.arrow"
     ds = part.dataset
+    if RAW_COL not in ds.column_names and not out.exists():  # read by datasets, not by our reader: check the bytes
+        check_strings_utf8(part)
     if fail_fast and len(ds) and not out.exists():  # a wrong format or column shows on row 1: stop before mapping
         first = encode_row(ds[0], 0, **kwargs)
         if first["error"]:

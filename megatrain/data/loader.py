@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ..errors import MegatrainError
 from .config import DataConfig
 from .examples import Examples, build_examples
@@ -11,7 +9,7 @@ from .packing import collate
 from .preview import count_lines, efficiency_line, render_preview
 from .sampler import BatchShape, EpochPlanner, ResumableSampler
 from .sources import resolve_sources, source_files
-from .tokenizer import apply_chat_template_override, pad_id
+from .tokenizer import apply_chat_template_override, pad_id, read_chat_template
 
 Batch = dict  # input_ids, labels, position_ids: int64 [B, T]; num_real_tokens: int64 scalar (see __init__)
 
@@ -23,9 +21,8 @@ def validate_inputs(cfg: DataConfig) -> None:
         raise MegatrainError("data.path: no training data given (set data.path or data.datasets)")
     for src in sources + resolve_sources(cfg, eval=True):
         source_files(src)
-    if cfg.chat_template and "{" not in cfg.chat_template and not Path(cfg.chat_template).expanduser().is_file():
-        raise MegatrainError(f"data.chat_template: file {cfg.chat_template} does not exist "
-                             f"(or give the template itself)")
+    if cfg.chat_template:
+        read_chat_template(cfg.chat_template)  # a file that exists, is a file, and is UTF-8
 
 
 def _shape(cfg: DataConfig, micro_batch_size: int) -> BatchShape:

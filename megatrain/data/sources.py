@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import MegatrainError, load_json
+from ..errors import MegatrainError, load_json, utf8_problem
 from .config import DEFAULT_COLUMNS, DEFAULT_ROLES, DataConfig, DatasetSpec
 
 EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-READER_VERSION = "1"
-# Columns of a raw JSON part: the row's line (JSON lines) or 1-based item number (JSON array), and the row itself.
-ROW_COL, RAW_COL = "_mt_row", "_mt_raw"
+READER_VERSION = "2"
+# Columns of a raw JSON part: the row's line (JSON lines) or 1-based item number (JSON array), the row itself, and
+# what is wrong with its bytes ("" when nothing; e.g. not UTF-8: the row is then reported or skipped like any other).
+ROW_COL, RAW_COL, ERR_COL = "_mt_row", "_mt_raw", "_mt_error"
+ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, decoded with errors="surrogateescape"
 
 
 @dataclass
@@ -176,22 +179,112 @@ def source_files(src: Source) -> list[Path]:
 
 # ---- file -> raw dataset -----------------------------------------------------------------------------------------
 def _json_rows(path: str):
-    """Rows of a JSON array or JSON-lines file as JSON strings; a bad line becomes a row holding the bad text."""
+    """Rows of a JSON array or JSON-lines file as JSON strings; a bad line becomes a row holding the bad text, a row
+    whose bytes are not UTF-8 one holding the reason (never decoded with replacement characters)."""
     with open(path, "rb") as fh:
         head = fh.read(4096).lstrip()
     if head.startswith(b"["):  # one JSON array: it parses whole or not at all
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise MegatrainError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
-        for n, item in enumerate(items, 1):
-            yield {ROW_COL: n, RAW_COL: json.dumps(item, ensure_ascii=False)}
+        yield from _json_array_rows(path)
         return
     with open(path, "rb") as fh:
         for n, line in enumerate(fh, 1):
             if line.strip():
-                yield {ROW_COL: n, RAW_COL: line.decode("utf-8", errors="replace").rstrip("\r\n")}
+                try:
+                    yield {ROW_COL: n, RAW_COL: line.decode("utf-8").rstrip("\r\n"), ERR_COL: ""}
+                except UnicodeDecodeError as e:
+                    byte = line[e.start]
+                    yield {ROW_COL: n, RAW_COL: "",
+                           ERR_COL: f"not valid UTF-8 (byte 0x{byte:02x} at column {e.start + 1})"}
+
+
+def _json_array_rows(path: str):
+    data = Path(path).read_bytes()
+    # bytes that are not UTF-8 become lone surrogates, so the array still parses and each item says if it has one
+    text = data.decode("utf-8", errors="surrogateescape")
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as e:
+        _raise_first_bad_byte(path, data, before_line=e.lineno)
+        raise MegatrainError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+    if not ESCAPED_BYTE.search(text):
+        for n, item in enumerate(items, 1):
+            yield {ROW_COL: n, RAW_COL: json.dumps(item, ensure_ascii=False), ERR_COL: ""}
+        return
+    # some item holds bytes that are not UTF-8: walk the array item by item to know where each one is
+    dec, pos = json.JSONDecoder(), text.index("[") + 1
+    for n in range(1, len(items) + 1):
+        while text[pos] in " \t\r\n,":
+            pos += 1
+        item, end = dec.raw_decode(text, pos)
+        bad = ESCAPED_BYTE.search(text, pos, end)
+        if bad is None:
+            yield {ROW_COL: n, RAW_COL: json.dumps(item, ensure_ascii=False), ERR_COL: ""}
+        else:
+            line = text.count("\n", 0, bad.start()) + 1
+            yield {ROW_COL: n, RAW_COL: "",
+                   ERR_COL: f"not valid UTF-8 (byte 0x{ord(bad.group()) - 0xDC00:02x} on line {line})"}
+        pos = end
+
+
+def _raise_first_bad_byte(path, data: bytes, before_line: int | None = None) -> None:
+    """A file that cannot be parsed because of a byte that is not UTF-8 (at or before `before_line`, when given):
+    the error names the file, line, column and byte offset."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line, problem = utf8_problem(data, e.start)
+        if before_line is None or line <= before_line:
+            raise MegatrainError(f"{path}:{line}: {problem}; save the file as UTF-8") from None
+
+
+def _scan_utf8(path: Path, chunk: int = 1 << 24) -> None:
+    """Read a large text file in chunks of whole lines and raise at its first byte that is not UTF-8."""
+    line, offset, rest = 1, 0, b""
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(chunk)
+            data = rest + block
+            cut = data.rfind(b"\n") + 1 if block else len(data)
+            if block and cut == 0:  # no line end yet: read on
+                rest = data
+                continue
+            data, rest = data[:cut], data[cut:]
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                at, problem = utf8_problem(data, e.start, offset)
+                raise MegatrainError(f"{path}:{line + at - 1}: {problem}; save the file as UTF-8") from None
+            line += data.count(b"\n")
+            offset += len(data)
+            if not block:
+                return
+
+
+def check_strings_utf8(part: RawPart) -> None:
+    """Arrow string columns that did not pass through our reader (parquet files, saved datasets) can hold bytes that
+    are not UTF-8, which would fail when a row is read: name the first such row and its column."""
+    import pyarrow as pa
+
+    table = part.dataset.data.table
+    for name in table.column_names:
+        start = 0
+        for chunk in table.column(name).chunks:
+            try:
+                chunk.validate(full=True)
+            except pa.ArrowInvalid as e:
+                if "UTF8" not in str(e):
+                    raise MegatrainError(f"{part.file}: column '{name}' is unreadable: {e}") from None
+                lo, hi = 0, len(chunk)  # chunk[lo:hi] holds the first bad value: halve until one row is left
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    try:
+                        chunk.slice(lo, mid - lo).validate(full=True)
+                        lo = mid
+                    except pa.ArrowInvalid:
+                        hi = mid
+                raise MegatrainError(f"{part.where(start + lo + 1)}: column '{name}' is not valid UTF-8; save the "
+                                     f"file as UTF-8") from None
+            start += len(chunk)
 
 
 def _stamp(p: Path) -> str:
@@ -199,9 +292,9 @@ def _stamp(p: Path) -> str:
     return f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"
 
 
-def _cause(e: BaseException) -> MegatrainError | None:
+def _cause(e: BaseException, kind: type = MegatrainError) -> BaseException | None:
     while e is not None:
-        if isinstance(e, MegatrainError):
+        if isinstance(e, kind):
             return e
         e = e.__cause__ or e.__context__
     return None
@@ -223,7 +316,8 @@ def load_raw(src: Source, file: Path, cache_dir: str) -> RawPart:
             return RawPart(src, file, ds, f"saved|{src.split}|{ds._fingerprint}|{_stamp(meta)}", False)
         if kind == "json":
             ident = hashlib.sha256(f"json|{READER_VERSION}|{_stamp(file)}".encode()).hexdigest()[:16]
-            features = datasets.Features({ROW_COL: datasets.Value("int64"), RAW_COL: datasets.Value("string")})
+            features = datasets.Features({ROW_COL: datasets.Value("int64"), RAW_COL: datasets.Value("string"),
+                                          ERR_COL: datasets.Value("string")})
             ds = datasets.Dataset.from_generator(_json_rows, features=features, gen_kwargs={"path": str(file)},
                                                  cache_dir=cache_dir, fingerprint=f"megatrain-json-{ident}")
             return RawPart(src, file, ds, ident, file.suffix.lower() == ".jsonl" or not _is_array(file))
@@ -237,6 +331,8 @@ def load_raw(src: Source, file: Path, cache_dir: str) -> RawPart:
         inner = _cause(e)
         if inner is not None:
             raise MegatrainError(str(inner)) from None
+        if _cause(e, UnicodeDecodeError) is not None and file.is_file():  # csv, txt: datasets decodes them
+            _scan_utf8(file)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise MegatrainError(f"{src.key}: cannot read {file}: {msg}") from None
 

@@ -6,19 +6,37 @@ import hashlib
 import json
 from pathlib import Path
 
-from ..errors import MegatrainError
+from ..errors import MegatrainError, load_json, read_text
+
+
+# Files of a tokenizer folder that transformers parses as JSON, and text files it reads (all checked first, so a broken
+# one is named with its line instead of surfacing as whatever transformers makes of it).
+JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+              "vocab.json", "chat_template.json")
+TEXT_FILES = ("chat_template.jinja", "merges.txt", "vocab.txt")
 
 
 def load_tokenizer(path: str | Path):
-    """AutoTokenizer from a local folder, with one-line errors that name the folder."""
+    """AutoTokenizer from a local folder, with one-line errors that name the folder (and the file and line)."""
     from transformers import AutoTokenizer
 
     p = Path(path).expanduser()
+    if p.is_file():
+        raise MegatrainError(f"tokenizer: {p} is a file; expected a directory of tokenizer files")
     if not p.is_dir():
         raise MegatrainError(f"tokenizer: directory {p} does not exist")
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                                            "vocab.json", "vocab.txt")):
         raise MegatrainError(f"tokenizer: {p} holds no tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
+    for name in JSON_FILES + TEXT_FILES:
+        f = p / name
+        if not f.is_file():
+            continue
+        try:
+            load_json(f) if name in JSON_FILES else read_text(f)
+        except MegatrainError as e:
+            raise MegatrainError(f"tokenizer: cannot load the tokenizer in {p}: {name}{str(e)[len(str(f)):]}") \
+                from None
     try:
         return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for broken tokenizers
@@ -26,16 +44,25 @@ def load_tokenizer(path: str | Path):
         raise MegatrainError(f"tokenizer: cannot load the tokenizer in {p}: {msg}") from None
 
 
+def read_chat_template(template: str) -> str:
+    """`data.chat_template`: the template itself, or a file holding one (read strictly as UTF-8)."""
+    if "{" in template:
+        return template
+    f = Path(template).expanduser()
+    if f.is_dir():
+        raise MegatrainError(f"data.chat_template: {f} is a directory; expected a Jinja file (or the template itself)")
+    if not f.is_file():
+        raise MegatrainError(f"data.chat_template: file {f} does not exist (or give the template itself)")
+    try:
+        return read_text(f)
+    except MegatrainError as e:
+        raise MegatrainError(f"data.chat_template: {e}") from None
+
+
 def apply_chat_template_override(tokenizer, template: str | None) -> None:
     """Set `data.chat_template` (a template or a file holding one) on the run's tokenizer, so exports carry it."""
-    if not template:
-        return
-    if "{" not in template:
-        f = Path(template).expanduser()
-        if not f.is_file():
-            raise MegatrainError(f"data.chat_template: file {f} does not exist (or give the template itself)")
-        template = f.read_text()
-    tokenizer.chat_template = template
+    if template:
+        tokenizer.chat_template = read_chat_template(template)
 
 
 def pad_id(tokenizer) -> int:

@@ -13,7 +13,6 @@ head's rate. Only torch, transformers and the standard library are needed (no py
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
+from ..errors import ArgumentParser, MegatrainError, check_file_target, report
 from .profile import PROFILE_VERSION, default_profile_path, peak_bf16_for, this_host
 from ..runtime.layer import layer_backward
 from ..runtime.lmhead import HeadKernels, default_chunk, head_loss
@@ -243,9 +243,10 @@ def parse_layer(spec: str) -> tuple[str, int, int]:
     try:
         b, t = (int(x) for x in shape.lower().split("x"))
     except ValueError:
-        raise SystemExit(f"probe: --layer {spec!r}: expected MODEL_DIR:MICROxSEQ, e.g. models/qwen:32x1024")
+        raise MegatrainError(f"probe: --layer {spec!r}: expected MODEL_DIR:MICROxSEQ, e.g. models/qwen:32x1024") \
+            from None
     if not (Path(path) / "config.json").is_file():
-        raise SystemExit(f"probe: --layer {spec!r}: {path}/config.json does not exist")
+        raise MegatrainError(f"probe: --layer {spec!r}: {path}/config.json does not exist")
     return path, b, t
 
 
@@ -311,7 +312,17 @@ def probe(layers: list[tuple[str, int, int]], compile_modes: list[bool], adam_pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="megatrain probe", description=__doc__.split("\n\n")[0])
+    """`megatrain probe`: user errors (arguments included) are one `megatrain: error: ...` line, exit status 2."""
+    try:
+        return _main(argv)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2, already printed)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except MegatrainError as e:
+        return report(e)
+
+
+def _main(argv: list[str] | None) -> int:
+    p = ArgumentParser(prog="megatrain probe", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(default_profile_path()),
                    help=f"where the profile goes (default: {default_profile_path()}, which plan reads by default)")
     p.add_argument("--layer", action="append", default=[], metavar="MODEL_DIR:BxT",
@@ -323,9 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--matmul", type=int, default=8192, help="square matmul size for the GPU rate")
     args = p.parse_args(argv)
     layers = [parse_layer(s) for s in args.layer]
+    out = Path(args.out).expanduser()
+    check_file_target(out, "probe: --out")  # before anything is measured
     modes = {"both": [False, True], "on": [True], "off": [False]}[args.compile]
     prof = probe(layers, modes, args.adam_params, int(args.bandwidth_gib * GiB), args.matmul)
-    out = Path(args.out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(prof, indent=2))
     log(f"profile written to {out}")

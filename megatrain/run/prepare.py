@@ -16,8 +16,8 @@ import torch
 
 from .. import data as data_lib
 from ..checkpoint import resume as resume_lib
-from ..config import Config
-from ..errors import MegatrainError
+from ..config import Config, check_paths
+from ..errors import MegatrainError, load_json, read_text
 from ..models import get_adapter, load_hf_config
 from ..runtime import CpuAdamW, EngineOptions, HostStore, Runtime, RuntimeOptions, build_runtime
 from .oom import host_allocation
@@ -75,9 +75,15 @@ class Run:
 
 def check_inputs(cfg: Config) -> Inputs:
     """Every check that can fail on the user's input, before any large allocation. Writes nothing."""
+    from ..planner.profile import default_profile_path
+
+    # every path of the right kind, the profile parses; output.dir and export.dir not files nor under one
+    check_paths(cfg, default_profile=default_profile_path())
     device = resolve_device(cfg.train.device)
     hf_config = load_hf_config(cfg.model.path)
     adapter = get_adapter(hf_config)
+    if (gen := Path(cfg.model.path) / "generation_config.json").is_file():
+        load_json(gen)  # copied into every checkpoint and export unread: it must parse
     if cfg.data.max_seq_len > getattr(hf_config, "max_position_embeddings", cfg.data.max_seq_len):
         raise MegatrainError(f"data.max_seq_len: {cfg.data.max_seq_len} exceeds the model's max_position_embeddings "
                              f"({hf_config.max_position_embeddings})")
@@ -88,6 +94,7 @@ def check_inputs(cfg: Config) -> Inputs:
 
     plan = check_before_run(cfg, adapter, device.type)  # refuses a run that cannot fit, before any weight is read
     data_lib.validate_inputs(cfg.data)
+    exact = load_exact_match(cfg.train.exact_match_path) if cfg.train.exact_match_path else None
     out_dir = Path(cfg.output.dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not cfg.output.overwrite and not cfg.resume:
         raise MegatrainError(f"output.dir: {out_dir} is not empty; choose another, set output.overwrite=true, "
@@ -109,7 +116,9 @@ def check_inputs(cfg: Config) -> Inputs:
                                          micro_batch_size=cfg.train.micro_batch_size,
                                          grad_accum_steps=cfg.train.grad_accum_steps)
     eval_batches = data_lib.build_eval_batches(cfg.data, tokenizer, micro_batch_size=cfg.train.micro_batch_size)
-    exact = load_exact_match(cfg.train.exact_match_path) if cfg.train.exact_match_path else None
+    if exact and not tokenizer.chat_template:  # (the loader has set data.chat_template on it, when given)
+        raise MegatrainError("train.exact_match_path: the prompts are rendered with the tokenizer's chat template, "
+                             "but the tokenizer has none; set data.chat_template")
     return Inputs(device, hf_config, adapter, plan, out_dir, resumed, tokenizer, loader, eval_batches, exact)
 
 
@@ -145,14 +154,37 @@ def runtime_options(cfg: Config, device: torch.device) -> RuntimeOptions:
 
 
 def load_exact_match(path: str) -> list[tuple[str, str]]:
+    """(prompt, expected answer) pairs of an alpaca JSON-lines file; every problem names the file and line."""
+    key = "train.exact_match_path"
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise MegatrainError(f"{key}: {p} does not exist")
+    if p.is_dir():
+        raise MegatrainError(f"{key}: {p} is a directory; expected an alpaca JSON-lines file")
+    try:
+        text = read_text(p)
+    except MegatrainError as e:
+        raise MegatrainError(f"{key}: {e}") from None
     pairs = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            prompt = row["instruction"] + (f"\n{row['input']}" if row.get("input") else "")
-            pairs.append((prompt, row["output"]))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise MegatrainError(f"train.exact_match_path: {path}:{n}: expected an alpaca row ({e})") from None
+        except json.JSONDecodeError as e:
+            raise MegatrainError(f"{key}: {p}:{n}: malformed JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise MegatrainError(f"{key}: {p}:{n}: expected an alpaca row (an object with instruction, output), "
+                                 f"got {type(row).__name__}")
+        for col, required in (("instruction", True), ("input", False), ("output", True)):
+            v = row.get(col)
+            if v is None and required:
+                raise MegatrainError(f"{key}: {p}:{n}: missing key '{col}' (an alpaca row has instruction, "
+                                     f"output and optionally input)")
+            if v is not None and not isinstance(v, str):
+                raise MegatrainError(f"{key}: {p}:{n}: '{col}' must be a string, got {type(v).__name__}")
+        prompt = row["instruction"] + (f"\n{row['input']}" if row.get("input") else "")
+        pairs.append((prompt, row["output"]))
+    if not pairs:
+        raise MegatrainError(f"{key}: {p} holds no rows")
     return pairs

@@ -1,0 +1,99 @@
+"""The config file and the command line: bytes that are not UTF-8, duplicate keys, non-finite numbers and a
+folder given as the config are each one error naming the file, the line and the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatrain.cli import main
+from megatrain.config import load_config
+from megatrain.errors import ConfigError, MegatrainError
+
+
+def config_error(path, *overrides) -> str:
+    with pytest.raises(MegatrainError) as e:
+        load_config(path, list(overrides))
+    return str(e.value)
+
+
+def test_config_file_that_is_not_utf8_names_file_line_and_byte(tmp_path, capsys):
+    p = tmp_path / "c.yaml"
+    p.write_bytes(b"model:\n  path: x\ntrain:\n  lr: 1e-4  # caf\xe9\n")
+    msg = config_error(p)
+    assert msg == f"{p}:4: not valid UTF-8 (byte 0xe9 at column 18, byte offset 41); save the file as UTF-8"
+    assert main(["train", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"megatrain: error: {msg}\n"
+
+
+def test_duplicate_keys_name_the_key_and_both_lines(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  path: x\ntrain:\n  lr: 1.0e-4\n  steps: 3\n  lr: 1.0e-3\nmodel:\n  init: random\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert "2 problems in the config" in msg
+    assert f"{p}:6: train.lr: duplicate key (first on line 4); the later one would silently win" in msg
+    assert f"{p}:7: model: duplicate key (first on line 1)" in msg
+    # a merge key (<<) is not a duplicate
+    p.write_text("base: &b\n  path: x\nmodel:\n  <<: *b\n  path: y\n")
+    assert "duplicate key" not in config_error(p)
+
+
+def test_duplicate_keys_inside_a_list_of_datasets(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  path: x\ndata:\n  datasets:\n    - path: a.jsonl\n      path: b.jsonl\n")
+    assert f"{p}:6: data.datasets[0].path: duplicate key (first on line 5)" in config_error(p)
+
+
+@pytest.mark.parametrize("line, key, shown", [
+    ("train:\n  max_grad_norm: .inf\n", "train.max_grad_norm", "inf"),
+    ("train:\n  weight_decay: .nan\n", "train.weight_decay", "nan"),
+    ("train:\n  betas: [0.9, .inf]\n", "train.betas[1]", "inf"),
+    ("engine:\n  gpu_memory_budget_gb: .Inf\n", "engine.gpu_memory_budget_gb", "inf"),
+    ("train:\n  init_std: nan\n", "train.init_std", "'nan'"),
+    ("data:\n  eval_fraction: -.inf\n", "data.eval_fraction", "-inf"),
+])
+def test_non_finite_numbers_in_the_file_name_key_and_line(tmp_path, line, key, shown):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  path: x\n" + line)
+    msg = config_error(p)
+    assert f"{p}:4: {key}: must be a finite number (got {shown})" in msg, msg
+
+
+def test_non_finite_dataset_weight_names_its_line(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  path: x\ndata:\n  datasets:\n    - path: a.jsonl\n    - path: b.jsonl\n"
+                 "      weight: .inf\n")
+    assert f"{p}:7: data.datasets[1].weight: must be a finite number (got inf)" in config_error(p)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.max_grad_norm=inf", "train.max_grad_norm"),
+    ("train.max_grad_norm=.inf", "train.max_grad_norm"),
+    ("train.lr=nan", "train.lr"),
+    ("plan.host_memory_gb=1e999", "plan.host_memory_gb"),
+    ("data.datasets=[{path: a.jsonl, weight: .nan}]", "data.datasets[0].weight"),
+])
+def test_non_finite_numbers_on_the_command_line(tmp_path, override, key):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  path: x\n")
+    msg = config_error(p, override)
+    assert f"command line: {key}: must be a finite number" in msg, msg
+
+
+def test_a_directory_given_as_the_config_file(tmp_path, capsys):
+    (tmp_path / "conf").mkdir()
+    assert config_error(tmp_path / "conf") == f"config file {tmp_path / 'conf'} is a directory, not a YAML file"
+    assert config_error(tmp_path / "nope.yaml") == f"config file {tmp_path / 'nope.yaml'} does not exist"
+    assert main(["plan", str(tmp_path / "conf")]) == 2
+    assert capsys.readouterr().err == f"megatrain: error: config file {tmp_path / 'conf'} is a directory, " \
+                                      f"not a YAML file\n"
+
+
+def test_override_values_are_checked_like_the_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  path: x\n")
+    assert config_error(p, "data.datasets=[{path: a.jsonl, path: b.jsonl}]") == \
+        "command line: data.datasets[0].path: duplicate key; the later one would silently win"
+    assert config_error(p, "train.betas=[0.9,").startswith("command line: train.betas: malformed YAML value '[0.9,'")
