@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import H200_BF16_PEAK, hf_config, peak_rss_bytes, rss_bytes, table, write_json  # noqa: E402
 from megatrain.models import get_adapter  # noqa: E402
 from megatrain.planner.flops import flops_per_token  # noqa: E402
-from megatrain.runtime import (CpuAdamW, EngineOptions, HostStore, MicroBatch, RuntimeOptions,  # noqa: E402
+from megatrain.runtime import (CpuAdamW, EngineOptions, HostStore, MicroBatch, Placement, RuntimeOptions,  # noqa: E402
                                build_runtime)
 from megatrain.runtime.adamw import clip_coefficient  # noqa: E402
 
@@ -53,9 +53,11 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     store = HostStore(adapter, torch.bfloat16 if args.precision == "bf16" else torch.float32)
     store.init_random(0, 0.02)
+    placement = Placement(checkpoint_every=args.checkpoint_every, spill_layers=args.spill, grads_to_host=args.offload,
+                          wave_groups=args.wave_groups, group_grads=args.group_grads)
     runtime = build_runtime(store, device, CpuAdamW(weight_decay=0.1), RuntimeOptions(
-        engine=EngineOptions(num_slots=args.slots, compile_layers=args.compile, spill_layers=args.spill),
-        offload_grad_units=args.offload, adam_threads=args.adam_threads))
+        engine=EngineOptions(num_slots=args.slots, compile_layers=args.compile, placement=placement),
+        adam_threads=args.adam_threads))
     init_s = time.perf_counter() - t0  # the store's allocation and init, pinning, slots, landing buffers
     engine, pipeline, timeline = runtime.engine, runtime.pipeline, runtime.timeline
     n_params = store.num_params
@@ -109,7 +111,7 @@ def run(args) -> dict:
 
     return {
         "label": args.label, "device": device.type, "compile": args.compile, "loss_chunk": engine.loss_chunk,
-        "spill_layers": args.spill, "offload_units": args.offload,
+        "spill_layers": args.spill, "offload_units": args.offload, "placement": str(placement),
         "model": Path(args.model).name, "layers": adapter.num_layers,
         "hidden": adapter.hidden_size, "params": n_params, "seq": args.seq, "seqs_per_step": args.seqs,
         "micro": args.micro, "tokens_per_step": tokens, "precision": args.precision,
@@ -141,7 +143,13 @@ def main():
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile the layer template")
     p.add_argument("--spill", type=int, default=0, help="layers whose checkpoints live in pinned host memory")
-    p.add_argument("--offload", type=int, default=0, help="units whose gradients go to host during backward")
+    p.add_argument("--offload", type=int, default=0, help="units whose gradients go to host during backward "
+                                                          "(memory.grads_to_host)")
+    p.add_argument("--checkpoint-every", type=int, default=1, help="keep every K-th layer's input (memory."
+                                                                     "checkpoint_every)")
+    p.add_argument("--wave-groups", type=int, default=1, help="micro-batch groups per step (memory.wave_groups)")
+    p.add_argument("--group-grads", choices=["gpu", "host"], default="gpu",
+                   help="where accumulators wait between wave groups (memory.group_grads)")
     p.add_argument("--attn", default="default", choices=["default", "cudnn", "flash"],
                    help="preferred SDPA backend (others stay enabled as fallbacks)")
     p.add_argument("--adam-threads", type=int, default=None, help="intra-op threads of the optimizer thread")

@@ -28,6 +28,9 @@ def _parser() -> ArgumentParser:
                                      "(exit status 1: it will not fit)")
     pl.add_argument("config", nargs="?", help="YAML config; omit it and every override for the embedded demo")
     pl.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.device=cuda to plan for a GPU")
+    pl.add_argument("--json", action="store_true", help="print the plan as one JSON object (fits, gpu_peak_gib, "
+                                                        "host_peak_gib, host_bytes_per_param, step_time_s, "
+                                                        "tflops_6n, placement, ...) for scripts")
     sub.add_parser("probe", help="measure this machine for the planner (see megatrain probe --help)", add_help=False)
     e = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
     e.add_argument("source", metavar="CHECKPOINT_OR_RUN_DIR",
@@ -87,7 +90,7 @@ def _run(args) -> int:
         from .planner.profile import default_profile_path
 
         check_paths(cfg, outputs=False, default_profile=default_profile_path())
-        return plan_command(cfg)
+        return plan_command(cfg, as_json=args.json)
     elif args.command == "data":
         from . import data as data_lib
 

@@ -60,15 +60,28 @@ class TrainConfig(_Strict):
 class EngineConfig(_Strict):
     loss_chunk_tokens: int = Field(0, ge=0, description="target tokens per LM-head chunk (0: from vocabulary size)")
     num_slots: int = Field(2, ge=2, description="GPU weight slots (double buffering needs 2)")
-    spill_layers: int = Field(0, ge=0, description="keep the layer-boundary checkpoints of this many lowest layers "
-                              "in pinned host memory instead of on the GPU")
-    offload_grad_units: int = Field(0, ge=0, description="send the gradients of this many units (head, last layer, "
-                                    "...) to host memory during backward instead of keeping them on the GPU")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile the layer template (auto: on CUDA only; fuses the elementwise work)")
-    gpu_memory_budget_gb: float | None = Field(
-        None, gt=0, description="GPU memory the run may use, in GiB (default: what the device has free); the plan "
-                                "refuses a run whose predicted peak exceeds it")
+
+
+class MemoryConfig(_Strict):
+    """Where things live. The planner chooses every placement from the budgets; a key set here fixes that choice."""
+
+    gpu_budget_gb: float | None = Field(None, gt=0, description="GPU memory the run may use, in GiB (default: "
+                                                               "what the device has free)")
+    host_budget_gb: float | None = Field(None, gt=0, description="host RAM the run may use, in GiB (default: "
+                                                                "what this machine has free, cgroup-aware)")
+    checkpoint_every: int | None = Field(None, ge=1, description="keep every K-th layer's input in the forward; "
+                                                                 "rebuild the others in backward (default: chosen)")
+    spill_layers: int | None = Field(None, ge=0, description="kept inputs of the lowest N layers live in pinned "
+                                                             "host memory (default: chosen)")
+    grads_to_host: int | None = Field(None, ge=0, description="the first N units to finish their gradient (head, "
+                                                              "last layer, ...) send it to pinned host memory at "
+                                                              "once (default: chosen)")
+    wave_groups: int | None = Field(None, ge=1, description="run each step's micro-batches in G groups, each a "
+                                                            "whole forward and backward wave (default: chosen)")
+    group_grads: Literal["gpu", "host"] | None = Field(None, description="with wave groups: where gradient "
+                                                                        "accumulators wait between groups")
 
 
 class OutputConfig(_Strict):
@@ -81,8 +94,6 @@ class OutputConfig(_Strict):
 class PlanConfig(_Strict):
     profile: str | None = Field(None, description="machine profile written by `megatrain probe` (default: "
                                                   "~/.cache/megatrain/profile.json if present, else H200 defaults)")
-    host_memory_gb: float | None = Field(None, gt=0, description="host RAM the run may use, in GiB (default: what "
-                                                                 "this machine has free, honouring cgroup limits)")
     check: bool = Field(True, description="`megatrain train` refuses, before loading weights, a run the plan says "
                                           "will not fit")
 
@@ -105,6 +116,7 @@ class Config(_Strict):
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     engine: EngineConfig = EngineConfig()
+    memory: MemoryConfig = MemoryConfig()
     output: OutputConfig = OutputConfig()
     plan: PlanConfig = PlanConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -113,6 +125,11 @@ class Config(_Strict):
                                                  "output.dir (none yet: start fresh); or a checkpoint directory")
 
 
+# keys that moved, old -> new: a config using the old one is told the new name
+MOVED_KEYS = {("engine", "spill_layers"): "memory.spill_layers",
+              ("engine", "offload_grad_units"): "memory.grads_to_host",
+              ("engine", "gpu_memory_budget_gb"): "memory.gpu_budget_gb",
+              ("plan", "host_memory_gb"): "memory.host_budget_gb"}
 INPUT_PATHS = (("model", "path"), ("model", "tokenizer"), ("train", "exact_match_path"))  # data paths: DataConfig.resolve_relative
 MERGE_TAG = "tag:yaml.org,2002:merge"
 DEMO_HINT = ("give a config file (megatrain train my_run.yaml) or model.path=... on the command line; "
@@ -263,6 +280,8 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
 def _describe(err: dict, where: str) -> str:
     loc = tuple(err["loc"])
     key = _key_name(loc)
+    if err["type"] == "extra_forbidden" and loc in MOVED_KEYS:
+        return f"{where}{key}: moved: it is now {MOVED_KEYS[loc]}"
     if err["type"] == "extra_forbidden":
         parent = _model_at(loc[:-1])
         names = list(parent.model_fields) if parent else []

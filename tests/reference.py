@@ -42,18 +42,17 @@ def reference_step(model, opt, batches, max_norm=MAX_NORM) -> tuple[float, dict[
 class Megatrain:
     """megatrain's runtime as the trainer builds it (`build_runtime`), driven step by step, on CPU.
 
-    Engine options (spill_layers, compile_layers, loss_chunk_tokens, ...) and offload_grad_units, threaded_optimizer
-    are passed through to RuntimeOptions."""
+    Engine options (placement, compile_layers, loss_chunk_tokens, ...) and threaded_optimizer are passed through
+    to RuntimeOptions."""
 
-    def __init__(self, model_dir, dtype=torch.float32, *, offload_grad_units: int = 0,
-                 threaded_optimizer: bool | None = None, **engine_options):
+    def __init__(self, model_dir, dtype=torch.float32, *, threaded_optimizer: bool | None = None,
+                 **engine_options):
         self.adapter = get_adapter(load_hf_config(model_dir))
         self.store = HostStore(self.adapter, dtype)
         self.store.load_safetensors(model_dir)
         self.opt = CpuAdamW(eps=EPS, weight_decay=WD)
         self.runtime = build_runtime(self.store, "cpu", self.opt, RuntimeOptions(
-            engine=EngineOptions(**engine_options), offload_grad_units=offload_grad_units,
-            threaded_optimizer=threaded_optimizer))
+            engine=EngineOptions(**engine_options), threaded_optimizer=threaded_optimizer))
         self.engine, self.pipeline = self.runtime.engine, self.runtime.pipeline
 
     def train_step(self, batches, max_norm=MAX_NORM, lr=LR, keep_grads: bool = False):

@@ -5,13 +5,16 @@ import pytest
 import torch
 
 from conftest import make_model_dir
+from megatrain.runtime import Placement
 from megatrain.runtime.optimizer_pipeline import OptimizerPipeline
 from megatrain.runtime.pinned import PinnedHost
+from megatrain.runtime.schedule import grads_to_host
 from reference import Megatrain, random_batches
 
 
 def run(model_dir, spill_layers, offload_units, steps=4):
-    mt = Megatrain(model_dir, dtype=torch.bfloat16, spill_layers=spill_layers, offload_grad_units=offload_units)
+    mt = Megatrain(model_dir, dtype=torch.bfloat16,
+                   placement=Placement(spill_layers=spill_layers, grads_to_host=offload_units))
     losses = []
     for step in range(steps):
         loss, _, _ = mt.train_step(random_batches(3, 2, 97, [7, 12, 9], seed=400 + step), lr=1e-3, max_norm=0.5)
@@ -34,6 +37,7 @@ def test_offload_set_follows_backward_order(tmp_path):
     make_model_dir(tmp_path, "llama", seed=52)
     mt = Megatrain(tmp_path)
     n = len(mt.store.tiles)
-    p = OptimizerPipeline(mt.store, mt.opt, torch.device("cpu"), PinnedHost(cuda=False), offload_units=3)
+    p = OptimizerPipeline(mt.store, mt.opt, torch.device("cpu"), PinnedHost(cuda=False),
+                          to_host=tuple(grads_to_host(n, Placement(grads_to_host=3))))
     assert p.offload == {n - 1, n - 2, n - 3}  # head, last layer, the one below
     p.close()

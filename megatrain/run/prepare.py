@@ -19,7 +19,7 @@ from ..checkpoint import resume as resume_lib
 from ..config import Config, check_paths
 from ..errors import MegatrainError, load_json, read_text
 from ..models import get_adapter, load_hf_config
-from ..runtime import CpuAdamW, EngineOptions, HostStore, Runtime, RuntimeOptions, build_runtime
+from ..runtime import CpuAdamW, EngineOptions, HostStore, Placement, Runtime, RuntimeOptions, build_runtime
 from .oom import host_allocation
 
 
@@ -139,18 +139,23 @@ def prepare(cfg: Config) -> Run:
         store.load_safetensors(cfg.model.path)
     with host_allocation("pinned buffers (gradient landing buffers, offloaded gradients)", plan, adapter):
         runtime = build_runtime(store, inp.device, CpuAdamW(cfg.train.betas, cfg.train.eps, cfg.train.weight_decay),
-                                runtime_options(cfg, inp.device))
+                                runtime_options(cfg, inp.device, plan))
     return Run(cfg, adapter, runtime, inp.loader, inp.eval_batches, inp.exact_match, inp.tokenizer, inp.out_dir,
                inp.resumed, plan)
 
 
-def runtime_options(cfg: Config, device: torch.device) -> RuntimeOptions:
+def runtime_options(cfg: Config, device: torch.device, plan=None) -> RuntimeOptions:
+    """The runtime the plan was made for: its placement (without a plan: the memory keys set, defaults for the
+    rest)."""
     e = cfg.engine
     compile_layers = e.compile == "on" or (e.compile == "auto" and device.type == "cuda")
-    return RuntimeOptions(
-        engine=EngineOptions(loss_chunk_tokens=e.loss_chunk_tokens, num_slots=e.num_slots,
-                             compile_layers=compile_layers, spill_layers=e.spill_layers),
-        offload_grad_units=e.offload_grad_units)
+    if plan is not None:
+        placement = plan.placement
+    else:
+        fixed = {k: v for k, v in cfg.memory.model_dump().items() if v is not None and k in Placement.__dataclass_fields__}
+        placement = Placement(**fixed)
+    return RuntimeOptions(engine=EngineOptions(loss_chunk_tokens=e.loss_chunk_tokens, num_slots=e.num_slots,
+                                               compile_layers=compile_layers, placement=placement))
 
 
 def load_exact_match(path: str) -> list[tuple[str, str]]:

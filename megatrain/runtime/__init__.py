@@ -1,7 +1,9 @@
 """The step: a host store of every persistent tensor, a GPU that streams one unit at a time through weight slots,
 and a CPU optimizer that overlaps the GPU. Modules, one job each:
 
-    schedule.py            one step's order of work as data (which units, which pass); the planner simulates it
+    schedule.py            one step's order of work as data (Placement -> Uses: which units, which pass, which
+                           checkpoints are kept, spilled or rebuilt, where each gradient goes); the planner simulates it
+    accumulators.py        gradient accumulators kept across wave groups, on the GPU or parked in host memory
     engine.py              executes the schedule: slots, streams, events, waves (its docstring: the protocol)
     layer.py               one layer's recompute + backward for one micro-batch
     lmhead.py, ce_triton.py  the chunked LM-head loss with its backward; the fused cross-entropy kernel (CUDA)
@@ -29,14 +31,14 @@ from .lmhead import HeadKernels
 from .microbatch import MicroBatch, StepOutput
 from .optimizer_pipeline import OptimizerPipeline, OptimizerThreadError
 from .pinned import PinnedHost
+from .schedule import Placement, Use, grads_to_host, step_schedule
 from .store import HostStore
 from .timeline import Timeline
 
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    engine: EngineOptions = field(default_factory=EngineOptions)
-    offload_grad_units: int = 0  # gradients of the first N units done in backward go to host memory at once
+    engine: EngineOptions = field(default_factory=EngineOptions)  # its placement: schedule.Placement
     adam_threads: int | None = None  # intra-op threads of the optimizer worker (default: torch's)
     threaded_optimizer: bool | None = None  # default: on CUDA
     measure_streams: bool = True  # a Timeline of the streams' busy shares (CUDA)
@@ -69,9 +71,9 @@ def build_runtime(store: HostStore, device: torch.device | str, optimizer: CpuAd
     try:
         pinned.register(store.stream, "host store's streaming copy")
         timeline = Timeline() if cuda and options.measure_streams else None
+        to_host = grads_to_host(len(store.tiles), options.engine.placement)
         pipeline = OptimizerPipeline(store, optimizer, device, pinned, threaded=options.threaded_optimizer,
-                                     offload_units=options.offload_grad_units, threads=options.adam_threads,
-                                     timeline=timeline)
+                                     to_host=tuple(to_host), threads=options.adam_threads, timeline=timeline)
         engine = Engine(store, store.adapter, device, pipeline, options.engine, timeline=timeline, pinned=pinned)
     except BaseException:
         if pipeline is not None:
@@ -82,5 +84,5 @@ def build_runtime(store: HostStore, device: torch.device | str, optimizer: CpuAd
 
 
 __all__ = ["CollectGrads", "CpuAdamW", "Engine", "EngineOptions", "HeadKernels", "HostStore", "MicroBatch",
-           "OptimizerPipeline", "OptimizerThreadError", "Phase", "PinnedHost", "Runtime", "RuntimeOptions",
-           "StepOutput", "Timeline", "build_runtime"]
+           "OptimizerPipeline", "OptimizerThreadError", "Phase", "PinnedHost", "Placement", "Runtime", "RuntimeOptions",
+           "StepOutput", "Timeline", "Use", "build_runtime", "step_schedule"]

@@ -29,18 +29,20 @@ it is doing in `phase`, so an out-of-memory error can be told apart by what was 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from ..models import ModelAdapter
+from .accumulators import GroupAccumulators
 from .activation_spill import ActivationSpill
 from .layer import layer_backward
 from .lmhead import HeadKernels, default_chunk, head_loss
 from .microbatch import MicroBatch, StepOutput
-from .schedule import Use, head_units, slot_numel, step_schedule
+from .schedule import Placement, Use, group_sizes, head_units, slot_numel, spilled_layers, step_schedule
+from .pinned import PinnedHost
 from .store import HostStore
 
 
@@ -48,7 +50,8 @@ class GradientSink(Protocol):
     """Where finished gradients go (the optimizer pipeline; CollectGrads in tests), and whose updates the next
     forward waits for."""
 
-    def put(self, unit_index: int, grad: torch.Tensor) -> None: ...  # on the compute stream's timeline
+    def put(self, unit_index: int, grad: torch.Tensor, to_host: bool) -> None: ...  # on the compute stream's
+    #   timeline; to_host: the schedule sends this gradient to pinned host memory at once
 
     def wait_for_update(self, unit_index: int) -> None: ...  # before unit u's weights are streamed for a forward
 
@@ -59,7 +62,7 @@ class CollectGrads:
     def __init__(self):
         self.grads: dict[int, torch.Tensor] = {}
 
-    def put(self, unit_index: int, grad: torch.Tensor) -> None:
+    def put(self, unit_index: int, grad: torch.Tensor, to_host: bool = False) -> None:
         self.grads[unit_index] = grad
 
     def wait_for_update(self, unit_index: int) -> None:
@@ -75,13 +78,28 @@ class Phase(NamedTuple):
     micro: int | None = None  # 0-based micro-batch
 
 
+TIED_INPUT = -1  # the accumulator of a tied embedding's input-side gradient (unit 0 holds its LM-head side)
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     loss_chunk_tokens: int = 0  # target tokens per LM-head chunk (0: lmhead.default_chunk of the vocabulary)
     num_slots: int = 2
     compile_layers: bool = False  # torch.compile the layer template
-    spill_layers: int = 0  # checkpoints of the lowest N layers live in pinned host memory
+    placement: Placement = Placement()  # checkpoint interval, spill, gradients to host, wave groups (schedule.py)
     head_kernels: HeadKernels | None = None  # None: HeadKernels.for_device
+
+
+@dataclass
+class _Group:
+    """One wave group's state while its uses run."""
+
+    index: range  # the step's micro-batches in this group
+    mbs: list[MicroBatch]  # on the device
+    ctxs: list
+    hidden: list[torch.Tensor] | None = None  # the current layer boundary of each micro-batch
+    checkpoints: dict = field(default_factory=dict)  # layer -> kept inputs (None: spilled to host)
+    grads_out: list[torch.Tensor] | None = None  # d(hidden) of each micro-batch, flowing down
 
 
 @dataclass
@@ -104,7 +122,8 @@ class Engine:
                  options: EngineOptions = EngineOptions(), timeline=None, pinned=None):
         """sink: receives each unit's finished gradient and says when its update is written. timeline: a
         runtime.timeline.Timeline measuring the streams' busy shares (CUDA), or None. pinned: the PinnedHost
-        that registers the activation spill's buffer (needed on CUDA when options.spill_layers > 0)."""
+        that registers the activation spill's and the wave groups' host buffers (needed on CUDA when the placement
+        spills or parks accumulators in host memory)."""
         self.store, self.adapter, self.device = store, adapter, torch.device(device)
         self.sink, self.timeline, self.options = sink, timeline, options
         # The layer template, optionally compiled: fusing RMSNorm, rope, SwiGLU and the residual adds around
@@ -116,7 +135,7 @@ class Engine:
         self.tiles = store.tiles
         self.loss_chunk = options.loss_chunk_tokens or default_chunk(adapter.vocab_size)
         self.head_kernels = options.head_kernels or HeadKernels.for_device(self.device)
-        self.schedule = step_schedule(len(self.tiles), adapter.tied)
+        self.placement = options.placement
         self.head_units = head_units(len(self.tiles), adapter.tied)
         self.phase = Phase("weights")
         # A slot's contents are reused only within one pass (the last layer around the head): every pass starts a
@@ -133,12 +152,20 @@ class Engine:
             for s in self.slots:
                 s.free.record(self.compute)
             self._next_slot = 0
-        self.spill = ActivationSpill(min(options.spill_layers, adapter.num_layers), self.device, self.dtype,
-                                     self.h2d, self.compute, pinned)
+        self.spill = ActivationSpill(self.device, self.dtype, self.h2d, self.compute, pinned)
+        self.accumulators = GroupAccumulators(self.device, pinned or PinnedHost(cuda=False), self.h2d, self.compute)
+
+    def schedule(self, num_micro: int) -> list[Use]:
+        """This step's uses (schedule.py): the placement's, with as many wave groups as there are micro-batches
+        at most."""
+        return step_schedule(len(self.tiles), self.adapter.tied, self.placement,
+                             len(group_sizes(num_micro, self.placement.wave_groups)))
 
     # ---- weights in and out of slots --------------------------------------------------------------
     def _fetch(self, unit_indices: tuple[int, ...]) -> _Loaded:
         """Start bringing these units' weights to the device; returns at once (the copy is asynchronous)."""
+        if not unit_indices:
+            return _Loaded([])
         tiles = [self.tiles[i] for i in unit_indices]
         if not self.cuda:
             for i in unit_indices:
@@ -184,13 +211,26 @@ class Engine:
         return self.timeline.span(name, stream) if self.timeline is not None else nullcontext()
 
     def _grad_buffer(self, unit_index: int) -> torch.Tensor:
+        """The unit's fp32 accumulator: continued from an earlier wave group, or a new one."""
         self.phase = Phase("gradients")
-        return torch.zeros(self.tiles[unit_index].numel, dtype=torch.float32, device=self.device)
+        acc = self.accumulators.take(unit_index)
+        if acc is None:
+            acc = torch.zeros(self.tiles[max(unit_index, 0)].numel, dtype=torch.float32, device=self.device)
+        return acc
 
     def _inputs(self, microbatches: list[MicroBatch]):
         self.phase = Phase("inputs")
         mbs = [mb.to(self.device) for mb in microbatches]
         return mbs, [self.adapter.make_context(mb.position_ids, self.dtype, mb.packed) for mb in mbs]
+
+    def _finish_grad(self, use: Use, unit: int, grad: torch.Tensor, sq_norms: list) -> None:
+        """After the use that last touches this unit's gradient in its group: hand it to the sink when complete,
+        else keep it for the next group where the schedule says."""
+        if use.grad in ("gpu", "host"):
+            sq_norms.append(torch.dot(grad, grad))
+            self.sink.put(unit, grad, use.grad == "host")
+        else:
+            self.accumulators.park(unit, grad, use.grad.removeprefix("group-"))
 
     # ---- the step ----------------------------------------------------------------------------------
     def train_step(self, microbatches: list[MicroBatch]) -> StepOutput:
@@ -198,76 +238,112 @@ class Engine:
         if num_targets == 0:
             raise ValueError("a step without any target token (every label is -100)")
         self.weights_version += 1
-        mbs, ctxs = self._inputs(microbatches)
-        schedule: list[Use] = self.schedule
+        schedule = self.schedule(len(microbatches))
+        groups = group_sizes(len(microbatches), self.placement.wave_groups)
+        self.spill.begin_step(spilled_layers(len(self.tiles) - 2, self.placement),
+                              [torch.Size((*mb.input_ids.shape, self.adapter.hidden_size)) for mb in microbatches])
         # Use k's weights were fetched when use k-1 finished queueing its compute: the copy overlaps that
-        # compute, and a wait for the optimizer (wait_for_update) never delays kernels already decided.
+        # compute, and a wait for the optimizer (wait_for_update) never delays kernels already decided. A parked
+        # gradient accumulator comes back the same way, ahead of its use.
         pending = [self._fetch(schedule[0].units)]
-
-        def done(k: int) -> None:
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        sq_norms: list[torch.Tensor] = []
+        acc: dict[int, torch.Tensor] = {}  # units' accumulators in use: the embedding's from the head on, a layer's
+        g: _Group | None = None
+        for k, use in enumerate(schedule):
+            if g is None or g.index != groups[use.group]:
+                g = _Group(groups[use.group], *self._inputs([microbatches[m] for m in groups[use.group]]))
+            w = self._acquire(pending[k])
+            if use.kind == "embed":
+                with torch.no_grad():
+                    g.hidden = [F.embedding(mb.input_ids, w[0]["weight"]) for mb in g.mbs]
+            elif use.kind == "forward":
+                self.phase = Phase("forward", use.layer)
+                self._keep(g, use)
+                with torch.no_grad():
+                    g.hidden = [self.layer(w[0], h, c) for h, c in zip(g.hidden, g.ctxs)]
+            elif use.kind == "head":
+                acc[0] = self._grad_buffer(0)
+                acc[use.units[0]] = self._grad_buffer(use.units[0])
+                g.grads_out = self._head(w, g.mbs, g.hidden, acc[use.units[0]], acc[0], 1.0 / num_targets, loss_sum)
+                g.hidden = None
+            elif use.kind == "rebuild":  # the block's next input, from the one below (kept or rebuilt)
+                self.phase = Phase("forward", use.layer)
+                self._fetch_spilled(g, use)
+                x = self._checkpoint(g, use.layer)
+                with torch.no_grad():
+                    g.checkpoints[use.layer + 1] = [self.layer(w[0], h, c) for h, c in zip(x, g.ctxs)]
+            elif use.kind == "backward":
+                acc[use.units[0]] = self._grad_buffer(use.units[0])
+                gviews = list(self.tiles[use.units[0]].views(acc[use.units[0]]).values())
+                self._fetch_spilled(g, use)
+                ckpt = self._checkpoint(g, use.layer)
+                del g.checkpoints[use.layer]
+                for m, (c, dh) in enumerate(zip(g.ctxs, g.grads_out)):
+                    self.phase = Phase("backward", use.layer, g.index[m])
+                    g.grads_out[m] = layer_backward(self.layer, w[0], ckpt[m], c, dh, gviews)
+                    ckpt[m] = None  # this checkpoint is spent
+                del gviews
+            else:  # embed_backward: scatter-add of the input gradient; needs no weights
+                self.phase = Phase("embedding backward")
+                into = acc[0]
+                if self.adapter.tied:  # the input side apart from the LM head's (see _embed_input_grad)
+                    into = acc[TIED_INPUT] = self._grad_buffer(TIED_INPUT)
+                ev = self.tiles[0].views(into)["weight"]
+                for mb, dh in zip(g.mbs, g.grads_out):
+                    ev.index_add_(0, mb.input_ids.reshape(-1), dh.reshape(-1, dh.shape[-1]).float())
+                g.grads_out = None
+                if self.adapter.tied:
+                    self._tied_embedding_grad(use, acc)
             self._release(pending[k])
             pending[k] = None
             if k + 1 < len(schedule):
                 self.phase = Phase("weights")
-                pending.append(self._fetch(schedule[k + 1].units))
-
-        sq_norms: list[torch.Tensor] = []
-        checkpoints: dict[int, list[torch.Tensor] | None] = {}  # layer -> its inputs (None: spilled to host)
-        for k, use in enumerate(schedule):
-            w = self._acquire(pending[k])
-            if use.kind == "embed":
-                with torch.no_grad():
-                    hidden = [F.embedding(mb.input_ids, w[0]["weight"]) for mb in mbs]
-            elif use.kind == "forward":
-                self.phase = Phase("forward", use.layer)
-                if self.spill.spills(use.layer):
-                    self.spill.save(use.layer, hidden)
-                    checkpoints[use.layer] = None
-                else:
-                    checkpoints[use.layer] = hidden
-                with torch.no_grad():
-                    hidden = [self.layer(w[0], h, c) for h, c in zip(hidden, ctxs)]
-            elif use.kind == "head":
-                embed_grad = self._grad_buffer(0)
-                grad = self._grad_buffer(use.units[0])
-                loss_sum, grads_out = self._head(w, mbs, hidden, grad, embed_grad, 1.0 / num_targets)
-                del hidden
-            else:  # backward
-                grad = self._grad_buffer(use.units[0])
-                gviews = list(self.tiles[use.units[0]].views(grad).values())
-                self.spill.prefetch(use.layer - 1)  # overlaps this layer's backward (no-op unless it was spilled)
-                ckpt = checkpoints.pop(use.layer)
-                if ckpt is None:
-                    ckpt = self.spill.load(use.layer)
-                for m, (c, dh) in enumerate(zip(ctxs, grads_out)):
-                    self.phase = Phase("backward", use.layer, m)
-                    grads_out[m] = layer_backward(self.layer, w[0], ckpt[m], c, dh, gviews)
-                    ckpt[m] = None  # this checkpoint is spent
-                del gviews
-            done(k)
-            if use.kind == "embed":
-                self.spill.begin_step([h.shape for h in hidden])
-            elif use.kind in ("head", "backward"):  # this unit's gradient is complete
-                sq_norms.append(self._emit(use.units[0], grad))
-                del grad  # the sink owns it now (offloaded units free their device copy early)
-
-        # embedding backward: scatter-add of the input gradient; needs no weights
-        self.phase = Phase("embedding backward")
-        ev = self.tiles[0].views(embed_grad)["weight"]
-        for mb, dh in zip(mbs, grads_out):
-            ev.index_add_(0, mb.input_ids.reshape(-1), dh.reshape(-1, dh.shape[-1]).float())
-        sq_norms.append(self._emit(0, embed_grad))
+                nxt = schedule[k + 1]
+                pending.append(self._fetch(nxt.units))
+                for unit in {"head": (nxt.units[0] if nxt.units else 0, 0), "backward": nxt.units,
+                             "embed_backward": (TIED_INPUT,)}.get(nxt.kind, ()):
+                    self.accumulators.prefetch(unit)  # the accumulators that use continues into
+            if use.grad:  # the gradient this use last touched in its group is complete, or waits for the next
+                unit = 0 if use.kind == "embed_backward" else use.units[0]
+                self._finish_grad(use, unit, acc.pop(unit), sq_norms)
         return StepOutput(loss_sum, torch.stack(sq_norms).sum(), num_targets,
                           sum(mb.num_tokens for mb in microbatches))
 
-    def _head(self, w, mbs, hidden, head_grad, embed_grad, scale: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The LM head over every micro-batch: (the step's loss sum, d(hidden) per micro-batch)."""
+    def _tied_embedding_grad(self, use: Use, acc: dict) -> None:
+        """A tied embedding's gradient is its LM-head side (accumulated at the head) plus its input side
+        (accumulated at the embedding's backward), added once both are complete: the same numbers in whatever wave
+        groups the micro-batches ran, since each side accumulates its micro-batches in the step's order."""
+        if use.grad in ("gpu", "host"):
+            acc[0].add_(acc.pop(TIED_INPUT))
+        else:
+            self.accumulators.park(TIED_INPUT, acc.pop(TIED_INPUT), use.grad.removeprefix("group-"))
+
+    def _keep(self, g: _Group, use: Use) -> None:
+        """What the forward wave does with this layer's input: keep it on the GPU, spill it to host, or drop it."""
+        if use.keep == "gpu":
+            g.checkpoints[use.layer] = g.hidden
+        elif use.keep == "host":
+            self.spill.save(use.layer, g.index, g.hidden)
+            g.checkpoints[use.layer] = None
+
+    def _fetch_spilled(self, g: _Group, use: Use) -> None:
+        if use.fetch is not None:  # overlaps this use (the next block's kept input, spilled in the forward wave)
+            self.spill.prefetch(use.fetch, g.index)
+
+    def _checkpoint(self, g: _Group, layer: int) -> list[torch.Tensor]:
+        """The inputs of `layer` for the group's micro-batches, on the device (brought back if spilled)."""
+        if g.checkpoints[layer] is None:
+            g.checkpoints[layer] = self.spill.load(layer, g.index)
+        return g.checkpoints[layer]
+
+    def _head(self, w, mbs, hidden, head_grad, embed_grad, scale: float, loss_sum: torch.Tensor) -> list[torch.Tensor]:
+        """The LM head over a group's micro-batches: adds their losses to `loss_sum`; d(hidden) per micro-batch."""
         norm_w, lm_w = self._head_weights(w)
         head_tile = self.tiles[self.head_units[0]]
         lm_grad = self.tiles[0].views(embed_grad)["weight"] if self.adapter.tied \
             else head_tile.views(head_grad)["lm_head.weight"]
         norm_grad = head_tile.views(head_grad)["norm.weight"]
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         grads_out = []
         for m, (mb, h) in enumerate(zip(mbs, hidden)):
             self.phase = Phase("head", micro=m)
@@ -275,12 +351,7 @@ class Engine:
                                  lm_grad, scale, self.loss_chunk, self.head_kernels)
             loss_sum += loss
             grads_out.append(dh)
-        return loss_sum, grads_out
-
-    def _emit(self, unit_index: int, grad: torch.Tensor) -> torch.Tensor:
-        sq = torch.dot(grad, grad)
-        self.sink.put(unit_index, grad)
-        return sq
+        return grads_out
 
     def _head_weights(self, head_w: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         lm_w = head_w[1]["weight"] if self.adapter.tied else head_w[0]["lm_head.weight"]
@@ -319,7 +390,7 @@ class Engine:
     def _forward_only(self, microbatches: list[MicroBatch]):
         self.weights_version += 1
         mbs, ctxs = self._inputs(microbatches)
-        for use in self.schedule:
+        for use in step_schedule(len(self.tiles), self.adapter.tied):
             if use.kind not in ("embed", "forward"):
                 break
             loaded = self._fetch(use.units)

@@ -47,21 +47,16 @@ def landing_piece(max_unit_numel: int) -> int:
     return min(PIECE_MAX, max(adamw.CHUNK, max_unit_numel // adamw.CHUNK * adamw.CHUNK))
 
 
-def offloaded_units(num_units: int, n: int) -> list[int]:
-    """The units whose gradients go to host memory during backward: the first n to complete (head, last layer, ...),
-    which would otherwise wait longest on the GPU for the next forward's copy-out."""
-    return gradient_order(num_units)[:n]
-
-
 class OptimizerThreadError(RuntimeError):
     """The optimizer worker failed; its exception is the cause."""
 
 
 class OptimizerPipeline:
     def __init__(self, store: HostStore, optimizer: CpuAdamW, device: torch.device, pinned: PinnedHost,
-                 num_landing: int = NUM_LANDING, threaded: bool | None = None, offload_units: int = 0,
+                 num_landing: int = NUM_LANDING, threaded: bool | None = None, to_host: tuple[int, ...] = (),
                  threads: int | None = None, timeline=None):
-        """pinned: registers the landing buffers and offloaded gradients' host copies. threaded: run updates on a
+        """pinned: registers the landing buffers and offloaded gradients' host copies. to_host: the units whose
+        gradients the schedule sends to host memory as soon as they are complete (schedule.grads_to_host). threaded: run updates on a
         worker thread (default on CUDA). On a CPU-only machine the optimizer and the engine share the same cores,
         so by default updates run inline in `finish_step` (the same result). threads: intra-op threads of the
         worker's AdamW (default: torch's, one per core). timeline: measures the d2h stream's busy share."""
@@ -71,7 +66,7 @@ class OptimizerPipeline:
         self.order = update_order(len(store.tiles))
         # Offloaded units' gradients go straight to host buffers: GPU memory for gradients stops growing with
         # depth, at 4 B/param of host memory for those units.
-        self.offload = set(offloaded_units(len(store.tiles), offload_units))
+        self.offload = set(to_host)
         self.offload_host = {i: pinned.empty(store.tiles[i].numel, torch.float32, f"offloaded gradient of "
                                              f"{store.tiles[i].unit.name}") for i in sorted(self.offload)}
         self._grads: dict[int, tuple[torch.Tensor, object]] = {}
@@ -98,10 +93,14 @@ class OptimizerPipeline:
             self._worker.start()
 
     # ---- engine side ------------------------------------------------------------------------------
-    def put(self, unit_index: int, grad: torch.Tensor) -> None:
-        """Called on the compute stream's timeline when a unit's gradient is complete (no synchronisation)."""
+    def put(self, unit_index: int, grad: torch.Tensor, to_host: bool) -> None:
+        """Called on the compute stream's timeline when a unit's gradient is complete (no synchronisation).
+        to_host: copy it to its pinned host buffer now (one of the units given as `to_host`)."""
         event = None
-        if unit_index in self.offload:
+        if to_host != (unit_index in self.offload):
+            raise ValueError(f"unit {unit_index}: the schedule sends its gradient to {'host' if to_host else 'GPU'}, "
+                             f"the pipeline was built for the other")
+        if to_host:
             host = self.offload_host[unit_index]
             if self.cuda:
                 ready = torch.cuda.Event()

@@ -1,34 +1,72 @@
-"""One training step's order of work, as data: the engine executes it, the planner simulates it.
+"""One training step's order of work, as data: the engine executes it, the planner simulates it (DESIGN.md rule 10).
 
-A step is a list of `Use`s, each the weights of one or two units held in a slot while every micro-batch passes
-through them (layer-major waves, DESIGN.md rule 1):
+A step is a list of `Use`s. Each streams the weights of one or two units into a slot (none for the embedding's
+backward) while every micro-batch of one wave group passes through them (layer-major waves, rule 1). A `Placement`
+decides, before the step, where everything lives:
 
-    embed              the embedding lookup
-    forward, layer l   l = 0 .. L-1
-    head               final norm + LM head + loss, fused with its backward (the embedding too when tied)
-    backward, layer l  l = L-1 .. 0 (recompute from the layer's input checkpoint, then local backward)
+    checkpoint_every K   the input of every K-th layer (0, K, 2K, ...) is kept in the forward wave; in backward a
+                         block's other inputs are rebuilt from its kept one ('rebuild' uses: the block's weights
+                         stream once more) before the block's backward
+    spill_layers S       kept inputs of layers below S live in pinned host memory, not on the GPU; each comes back
+                         one block ahead of its backward (`Use.fetch`)
+    grads_to_host N      the first N units to finish their gradient (head, last layer, ...) send it to pinned host
+                         memory as soon as it is complete; the others wait on the GPU for the optimizer
+    wave_groups G        the step's micro-batches run in G consecutive groups, each a whole forward and backward
+                         wave; gradients accumulate across groups (on the GPU, or parked in pinned host memory
+                         between groups: `group_grads`), the optimizer runs once per step: the same step
 
-after which the embedding's gradient is a scatter-add that needs no weights. Gradients complete in
-`gradient_order`: head, last layer, ..., first layer, embedding. Units are numbered in forward order: 0 the
-embedding, 1 .. L the layers, L + 1 the head.
+Per group g, the uses are:
+
+    embed                    the embedding lookup
+    forward, layer l         l = 0 .. L-1; `keep`: this layer's input is kept on the GPU, spilled, or dropped
+    head                     final norm + LM head + loss with its backward (the embedding too when tied)
+    per block, top down:     rebuild, layer s .. e-2   (forward from the block's kept input; outputs kept)
+                             backward, layer e-1 .. s  (recompute + local backward; fp32 gradient accumulated)
+    embed_backward           scatter-add of the input gradient into the embedding's gradient (no weights)
+
+Units are numbered in forward order: 0 the embedding, 1 .. L the layers, L + 1 the head. A unit's gradient is
+complete after its last use of the last group; `Use.grad` says where it goes then (or where the accumulator waits
+between groups).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
+
+Kind = Literal["embed", "forward", "head", "rebuild", "backward", "embed_backward"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    checkpoint_every: int = 1  # K
+    spill_layers: int = 0  # kept inputs of layers below this live in pinned host memory
+    grads_to_host: int = 0  # first N units to complete send their gradient to pinned host memory
+    wave_groups: int = 1  # G
+    group_grads: Literal["gpu", "host"] = "gpu"  # where accumulators wait between wave groups (G > 1)
+
+    def __post_init__(self):
+        if self.checkpoint_every < 1 or self.wave_groups < 1 or self.spill_layers < 0 or self.grads_to_host < 0:
+            raise ValueError(f"invalid placement {self}")
 
 
 @dataclass(frozen=True)
 class Use:
     units: tuple[int, ...]  # unit indices whose weights this use streams into one slot, in this order
-    kind: Literal["embed", "forward", "head", "backward"]
-    layer: int | None = None  # 0-based layer number for forward and backward uses
+    kind: Kind
+    layer: int | None = None  # 0-based layer number for forward, rebuild and backward uses
+    group: int = 0
+    keep: Literal["", "gpu", "host", "drop"] = ""  # forward: where this layer's input boundary goes
+    fetch: int | None = None  # bring this layer's spilled input back from host memory during this use
+    grad: Literal["", "gpu", "host", "group-gpu", "group-host"] = ""  # where the gradient of units[0] (embed:
+    #   unit 0) goes after this use: complete -> waits on the GPU / copied to host; accumulating -> waits for
+    #   the next group on the GPU / in host memory
 
     @property
     def forward(self) -> bool:
-        """Part of the forward wave (the head included): its weights must hold this step's update."""
-        return self.kind != "backward"
+        """Reads weights that must hold this step's update (the forward wave, the head)."""
+        return self.kind in ("embed", "forward", "head")
 
 
 def head_units(num_units: int, tied: bool) -> tuple[int, ...]:
@@ -36,16 +74,76 @@ def head_units(num_units: int, tied: bool) -> tuple[int, ...]:
     return (num_units - 1, 0) if tied else (num_units - 1,)
 
 
-def step_schedule(num_units: int, tied: bool) -> list[Use]:
-    layers = num_units - 2
-    return ([Use((0,), "embed")] + [Use((1 + l,), "forward", l) for l in range(layers)]
-            + [Use(head_units(num_units, tied), "head")]
-            + [Use((1 + l,), "backward", l) for l in reversed(range(layers))])
-
-
 def gradient_order(num_units: int) -> list[int]:
     """Unit indices in the order their gradients are complete in backward: head, last layer, ..., embedding."""
     return [num_units - 1] + list(range(num_units - 2, 0, -1)) + [0]
+
+
+def grads_to_host(num_units: int, placement: Placement) -> list[int]:
+    """The units whose finished gradients go to pinned host memory at once (the first to complete, which would
+    otherwise wait longest on the GPU for the optimizer)."""
+    return gradient_order(num_units)[:placement.grads_to_host]
+
+
+def kept(layer: int, placement: Placement) -> str:
+    """Where the forward wave leaves this layer's input: on the GPU, spilled to host, or dropped (rebuilt)."""
+    if layer % placement.checkpoint_every:
+        return "drop"
+    return "host" if layer < placement.spill_layers else "gpu"
+
+
+def spilled_layers(num_layers: int, placement: Placement) -> list[int]:
+    return [l for l in range(num_layers) if kept(l, placement) == "host"]
+
+
+def group_sizes(num_micro: int, groups: int) -> list[range]:
+    """The micro-batches of each wave group: consecutive, as even as can be, every group non-empty."""
+    groups = min(groups, num_micro)
+    base, extra = divmod(num_micro, groups)
+    out, start = [], 0
+    for g in range(groups):
+        n = base + (1 if g < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def step_schedule(num_units: int, tied: bool, placement: Placement = Placement(), groups: int | None = None) \
+        -> list[Use]:
+    """The uses of one step. `groups`: the wave groups actually run (at most the number of micro-batches; default
+    placement.wave_groups)."""
+    return list(_schedule(num_units, tied, placement, placement.wave_groups if groups is None else groups))
+
+
+@lru_cache(maxsize=64)
+def _schedule(num_units: int, tied: bool, placement: Placement, groups: int) -> tuple[Use, ...]:
+    L, K = num_units - 2, placement.checkpoint_every
+    to_host = set(grads_to_host(num_units, placement))
+    blocks = [(s, min(L, s + K)) for s in range(0, L, K)]
+    uses: list[Use] = []
+    for g in range(groups):
+        last = g == groups - 1
+
+        def grad(unit: int) -> str:
+            if not last:
+                return "group-" + placement.group_grads
+            return "host" if unit in to_host else "gpu"
+
+        uses.append(Use((0,), "embed", group=g))
+        uses += [Use((1 + l,), "forward", l, g, keep=kept(l, placement)) for l in range(L)]
+        head = head_units(num_units, tied)
+        uses.append(Use(head, "head", group=g, grad=grad(head[0])))
+        for b in reversed(range(len(blocks))):
+            s, e = blocks[b]
+            # the next block's kept input comes back from host during this block, one block ahead of its use
+            below = blocks[b - 1][0] if b > 0 else None
+            fetch = below if below is not None and kept(below, placement) == "host" else None
+            block = [Use((1 + l,), "rebuild", l, g) for l in range(s, e - 1)]
+            block += [Use((1 + l,), "backward", l, g, grad=grad(1 + l)) for l in reversed(range(s, e))]
+            block[0] = Use(block[0].units, block[0].kind, block[0].layer, g, grad=block[0].grad, fetch=fetch)
+            uses += block
+        uses.append(Use((), "embed_backward", group=g, grad=grad(0)))
+    return tuple(uses)
 
 
 def slot_numel(unit_numels: list[int], tied: bool) -> int:
