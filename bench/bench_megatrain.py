@@ -39,6 +39,24 @@ def split(total: int, micro: int) -> list[int]:
     return sizes
 
 
+def plan_of(args, adapter, device):
+    """The plan `megatrain train` would make for this run, the planner choosing every placement key."""
+    from megatrain.planner import Workload, make_plan
+    from megatrain.planner import sysmem
+    from megatrain.planner.placement import FREE_ALL
+    from megatrain.planner.profile import GiB, load_profile
+
+    cuda = device.type == "cuda"
+    if args.gpu_budget:
+        gpu_limit = args.gpu_budget * GiB
+    else:
+        gpu_limit = float(torch.cuda.mem_get_info(device)[0]) if cuda else None
+    w = Workload(tuple(split(args.seqs, args.micro)), args.seq, device=device.type, precision=args.precision,
+                 num_slots=args.slots, compile=args.compile)
+    return make_plan(adapter, w, load_profile(args.profile), host_available=float(sysmem.host_memory().available),
+                     gpu_limit=gpu_limit, suggest=False, choose_keys=FREE_ALL)
+
+
 def run(args) -> dict:
     cfg = hf_config(args.model, num_hidden_layers=args.layers, hidden_size=args.hidden,
                     intermediate_size=args.intermediate)
@@ -55,6 +73,11 @@ def run(args) -> dict:
     store.init_random(0, 0.02)
     placement = Placement(checkpoint_every=args.checkpoint_every, spill_layers=args.spill, grads_to_host=args.offload,
                           wave_groups=args.wave_groups, group_grads=args.group_grads)
+    plan = None
+    if args.auto:  # the placement megatrain train would run: the planner's, from the budgets
+        plan = plan_of(args, adapter, device)
+        placement = plan.placement
+        print(f"planner's placement: {plan.placement_keys} ({plan.why})", flush=True)
     runtime = build_runtime(store, device, CpuAdamW(weight_decay=0.1), RuntimeOptions(
         engine=EngineOptions(num_slots=args.slots, compile_layers=args.compile, placement=placement),
         adam_threads=args.adam_threads))
@@ -111,7 +134,12 @@ def run(args) -> dict:
 
     return {
         "label": args.label, "device": device.type, "compile": args.compile, "loss_chunk": engine.loss_chunk,
-        "spill_layers": args.spill, "offload_units": args.offload, "placement": str(placement),
+        "placement": {"checkpoint_every": placement.checkpoint_every, "spill_layers": placement.spill_layers,
+                      "grads_to_host": placement.grads_to_host, "wave_groups": placement.wave_groups,
+                      "group_grads": placement.group_grads},
+        "planned": None if plan is None else {"gpu_peak_gib": plan.gpu_peak / 2**30, "gpu_needed_gib":
+                                              plan.gpu_needed / 2**30, "host_gib": plan.host_total / 2**30,
+                                              "step_s": plan.step_s, "why": plan.why},
         "model": Path(args.model).name, "layers": adapter.num_layers,
         "hidden": adapter.hidden_size, "params": n_params, "seq": args.seq, "seqs_per_step": args.seqs,
         "micro": args.micro, "tokens_per_step": tokens, "precision": args.precision,
@@ -156,6 +184,10 @@ def main():
     p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (GIL handoff, s)")
     p.add_argument("--gpu-budget", type=float, default=None,
                    help="GiB the caching allocator may hold (torch.cuda.set_per_process_memory_fraction)")
+    p.add_argument("--auto", action="store_true", help="the planner chooses the placement from the GPU budget "
+                   "(--gpu-budget, else free memory) and free host RAM, as megatrain train does (overrides --spill, "
+                   "--offload, --checkpoint-every, --wave-groups, --group-grads)")
+    p.add_argument("--profile", default=None, help="machine profile for --auto (default: as megatrain plan)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--device", default="cuda", help="cuda (the benchmark), or cpu to check the script")
     p.add_argument("--json", default=None)

@@ -25,6 +25,7 @@ sys.path.insert(0, str(HERE.parent))
 from megatrain.models import get_adapter  # noqa: E402
 from megatrain.planner import Workload, make_plan  # noqa: E402
 from megatrain.planner.profile import DEFAULTS, GiB, load_profile  # noqa: E402  (not exported by megatrain.planner)
+from megatrain.runtime.schedule import Placement  # noqa: E402
 
 
 def load_results(*dirs: Path) -> list[dict]:
@@ -57,10 +58,14 @@ def workload_of(r: dict, vocab: int) -> Workload:
     head_kernels = "loss_chunk" in r
     sizes = [micro] * (seqs // micro) + ([seqs % micro] if seqs % micro else [])
     cmd = r.get("command", "")
+    pl = r.get("placement")
+    if isinstance(pl, dict):  # the placement the run used (--auto: the planner's)
+        placement = Placement(**pl)
+    else:  # results from before placements: spill and offloaded gradients only
+        placement = Placement(spill_layers=int(r.get("spill_layers") or _arg(cmd, "--spill", 0)),
+                              grads_to_host=int(r.get("offload_units") or _arg(cmd, "--offload", 0)))
     return Workload(tuple(sizes), r["seq"], device="cuda", precision=r.get("precision", "bf16"),
-                    compile=bool(r.get("compile")), num_slots=int(_arg(cmd, "--slots", 2)),
-                    spill_layers=int(r.get("spill_layers") or _arg(cmd, "--spill", 0)),
-                    offload_units=int(r.get("offload_units") or _arg(cmd, "--offload", 0)),
+                    compile=bool(r.get("compile")), num_slots=int(_arg(cmd, "--slots", 2)), placement=placement,
                     loss_chunk_tokens=chunk, head_kernels=head_kernels)
 
 

@@ -50,7 +50,7 @@ def test_duplicate_keys_inside_a_list_of_datasets(tmp_path):
     ("train:\n  max_grad_norm: .inf\n", "train.max_grad_norm", "inf"),
     ("train:\n  weight_decay: .nan\n", "train.weight_decay", "nan"),
     ("train:\n  betas: [0.9, .inf]\n", "train.betas[1]", "inf"),
-    ("engine:\n  gpu_memory_budget_gb: .Inf\n", "engine.gpu_memory_budget_gb", "inf"),
+    ("memory:\n  gpu_budget_gb: .Inf\n", "memory.gpu_budget_gb", "inf"),
     ("train:\n  init_std: nan\n", "train.init_std", "'nan'"),
     ("data:\n  eval_fraction: -.inf\n", "data.eval_fraction", "-inf"),
 ])
@@ -72,7 +72,7 @@ def test_non_finite_dataset_weight_names_its_line(tmp_path):
     ("train.max_grad_norm=inf", "train.max_grad_norm"),
     ("train.max_grad_norm=.inf", "train.max_grad_norm"),
     ("train.lr=nan", "train.lr"),
-    ("plan.host_memory_gb=1e999", "plan.host_memory_gb"),
+    ("memory.host_budget_gb=1e999", "memory.host_budget_gb"),
     ("data.datasets=[{path: a.jsonl, weight: .nan}]", "data.datasets[0].weight"),
 ])
 def test_non_finite_numbers_on_the_command_line(tmp_path, override, key):

@@ -50,7 +50,17 @@ PLACEMENTS = [
     Placement(wave_groups=3),
     Placement(wave_groups=3, group_grads="host"),
     Placement(wave_groups=2, group_grads="host", checkpoint_every=2, spill_layers=4, grads_to_host=2),
+    Placement(wave_groups=3, group_grads="host", grads_to_host=7),  # every accumulator waits in its gradient's buffer
 ]
+
+
+def test_accumulators_wait_in_the_gradients_host_buffers(model_dir):
+    """With every gradient sent to host, a wave group's accumulator parks in the buffer its finished gradient is
+    copied into: the only host memory the groups add is the tied embedding's input side."""
+    mt = Megatrain(model_dir, placement=Placement(wave_groups=2, group_grads="host", grads_to_host=7))
+    mt.train_step(random_batches(MICRO, 2, 97, LENGTHS, seed=9), lr=1e-3, max_norm=0.5)
+    assert mt.runtime.engine.accumulators.host_bytes() == 4 * mt.store.tiles[0].numel
+    mt.close()
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS, ids=str)

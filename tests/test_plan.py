@@ -18,10 +18,12 @@ import yaml
 from conftest import tiny_hf_config
 from megatrain.planner.activations import LiveBytes
 from megatrain.runtime.engine import CollectGrads, Engine, EngineOptions, MicroBatch
+from megatrain.runtime.schedule import Placement
 from megatrain.runtime.pinned import PinnedHost
 from megatrain.models import get_adapter
 from megatrain.planner import Workload, make_plan, memory, timing
 from megatrain.planner.memory import gpu_phases, landing_piece, padded_elems, slot_numel
+from megatrain.planner.placement import FREE_ALL
 from megatrain.planner.profile import DEFAULTS, GiB
 from megatrain.runtime.store import HostStore, LayerTile
 
@@ -121,45 +123,63 @@ class _MetaBatch(MicroBatch):
 
 
 class _GpuLikeSpill:
-    """ActivationSpill's device-side behaviour on CUDA, on the meta device: a saved checkpoint leaves the device
-    once copied; `prefetch` allocates it again; `load` hands it over and prefetches the layer below."""
+    """ActivationSpill's device-side behaviour on CUDA, on the meta device: a saved input leaves the device once
+    copied (the engine drops its reference); `prefetch` allocates it again; `load` hands it over."""
 
-    def __init__(self, num_layers, dtype):
-        self.num_layers, self.dtype, self.loaded = num_layers, dtype, {}
+    def __init__(self, dtype):
+        self.dtype, self.loaded = dtype, {}
 
-    def spills(self, layer):
-        return layer < self.num_layers
-
-    def begin_step(self, shapes):
+    def begin_step(self, layers, shapes):
         self.shapes = shapes
 
-    def save(self, layer, hidden):
+    def save(self, layer, mbs, hidden):
         pass
 
-    def prefetch(self, layer):
-        if layer >= 0 and self.spills(layer) and layer not in self.loaded:
-            self.loaded[layer] = [torch.empty(s, dtype=self.dtype, device="meta") for s in self.shapes]
+    def prefetch(self, layer, mbs):
+        if (layer, mbs.start) not in self.loaded:
+            self.loaded[(layer, mbs.start)] = [torch.empty(self.shapes[m], dtype=self.dtype, device="meta")
+                                               for m in mbs]
 
-    def load(self, layer):
-        self.prefetch(layer)
-        dev = self.loaded.pop(layer)
-        self.prefetch(layer - 1)
-        return list(dev)
+    def load(self, layer, mbs):
+        self.prefetch(layer, mbs)
+        return list(self.loaded.pop((layer, mbs.start)))
 
 
-class _OffloadSink(CollectGrads):
-    """The gradient sink as OptimizerPipeline behaves on CUDA: offloaded units' gradients leave the device."""
+class _GpuLikeAccumulators:
+    """GroupAccumulators on CUDA, on the meta device: parked on the GPU, an accumulator stays; parked in host
+    memory, its device copy is freed, and `prefetch` allocates it again ahead of its use."""
 
-    def __init__(self, offload):
-        super().__init__()
-        self.offload = set(offload)
+    def __init__(self):
+        self.waiting, self.back = {}, {}
 
-    def put(self, unit_index, grad):
-        if unit_index not in self.offload:
+    def __contains__(self, unit):
+        return unit in self.waiting or unit in self.back
+
+    def park(self, unit, grad, where):
+        self.waiting[unit] = (grad, False) if where == "gpu" else (grad.numel(), True)
+
+    def prefetch(self, unit):
+        if unit in self.waiting and self.waiting[unit][1]:
+            self.back[unit] = torch.empty(self.waiting.pop(unit)[0], dtype=torch.float32, device="meta")
+
+    def take(self, unit):
+        if unit in self.waiting and not self.waiting[unit][1]:
+            return self.waiting.pop(unit)[0]
+        if unit not in self:
+            return None
+        self.prefetch(unit)
+        return self.back.pop(unit)
+
+
+class _GpuLikeSink(CollectGrads):
+    """The gradient sink as OptimizerPipeline behaves on CUDA: a gradient sent to host leaves the device."""
+
+    def put(self, unit_index, grad, to_host=False):
+        if not to_host:
             super().put(unit_index, grad)
 
 
-def engine_peak_on_meta(adapter, sizes, seq, dtype=torch.bfloat16, packed=False, spill=0, offload=0) -> int:
+def engine_peak_on_meta(adapter, sizes, seq, dtype=torch.bfloat16, packed=False, placement=Placement()) -> int:
     """Peak live bytes of the real Engine.train_step, run on the meta device with every tensor tracked."""
     tiles = []
     for u in adapter.units():
@@ -167,8 +187,8 @@ def engine_peak_on_meta(adapter, sizes, seq, dtype=torch.bfloat16, packed=False,
             return torch.empty(n, dtype=dt, device="meta")
         tiles.append(LayerTile(u, mk(torch.float32), mk(torch.float32), mk(torch.float32), mk(dtype)))
     store = SimpleNamespace(tiles=tiles, stream_dtype=dtype, max_unit_numel=max(t.numel for t in tiles))
-    engine = Engine(store, adapter, torch.device("meta"), _OffloadSink(memory.offloaded(adapter.units(), offload)))
-    engine.spill = _GpuLikeSpill(spill, dtype)
+    engine = Engine(store, adapter, torch.device("meta"), _GpuLikeSink(), EngineOptions(placement=placement))
+    engine.spill, engine.accumulators = _GpuLikeSpill(dtype), _GpuLikeAccumulators()
     mbs = []
     for b in sizes:
         n = b * (seq - 1)
@@ -185,43 +205,63 @@ def engine_peak_on_meta(adapter, sizes, seq, dtype=torch.bfloat16, packed=False,
     return mode.peak
 
 
-@pytest.mark.parametrize("model,layers,sizes,seq,packed,spill,offload", [
-    ("qwen2.5-7b", 4, [32, 32, 32, 32, 30], 1024, False, 0, 0),  # checkpoints dominate: peak at backward's start
-    ("qwen2.5-7b", 4, [2, 2], 128, False, 0, 0),  # gradients dominate: peak at the end of backward
-    ("llama-3.1-8b", 3, [4, 3], 512, True, 0, 0),  # packed rows: document masks
-    ("qwen3-8b", 2, [3], 256, False, 0, 0),  # q/k norms
-    ("qwen2.5-7b", 6, [32, 30], 1024, False, 4, 0),  # the lowest 4 layers' checkpoints spilled
-    ("qwen2.5-7b", 6, [2, 2], 128, False, 0, 5),  # the head's and 4 layers' gradients offloaded
-    ("qwen2.5-7b", 6, [16, 16], 1024, False, 6, 8),  # everything spilled and offloaded
-])
-def test_gpu_phases_match_the_engine(model, layers, sizes, seq, packed, spill, offload):
+P = Placement
+
+
+@pytest.mark.parametrize("model,layers,sizes,seq,packed,placement", [
+    ("qwen2.5-7b", 4, [32, 32, 32, 32, 30], 1024, False, P()),  # checkpoints dominate: peak at backward's start
+    ("qwen2.5-7b", 4, [2, 2], 128, False, P()),  # gradients dominate: peak at the end of backward
+    ("llama-3.1-8b", 3, [4, 3], 512, True, P()),  # packed rows: document masks
+    ("qwen3-8b", 2, [3], 256, False, P()),  # q/k norms
+    ("qwen2.5-7b", 6, [32, 30], 1024, False, P(spill_layers=4)),  # the lowest 4 layers' inputs spilled
+    ("qwen2.5-7b", 6, [2, 2], 128, False, P(grads_to_host=5)),  # the head's and 4 layers' gradients to host
+    ("qwen2.5-7b", 6, [16, 16], 1024, False, P(spill_layers=6, grads_to_host=8)),  # everything to host
+    ("qwen2.5-7b", 7, [16, 16], 1024, False, P(checkpoint_every=2)),  # blocks of 2, the last one short
+    ("qwen2.5-7b", 8, [16, 16, 8], 1024, False, P(checkpoint_every=4)),
+    ("qwen2.5-7b", 8, [16, 16], 1024, False, P(checkpoint_every=3, spill_layers=8)),  # kept inputs all spilled
+    ("qwen2.5-7b", 5, [8, 8, 8, 4], 1024, False, P(wave_groups=2)),  # accumulators wait on the GPU
+    ("qwen2.5-7b", 5, [8, 8, 8, 4], 1024, False, P(wave_groups=3, group_grads="host")),  # uneven groups
+    ("qwen2.5-7b", 5, [2, 2, 2], 128, False, P(wave_groups=3, group_grads="host")),  # accumulators dominate
+    ("qwen2.5-7b", 5, [2, 2, 2], 128, False, P(wave_groups=2, grads_to_host=7)),
+    ("llama-3b-shape", 4, [8, 8, 8], 1024, False, P()),  # tied: the LM-head and input sides of the embedding
+    ("llama-3b-shape", 4, [2, 2, 2], 128, False, P(wave_groups=3, group_grads="host", checkpoint_every=2)),
+    ("llama-3b-shape", 4, [2, 2, 2], 128, False, P(wave_groups=2, grads_to_host=2, spill_layers=4)),
+], ids=str)
+def test_gpu_phases_match_the_engine(model, layers, sizes, seq, packed, placement):
     adapter = adapter_of(model, layers)
-    real = engine_peak_on_meta(adapter, sizes, seq, packed=packed, spill=spill, offload=offload)
-    w = Workload(tuple(sizes), seq, device="cpu", packed=packed, spill_layers=spill, offload_units=offload)
+    real = engine_peak_on_meta(adapter, sizes, seq, packed=packed, placement=placement)
+    w = Workload(tuple(sizes), seq, device="cpu", packed=packed, placement=placement)
     predicted = max(sum(c.values()) for _, c in gpu_phases(adapter, adapter.units(), w, []))
     assert abs(predicted - real) <= 0.03 * real, (predicted / GiB, real / GiB)
 
 
-def test_spill_and_offload_host_buffers_equal_the_engines():
-    """The pinned host memory ActivationSpill and OptimizerPipeline allocate for spill_layers / offload_units."""
-    from megatrain.runtime.optimizer_pipeline import OptimizerPipeline
-    from megatrain.runtime.adamw import CpuAdamW
-    from megatrain.runtime.activation_spill import ActivationSpill
+@pytest.mark.parametrize("placement", [P(spill_layers=4, grads_to_host=3), P(checkpoint_every=2, spill_layers=5),
+                                       P(wave_groups=2, group_grads="host", grads_to_host=2),
+                                       P(wave_groups=2, group_grads="host", grads_to_host=7)], ids=str)
+@pytest.mark.parametrize("tied", [False, True])
+def test_placement_host_buffers_equal_the_runtimes(placement, tied):
+    """The host memory the placement adds (spilled inputs, gradients sent to host, parked accumulators) is what
+    the runtime allocates for it, after a step on CPU."""
+    from megatrain.runtime import CpuAdamW, RuntimeOptions, build_runtime
 
-    adapter = get_adapter(tiny_hf_config("llama", layers=5, vocab=1001))
+    adapter = get_adapter(tiny_hf_config("llama", layers=5, vocab=1001, tied=tied))
     units = adapter.units()
-    w = Workload((3, 2), 48, device="cuda", spill_layers=4, offload_units=3)
-    host = memory.host_memory(units, w)
-    spill = ActivationSpill(4, torch.device("cpu"), torch.bfloat16)
-    spill.begin_step([torch.Size((b, 48, adapter.hidden_size)) for b in w.micro_batches])
-    assert host[memory.SPILLED] == spill.host_bytes()
-    store = HostStore(adapter, torch.bfloat16)
-    pipe = OptimizerPipeline(store, CpuAdamW(), torch.device("cpu"), PinnedHost(cuda=False), offload_units=3)
-    assert set(memory.offloaded(units, 3)) == pipe.offload
-    assert host[memory.OFFLOADED] == sum(b.numel() * 4 for b in pipe.offload_host.values())
+    sizes, seq = (3, 2), 48
+    w = Workload(sizes, seq, device="cuda", precision="fp32", placement=placement)
+    host = memory.host_memory(units, w, tied)
+    store = HostStore(adapter, torch.float32)
+    rt = build_runtime(store, "cpu", CpuAdamW(), RuntimeOptions(engine=EngineOptions(placement=placement)))
+    g = torch.Generator().manual_seed(0)
+    mbs = [MicroBatch.from_labels(ids, ids) for ids in
+           (torch.randint(0, 1001, (b, seq), generator=g) for b in sizes)]
+    rt.engine.train_step(mbs)
+    assert host.get(memory.SPILLED, 0) == rt.engine.spill.host_bytes()
+    assert host.get(memory.OFFLOADED, 0) == sum(b.numel() * 4 for b in rt.pipeline.offload_host.values())
+    assert host.get(memory.PARKED, 0) == rt.engine.accumulators.host_bytes()
+    rt.close()
     plan = make_plan(adapter, w, DEFAULTS)
-    assert plan.pinned == (host["bf16 streaming copy (pinned)"] + host["gradient landing buffers (pinned)"] +
-                           spill.host_bytes() + host[memory.OFFLOADED])
+    assert plan.pinned == sum(host.get(k, 0) for k in (memory.MASTER, memory.LANDING, memory.SPILLED,
+                                                      memory.OFFLOADED, memory.PARKED))  # fp32: the master streams
 
 
 # ---- time --------------------------------------------------------------------------------------------------------
@@ -274,20 +314,20 @@ def cli(*args, cwd=None):
 
 def test_plan_refuses_70b_on_a_24_gib_machine(tmp_path):
     cfg = write_70b_run(tmp_path)
-    r = cli("plan", str(cfg), "plan.host_memory_gb=24", "train.device=cuda", cwd=tmp_path)
+    r = cli("plan", str(cfg), "memory.host_budget_gb=24", "train.device=cuda", cwd=tmp_path)
     assert r.returncode == 1, r.stderr
     assert "DOES NOT FIT" in r.stdout and "Traceback" not in r.stderr
-    assert "host RAM: needs 92" in r.stdout and "24.0 GiB available (plan.host_memory_gb)" in r.stdout
+    assert "host RAM: needs 92" in r.stdout and "24.0 GiB available (memory.host_budget_gb)" in r.stdout
     assert "12 B/param" in r.stdout  # the suggestion says what the floor is
     assert r.stderr.startswith("megatrain: the run will not fit: host RAM")
     # the same on a CPU run
-    r = cli("plan", str(cfg), "plan.host_memory_gb=24", "train.device=cpu", cwd=tmp_path)
+    r = cli("plan", str(cfg), "memory.host_budget_gb=24", "train.device=cpu", cwd=tmp_path)
     assert r.returncode == 1 and "host RAM: needs" in r.stderr
 
 
 def test_train_refuses_before_loading_weights(tmp_path, monkeypatch):
     cfg_path = write_70b_run(tmp_path)
-    r = cli("train", str(cfg_path), "plan.host_memory_gb=24", "train.device=cpu", cwd=tmp_path)
+    r = cli("train", str(cfg_path), "memory.host_budget_gb=24", "train.device=cpu", cwd=tmp_path)
     assert r.returncode == 2
     assert "the run will not fit" in r.stderr and "host RAM: needs" in r.stderr and "Traceback" not in r.stderr
     assert "safetensors" not in r.stderr  # it never went looking for the weights
@@ -302,10 +342,10 @@ def test_train_refuses_before_loading_weights(tmp_path, monkeypatch):
 
     monkeypatch.setattr(megatrain.run.prepare, "HostStore", forbidden)
     with pytest.raises(MegatrainError, match="will not fit"):
-        megatrain.run.trainer.prepare(load_config(cfg_path, ["plan.host_memory_gb=24", "train.device=cpu"]))
+        megatrain.run.trainer.prepare(load_config(cfg_path, ["memory.host_budget_gb=24", "train.device=cpu"]))
     # plan.check=false: the check is skipped, and the run fails later, at the weights
     with pytest.raises(AssertionError, match="host store was allocated"):
-        megatrain.run.trainer.prepare(load_config(cfg_path, ["plan.host_memory_gb=24", "train.device=cpu",
+        megatrain.run.trainer.prepare(load_config(cfg_path, ["memory.host_budget_gb=24", "train.device=cpu",
                                                          "plan.check=false"]))
 
 
@@ -326,15 +366,27 @@ def test_default_config_plans_and_fits(tmp_path):
 
 def test_suggestions_fit_what_does_not():
     adapter = adapter_of("qwen2.5-7b")
-    w = Workload((256,), 1024)  # one micro-batch of 256 rows: its layer activations (76 GiB) do not fit
-    p = make_plan(adapter, w, DEFAULTS, host_available=200 * GiB, gpu_limit=DEFAULTS.gpu_total_bytes)
+    w = Workload((512,), 1024)  # one micro-batch of 512 rows: its layer activations alone do not fit
+    kw = dict(host_available=200 * GiB, gpu_limit=DEFAULTS.gpu_total_bytes, choose_keys=FREE_ALL)
+    p = make_plan(adapter, w, DEFAULTS, **kw)
     assert not p.fits and p.problems[0].startswith("GPU memory")
     first = p.suggestions[0]
     assert first.startswith("train.micro_batch_size=")
     b = int(first.split("=")[1].split()[0])
-    fixed = make_plan(adapter, Workload((b,) * (256 // b), 1024), DEFAULTS, host_available=200 * GiB,
-                      gpu_limit=DEFAULTS.gpu_total_bytes)
+    fixed = make_plan(adapter, Workload((b,) * (512 // b), 1024), DEFAULTS, **kw)
     assert fixed.fits and fixed.workload.tokens_per_step == w.tokens_per_step
+
+
+def test_a_fixed_placement_that_does_not_fit_names_the_keys_to_leave_unset():
+    adapter = adapter_of("llama-3.1-8b")
+    w = Workload((1,) * 64, 4096, placement=Placement(checkpoint_every=1, spill_layers=0))
+    p = make_plan(adapter, w, DEFAULTS, host_available=400 * GiB, gpu_limit=80 * GiB,
+                  choose_keys=frozenset({"grads_to_host"}))  # the others as the config sets them
+    assert not p.fits
+    first = p.suggestions[0]
+    assert first.startswith("leave memory.checkpoint_every, memory.group_grads, memory.spill_layers, "
+                            "memory.wave_groups unset"), first
+    assert "the planner's placement: memory.checkpoint_every=" in first
 
 
 H200_PROFILE = ROOT / "bench" / "results" / "2026-11-21" / "h200_profile.json"

@@ -6,37 +6,33 @@ runs (the constants below):
 
     host    `host_memory`: HostStore's tiles (runtime/store.py: each unit padded by `padded_numel`; fp32 master, m, v
             and, in bf16 mode, a bf16 streaming copy), the OptimizerPipeline's two pinned landing buffers of
-            `landing_piece` elements and the gradients it offloads (`offloaded_units`;
-            runtime/optimizer_pipeline.py), ActivationSpill's pinned checkpoints (runtime/activation_spill.py), one
-            step's batches, and the runtime itself (python, torch, CUDA).
-    GPU     `gpu_phases`: one (phase, {component: bytes}) for every point of Engine.train_step (runtime/engine.py)
-            where the live total can peak, found by walking the runtime's own `step_schedule`
-            (runtime/schedule.py) use by use, then the embedding backward that follows it. Components: the weight
-            slots (`slot_numel`), layer-boundary checkpoints, d(hidden) buffers, fp32 gradient accumulators,
-            finished gradients waiting for the optimizer (which copies them out in forward order, while gradients
-            complete in `gradient_order`), rope tables, and one micro-batch's layer or LM-head work, measured by
-            running the runtime's own layer and head functions on the meta device (activations.py).
-            tests/test_plan.py checks the peak against the real Engine run on the meta device.
+            `landing_piece` elements (runtime/optimizer_pipeline.py), and what the placement puts in host memory:
+            the buffers of the gradients sent to host (`grads_to_host`), ActivationSpill's spilled checkpoints
+            (runtime/activation_spill.py), the wave groups' parked accumulators (runtime/accumulators.py: only
+            for units without a gradient buffer there already); one step's batches, and the runtime itself.
+    GPU     `gpu_phases`: one (phase, {component: bytes}) per use of the runtime's own `step_schedule`
+            (runtime/schedule.py) with the workload's placement, at the use's worst micro-batch, keeping the
+            engine's books (runtime/engine.py): weight slots (`slot_numel`), the group's kept, fetched and rebuilt
+            layer inputs, hidden states and d(hidden), fp32 accumulators in use, parked on the GPU between wave
+            groups or coming back from host, finished gradients waiting for the optimizer (which copies them out in
+            forward order during the next step's first forward wave), rope tables, and one micro-batch's layer or
+            LM-head work, measured by running the runtime's own layer and head functions on the meta device
+            (activations.py). tests/test_plan.py checks the peak against the real Engine run on the meta device,
+            placement by placement.
     disk    `checkpoint_bytes`: what checkpoint/saver.py writes per save.
-
-What is still modelled by hand here rather than read from the schedule: which layer-boundary checkpoints are on
-the GPU at each use (`_Checkpoints`: spill_layers, and checkpoint_every, which the engine does not do yet). When
-the schedule carries its checkpoints (kept, spilled, recomputed) and where each gradient goes, `gpu_phases` should
-read them off each `Use` instead.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
 
-from ..runtime.lmhead import default_chunk
-from ..runtime.optimizer_pipeline import landing_piece as _landing_piece
 from ..runtime.activation_spill import spill_numel
-from ..runtime.optimizer_pipeline import NUM_LANDING, offloaded_units, update_order
-from ..runtime.schedule import gradient_order, step_schedule
+from ..runtime.lmhead import default_chunk
+from ..runtime.optimizer_pipeline import NUM_LANDING, update_order
+from ..runtime.optimizer_pipeline import landing_piece as _landing_piece
+from ..runtime.schedule import TIED_INPUT, grads_to_host, spilled_layers, step_schedule
 from ..runtime.schedule import slot_numel as _slot_numel
 from ..runtime.store import padded_numel
 from . import activations as actsim
@@ -56,8 +52,9 @@ COMPILED_ACTIVATIONS = 0.67  # compiled / eager layer backward peak, fitted to t
 # host components with a name other modules look for
 STREAM_COPY_PINNED = "bf16 streaming copy (pinned)"
 LANDING = "gradient landing buffers (pinned)"
-OFFLOADED = "gradients offloaded during backward (pinned)"
-SPILLED = "layer-boundary checkpoint spill (pinned)"
+OFFLOADED = "gradients sent to host during backward (pinned on CUDA)"
+SPILLED = "layer-boundary checkpoint spill (pinned on CUDA)"
+PARKED = "wave-group gradient accumulators (pinned on CUDA)"
 MASTER = "fp32 master weights"
 DEVICE_WORK = "device work (activations, gradients; peak)"  # a CPU run: the device is the host
 
@@ -78,11 +75,6 @@ def slot_numel(units, tied: bool) -> int:
     return _slot_numel([u.numel for u in units], tied)
 
 
-def offloaded(units, n: int) -> list[int]:
-    """The units the OptimizerPipeline offloads with offload_units=n."""
-    return offloaded_units(len(units), n)
-
-
 def checkpoint_bytes(params: int) -> float:
     """Disk per checkpoint: fp32 master, Adam m and v of every parameter (checkpoint/saver.py's KINDS), plus the
     run state and manifest."""
@@ -97,21 +89,29 @@ def compiled_runtime_host(tokens_per_micro_batch: int) -> float:
     return (0.3 + 4.1 * share) * GiB
 
 
-def host_memory(units, w: Workload) -> dict[str, float]:
-    """Host RAM by component, in bytes (a CPU run's device work is added by make_plan)."""
+def host_memory(units, w: Workload, tied: bool = False) -> dict[str, float]:
+    """Host RAM by component, in bytes (a CPU run's device work is added by make_plan). tied: the LM head is the
+    embedding (its input-side gradient has an accumulator of its own)."""
     elems = padded_elems(u.numel for u in units)
     out = {MASTER: 4.0 * elems, "Adam m (fp32)": 4.0 * elems, "Adam v (fp32)": 4.0 * elems}
     if w.precision == "bf16":
         out["bf16 streaming copy" + (" (pinned)" if w.device == "cuda" else "")] = 2.0 * elems
     if w.device == "cuda":
         out[LANDING] = NUM_LANDING * 4.0 * landing_piece(units)
-        if w.offload_units:
-            out[OFFLOADED] = 4.0 * sum(units[i].numel for i in offloaded(units, w.offload_units))
-        layers = sum(1 for u in units if u.kind == "layer")
-        if w.spill_layers and layers:
-            hidden = units[0].specs[0].shape[1]  # the embedding is [vocab, hidden]
-            shapes = [torch.Size((b, w.seq_len, hidden)) for b in w.micro_batches]
-            out[SPILLED] = float(spill_numel(min(w.spill_layers, layers), shapes) * w.elem)
+    # what the placement puts in host memory (runtime/schedule.py), as the runtime allocates it (on CPU too)
+    pl, n = w.placement, len(units)
+    to_host = grads_to_host(n, pl)
+    if to_host:  # OptimizerPipeline.offload_host
+        out[OFFLOADED] = 4.0 * sum(units[i].numel for i in to_host)
+    spilled = spilled_layers(n - 2, pl)
+    if spilled:  # ActivationSpill's buffer: every micro-batch's input of every spilled layer
+        hidden = units[0].specs[0].shape[1]  # the embedding is [vocab, hidden]
+        shapes = [torch.Size((b, w.seq_len, hidden)) for b in w.micro_batches]
+        out[SPILLED] = float(spill_numel(len(spilled), shapes) * w.elem)
+    if len(w.groups) > 1 and pl.group_grads == "host":  # GroupAccumulators: the units without a gradient buffer
+        #                                                 on the host already, and a tied embedding's input side
+        own = [i for i in range(n) if i not in set(to_host)] + ([TIED_INPUT] if tied else [])
+        out[PARKED] = 4.0 * sum(units[max(i, 0)].numel for i in own)
     # one step's rows as int64 (input ids, labels, positions), the pinned copies sent to the device, the
     # tokenizer and sampler index; the tokenised data itself stays in memory-mapped Arrow files (page cache)
     out["data (one step's batches, tokenizer)"] = 64.0 * w.tokens_per_step + 0.25 * GiB
@@ -124,8 +124,10 @@ def host_memory(units, w: Workload) -> dict[str, float]:
 
 def pinned_bytes(host: dict[str, float], w: Workload) -> float:
     """The page-locked share of `host` (cudaHostRegister'ed by the runtime's PinnedHost)."""
-    pinned = host.get(STREAM_COPY_PINNED, 0) + host.get(LANDING, 0) + host.get(OFFLOADED, 0) + host.get(SPILLED, 0)
-    if w.precision == "fp32" and w.device == "cuda":
+    if w.device != "cuda":
+        return 0.0
+    pinned = sum(host.get(k, 0) for k in (STREAM_COPY_PINNED, LANDING, OFFLOADED, SPILLED, PARKED))
+    if w.precision == "fp32":
         pinned += host[MASTER]  # in fp32 mode the master is what streams, registered as pinned
     return pinned
 
@@ -176,96 +178,155 @@ def _activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | No
 
 
 # ---- GPU: the step, use by use ------------------------------------------------------------------------------
-class _Checkpoints:
-    """Bytes of layer-boundary checkpoints on the GPU (C: one boundary of every micro-batch; c: of each). Layers
-    0 .. S-1 keep theirs in pinned host memory (ActivationSpill); with K > 1 only every K-th boundary is kept
-    (PENDING in the engine)."""
+CHECKPOINTS = "layer-boundary checkpoints"
+HIDDEN = "hidden states (layer input, outputs so far)"
+DHIDDEN = "d(hidden) buffers"
+ACTIVE = "gradient accumulators (fp32, in use)"
+FINISHED = "finished gradients (fp32, on the GPU until copied out)"
+PARKED_GPU = "accumulators waiting on the GPU for the next wave group"
+LAST_STEP = "gradients of the last step (awaiting copy-out)"
+ARRIVING = "gradient accumulators (fp32, one leaving for host, the next arriving)"
 
-    def __init__(self, c: list[float], L: int, S: int, K: int):
-        self.c, self.C, self.L, self.S, self.K = c, float(sum(c)), L, S, K
 
-    def forward(self, l: int) -> float:
-        """While layer l runs forward (its input included)."""
-        C, S, K = self.C, self.S, self.K
-        if K > 1:
-            return (l // K + 1 + (1 if l % K else 0)) * C
-        return (l + 1 - min(l + 1, S)) * C + (C if l < S else 0.0)  # a spilled input lives until layer l is done
-
-    def head(self) -> float:
-        """While the head runs: the last layer's input is spilled by now if its layer spills."""
-        return self.forward(self.L - 1) - (self.C if self.L - 1 < self.S else 0.0)
-
-    def backward(self, l: int, m: int) -> float:
-        """While micro-batch m of layer l runs backward."""
-        C, S, K, L = self.C, self.S, self.K, self.L
-        own = sum(self.c[m:])
-        if K > 1:
-            return math.ceil(L / K) * C + (l % K) * C + own
-        prefetched = C if 0 < l <= S else 0.0  # layer l-1's spilled checkpoints, brought back behind this layer
-        return max(0, l - S) * C + own + prefetched
+def _worst(parts: list[tuple[float, float]]) -> tuple[int, float, float]:
+    """(micro-batch, state, transient) of the largest state + transient over a group's micro-batches."""
+    m = max(range(len(parts)), key=lambda i: parts[i][0] + parts[i][1])
+    return m, parts[m][0], parts[m][1]
 
 
 def gpu_phases(adapter, units, w: Workload, notes: list[str], prof: Profile | None = None) -> list:
-    """(phase, {component: bytes}) for every point of the step where the live total can peak, in step order."""
+    """(phase, {component: bytes}) for every use of the step's schedule (runtime/schedule.py), at its worst
+    micro-batch, in step order: what Engine.train_step holds on the device while that use computes.
+
+    Walks `step_schedule` with the workload's placement, keeping the engine's books: which layer inputs are kept,
+    spilled, fetched back (`Use.fetch`) or rebuilt (`rebuild` uses) for the current wave group; which fp32
+    accumulators are in use (the embedding's from the head to its backward, a layer's through its backward, a tied
+    embedding's input side in its backward: engine.TIED_INPUT); where each unit's gradient goes after its last use in
+    a group (`Use.grad`: waits on the GPU for the optimizer, copied to host, parked for the next group on the GPU or
+    in host memory, brought back one use ahead of its next touch); and, on CUDA, the last step's gradients still
+    waiting for the optimizer's copy-out while the first group's forward waits for their updates unit by unit."""
     e, T, H = w.elem, w.seq_len, adapter.hidden_size
-    mbs = list(w.micro_batches)
     n = len(units)
-    L = sum(1 for u in units if u.kind == "layer")
-    c = [b * T * H * e for b in mbs]  # one layer boundary of one micro-batch
-    C = float(sum(c))
+    pl = w.placement
+    groups = w.groups
     grad = [4.0 * u.numel for u in units]  # fp32, by unit index (forward order: embed, layers, head)
-    off = set(offloaded(units, w.offload_units))
-    kept = [0.0 if i in off else g for i, g in enumerate(grad)]  # finished gradients that stay on the GPU
-    # Engine.train_step drops its reference to each gradient once the sink has it, so an offloaded unit's device
-    # gradient is freed as soon as its copy to host ends (kept[] is 0 for those).
-    completed = gradient_order(n)  # when this step's gradients are complete (backward)
-    copied_out = update_order(n)  # when the last step's leave the GPU: the optimizer's order
     cuda = w.device == "cuda"
+    to_host = set(grads_to_host(n, pl))
     slots = float(w.num_slots * slot_numel(units, adapter.tied) * e) if cuda else 0.0
     per_token_ctx = 2 * adapter.head_dim * e + 4 * 8  # cos, sin; input ids, positions, target index, targets
-    ctx = float(sum(b * T for b in mbs) * per_token_ctx + (sum(b * T * T for b in mbs) if w.packed else 0))
-    base = {"weight slots": slots, "rope tables, token ids, masks": ctx, "workspace": GPU_WORKSPACE if cuda else 0}
     act = _activation_sizes(adapter, w, notes, prof)
-    ckpt = _Checkpoints(c, L, min(w.spill_layers, L), max(1, w.checkpoint_every))
-
-    def last_steps_left(u: int) -> float:  # the last step's gradients still on the GPU while unit u runs forward
-        if not cuda:  # on CPU the update runs inline: no gradients survive into the next step
-            return 0.0
-        return sum(kept[i] for i in copied_out[copied_out.index(u) + 1:])
-
-    def finished_before(u: int) -> float:  # this step's gradients complete (and kept) before unit u's
-        return sum(kept[i] for i in completed[:completed.index(u)])
+    # the last step's gradients that waited on the GPU, copied out in the optimizer's order (forward order)
+    copied_out = update_order(n)
+    stays = [0.0 if i in to_host else grad[i] for i in range(n)]
+    left_after = [0.0] * n
+    for k in range(n - 2, -1, -1):
+        left_after[copied_out[k]] = left_after[copied_out[k + 1]] + stays[copied_out[k + 1]]
 
     phases = []
-    for use in step_schedule(n, adapter.tied):
-        u = use.units[0]
-        if use.kind == "forward":
-            for m, b in enumerate(mbs):
-                phases.append((f"forward, layer {use.layer}, micro-batch {m + 1}/{len(mbs)}", {
-                    **base, "layer-boundary checkpoints": ckpt.forward(use.layer),
-                    "layer outputs so far": float(sum(c[:m])),
-                    "layer activations (1 micro-batch)": act[b]["forward"],
-                    "gradients of the last step (awaiting copy-out)": last_steps_left(u)}))
-        elif use.kind == "head":  # the embedding's gradient accumulator is allocated here, with the head's
-            for m, b in enumerate(mbs):
-                phases.append((f"LM head, micro-batch {m + 1}/{len(mbs)}", {
-                    **base, "layer-boundary checkpoints": ckpt.head(),
-                    "layer outputs so far": C, "d(hidden) buffers": float(sum(c[:m])),
-                    "LM head chunk + loss (1 micro-batch)": act[b]["head"],
-                    "embedding + head gradients (fp32)": grad[0] + grad[u]}))
-        elif use.kind == "backward":
-            for m, b in enumerate(mbs):
-                phases.append((f"backward, layer {use.layer}, micro-batch {m + 1}/{len(mbs)}", {
-                    **base, "layer-boundary checkpoints": ckpt.backward(use.layer, m), "d(hidden) buffers": C,
-                    "layer activations (1 micro-batch)": act[b]["backward"],
-                    "gradient accumulators (fp32: embedding, this layer)": grad[0] + grad[u],
-                    "finished gradients (fp32, on the GPU until copied out)": finished_before(u)}))
-    # after the schedule, the embedding's backward: a scatter-add of each micro-batch's d(hidden), no weights
-    for m in range(len(mbs)):
-        phases.append((f"embedding backward, micro-batch {m + 1}/{len(mbs)}", {
-            **base, "d(hidden) buffers": C + (2.0 * c[m] if e == 2 else 0.0),
-            "gradient accumulators (fp32: embedding, this layer)": grad[0],
-            "finished gradients (fp32, on the GPU until copied out)": finished_before(0)}))
+    finished = 0.0  # this step's complete gradients waiting on the GPU
+    parked: dict[int, float] = {}  # unit -> accumulator waiting on the GPU for the next group (TIED_INPUT: -1)
+    sched = step_schedule(n, adapter.tied, pl, len(groups))
+    by_group: dict[int, list] = {}
+    for use in sched:
+        by_group.setdefault(use.group, []).append(use)
+    for gi, uses in sorted(by_group.items()):
+        mbs = [w.micro_batches[m] for m in groups[gi]]
+        c = [float(b * T * H * e) for b in mbs]
+        C = sum(c)
+        tag = f", group {gi + 1}/{len(groups)}" if len(groups) > 1 else ""
+        rows = sum(mbs)
+        base = {"weight slots": slots,
+                "rope tables, token ids, masks": float(rows * T * per_token_ctx + (rows * T * T if w.packed else 0)),
+                "workspace": float(GPU_WORKSPACE) if cuda else 0.0}
+        pre = [sum(c[:m]) for m in range(len(c))]  # outputs (or d(hidden)) of the micro-batches before m
+        fwd = _worst([(pre[m], act[b]["forward"]) for m, b in enumerate(mbs)])
+        head = _worst([(pre[m], act[b]["head"]) for m, b in enumerate(mbs)])
+        bwd = _worst([(C - pre[m], act[b]["backward"]) for m, b in enumerate(mbs)])  # own inputs not yet spent
+        emb = _worst([(0.0, 2.0 * c[m] if e == 2 else 0.0) for m in range(len(mbs))])  # d(hidden) as fp32
+        kept: dict[int, float] = {}  # layer -> its inputs of this group on the GPU (kept, fetched, or rebuilt)
+        active: dict[int, float] = {}  # unit -> accumulator in use
+        dh = hidden = last_out = prev_out = 0.0
+
+        def phase(name: str, m: int | None, comps: dict) -> None:
+            where = f", micro-batch {groups[gi][m] + 1}/{len(w.micro_batches)}" if m is not None else ""
+            phases.append((name + tag + where, {**base, **comps, ACTIVE: sum(active.values()), FINISHED: finished,
+                                                PARKED_GPU: sum(parked.values())}))
+
+        def take(unit: int) -> None:  # Engine._grad_buffer: continued from the GPU, back from host, or new
+            b = parked.pop(unit, None)
+            if b is None:
+                b = grad[max(unit, 0)]
+                if gi > 0 and pl.group_grads == "host":  # prefetched at the end of the use before, while that
+                    #                                       use's own accumulator was still on the device
+                    phase("accumulator back from host", None, {CHECKPOINTS: sum(kept.values()), HIDDEN: hidden,
+                                                                DHIDDEN: dh, ARRIVING: b + prev_out})
+            active[unit] = b
+
+        def done(unit: int, where: str) -> None:  # Engine._finish_grad, after the unit's last use in the group
+            nonlocal finished, last_out
+            b = active.pop(unit)
+            if where == "gpu":
+                finished += b
+            elif where == "group-gpu":
+                parked[unit] = b
+            else:  # copied to host memory: freed (its memory reused once the copy ends)
+                last_out = b
+
+        def bring_back(use) -> None:  # spilled inputs on the device: fetched a block ahead, or loaded at use
+            if use.fetch is not None:
+                kept[use.fetch] = C
+            kept.setdefault(use.layer, C)
+
+        for use in uses:
+            u = use.units[0] if use.units else 0
+            prev_out, last_out = last_out, 0.0
+            if use.kind == "embed":
+                hidden = C
+                phase("embedding", None, {HIDDEN: C, LAST_STEP: left_after[0] if cuda and gi == 0 else 0.0})
+            elif use.kind == "forward":
+                if use.keep == "gpu":
+                    kept[use.layer] = C
+                m, state, transient = fwd
+                phase(f"forward, layer {use.layer}", m, {
+                    CHECKPOINTS: sum(kept.values()), HIDDEN: (0.0 if use.keep == "gpu" else C) + state,
+                    "layer activations (1 micro-batch)": transient,
+                    LAST_STEP: left_after[u] if cuda and gi == 0 else 0.0})
+            elif use.kind == "head":
+                take(0)
+                take(u)
+                m, state, transient = head
+                phase("LM head", m, {CHECKPOINTS: sum(kept.values()), HIDDEN: C, DHIDDEN: state,
+                                     "LM head chunk + loss (1 micro-batch)": transient})
+                dh, hidden = C, 0.0
+                done(u, use.grad)
+            elif use.kind == "rebuild":
+                bring_back(use)
+                m, state, transient = fwd
+                phase(f"rebuild, layer {use.layer}", m, {CHECKPOINTS: sum(kept.values()), HIDDEN: state,
+                                                         DHIDDEN: dh, "layer activations (1 micro-batch)": transient})
+                kept[use.layer + 1] = C
+            elif use.kind == "backward":
+                take(u)
+                bring_back(use)
+                m, state, transient = bwd
+                phase(f"backward, layer {use.layer}", m, {
+                    CHECKPOINTS: sum(kept.values()) - kept[use.layer] + state, DHIDDEN: dh,
+                    "layer activations (1 micro-batch)": transient})
+                del kept[use.layer]
+                done(u, use.grad)
+            else:  # embed_backward: the scatter-add of each micro-batch's d(hidden), no weights
+                if adapter.tied:
+                    take(TIED_INPUT)
+                m, _, transient = emb
+                phase("embedding backward", m, {DHIDDEN: dh + transient})
+                dh = 0.0
+                if adapter.tied:  # the input side is added to the LM-head side, or waits for the next group
+                    b = active.pop(TIED_INPUT)
+                    if use.grad == "group-gpu":
+                        parked[TIED_INPUT] = b
+                    elif use.grad == "group-host":
+                        last_out = b
+                done(0, use.grad)
     return phases
 
 
@@ -276,6 +337,7 @@ def peak_phase(phases: list) -> tuple[str, dict[str, float]]:
 
 def gpu_needed(peak: float, w: Workload) -> float:
     """GPU memory a CUDA run needs for an allocated peak: the caching allocator's reserve and the CUDA context."""
-    reserve = (GPU_RESERVE_COMPILED if w.compile else GPU_RESERVE) + \
-        (GPU_RESERVE_STREAMS if w.spill_layers or w.offload_units else 0.0)
+    pl = w.placement
+    side_streams = pl.spill_layers or pl.grads_to_host or (len(w.groups) > 1 and pl.group_grads == "host")
+    reserve = (GPU_RESERVE_COMPILED if w.compile else GPU_RESERVE) + (GPU_RESERVE_STREAMS if side_streams else 0.0)
     return peak * (1 + reserve) + CUDA_CONTEXT

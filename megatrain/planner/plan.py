@@ -1,12 +1,13 @@
 """The plan of a run, and the planner's entry points: host RAM, GPU memory, disk and step time, from config.json
 and the config alone, before any weight is read, and whether they fit this machine.
 
-    make_plan         the plan of a Workload (workload.py) for a model adapter and a machine profile: memory
+    make_plan         the plan of a Workload (workload.py) for a model adapter and a machine profile: the placement
+                      (placement.py: chosen from the budgets for the keys the config leaves free), memory
                       (memory.py), time (timing.py), the checks against what is available, and when the run does
                       not fit, what would (suggest.py)
     plan_for_config   the same from a validated megatrain.config.Config, with what this machine (or the profiled
                       one, or the config) says is available
-    plan_command      `megatrain plan CONFIG` (cli.py): prints the report (report.py)
+    plan_command      `megatrain plan CONFIG` (cli.py): prints the report (report.py), or its figures as JSON
     check_before_run  `megatrain train`'s check before it loads weights (run/prepare.py): refuses what won't fit
     target_device     the device `megatrain plan` plans for
 
@@ -19,11 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .memory import DEVICE_WORK, checkpoint_bytes, gpu_needed, gpu_phases, host_memory, peak_phase, pinned_bytes
+from .placement import choose, describe
 from .profile import COMPILED_SPEEDUP, GiB, Profile
 from .report import refusal, render
 from .suggest import suggestions
 from .timing import step_time
-from .workload import PENDING, Workload, checkpoint_copies, workload_from_config
+from .workload import PLACEMENT_KEYS, Workload, checkpoint_copies, fixed_placement, workload_from_config
 
 __all__ = ["Plan", "Workload", "check_before_run", "make_plan", "plan_command", "plan_for_config", "target_device"]
 
@@ -49,9 +51,20 @@ class Plan:
     time: dict[str, float]
     notes: list[str] = field(default_factory=list)
     checkpoint_copies: int = 0
-    config_keys: set = field(default_factory=set)  # the config's keys (engine.spill_layers, ...) for suggestions
+    config_keys: set = field(default_factory=set)  # the config's keys (memory.spill_layers, ...) for suggestions
     problems: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
+    why: str = ""  # how the placement was chosen
+    free: frozenset = frozenset()  # the placement keys the planner chose (the config leaves them unset)
+
+    @property
+    def placement(self):
+        """runtime.schedule.Placement the run uses (EngineOptions.placement)."""
+        return self.workload.placement
+
+    @property
+    def placement_keys(self) -> str:
+        return describe(self.workload.placement, len(self.workload.groups))
 
     @property
     def host_total(self) -> float:
@@ -69,7 +82,29 @@ class Plan:
         """The plan's figures for the run's start summary and metrics."""
         return {"plan_host_gib": self.host_total / GiB, "plan_gpu_peak_gib": self.gpu_peak / GiB,
                 "plan_step_s": self.step_s, "plan_tokens_per_s": self.time["tokens_per_s"],
-                "plan_bound": self.time["bound"]}
+                "plan_bound": self.time["bound"], "plan_placement": self.placement_keys}
+
+    def as_json(self) -> dict:
+        """The plan's figures, for scripts (`megatrain plan --json`)."""
+        pl, t = self.workload.placement, self.time
+        return {"model": self.model, "params": self.params, "device": self.workload.device,
+                "tokens_per_step": self.workload.tokens_per_step, "micro_batches": list(self.workload.micro_batches),
+                "seq_len": self.workload.seq_len, "fits": self.fits, "problems": self.problems,
+                "suggestions": self.suggestions,
+                "placement": {"checkpoint_every": pl.checkpoint_every, "spill_layers": pl.spill_layers,
+                              "grads_to_host": pl.grads_to_host, "wave_groups": len(self.workload.groups),
+                              "group_grads": pl.group_grads},
+                "placement_why": self.why, "chosen_keys": sorted(self.free),
+                "host_peak_gib": self.host_total / GiB, "host_bytes_per_param": self.host_total / self.params,
+                "host_available_gib": None if self.host_available is None else self.host_available / GiB,
+                "pinned_gib": self.pinned / GiB, "host": {k: v / GiB for k, v in self.host.items()},
+                "gpu_peak_gib": self.gpu_peak / GiB, "gpu_needed_gib": self.gpu_needed / GiB,
+                "gpu_limit_gib": None if self.gpu_limit is None else self.gpu_limit / GiB,
+                "gpu_peak_phase": self.gpu_peak_phase, "gpu": {k: v / GiB for k, v in self.gpu.items()},
+                "disk_per_checkpoint_gib": self.disk_per_checkpoint / GiB,
+                "step_time_s": t["step_s"], "tokens_per_s": t["tokens_per_s"], "tflops_6n": t["tflops_6n"],
+                "executed_tflops": t["executed_tflops"], "mfu": t.get("mfu"), "bound": t["bound"],
+                "notes": self.notes}
 
     def report(self) -> str:
         return render(self)
@@ -78,17 +113,20 @@ class Plan:
 def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float | None = None,
               host_source: str = "", gpu_limit: float | None = None, gpu_limit_source: str = "",
               disk_free: float | None = None, checkpoint_copies: int = 0, suggest: bool = True,
-              config_keys: frozenset = frozenset()) -> Plan:
-    """checkpoint_copies: checkpoints on disk at once at most (0: no saves, the disk is not checked)."""
+              config_keys: frozenset = frozenset(), choose_keys: frozenset = frozenset()) -> Plan:
+    """checkpoint_copies: checkpoints on disk at once at most (0: no saves, the disk is not checked).
+    choose_keys: the placement keys (workload.PLACEMENT_KEYS) the planner chooses from the limits (placement.py);
+    the others are the workload's."""
     units = adapter.units()
     params = sum(u.numel for u in units)
     notes = []
     if not profile.measured:
         notes.append("no machine profile: rates are the H200 defaults (DESIGN.md, bench 2026-11-21); "
                      "run `megatrain probe` on the training machine for its own")
-    if w.checkpoint_every > 1:
-        notes.append(f"a checkpoint interval is modelled but {PENDING}")
-    host = host_memory(units, w)
+    why = "as given"
+    if choose_keys:
+        w, why = choose(adapter, units, w, profile, host_available, gpu_limit, frozenset(choose_keys))
+    host = host_memory(units, w, adapter.tied)
     pinned = pinned_bytes(host, w)
     name, comps = peak_phase(gpu_phases(adapter, units, w, notes, profile))
     peak = sum(comps.values())
@@ -106,6 +144,7 @@ def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float |
                      f"compiled/eager ratio of the H200 runs (`megatrain probe --compile both` measures both)")
     plan.checkpoint_copies = checkpoint_copies
     plan.config_keys = set(config_keys)
+    plan.why, plan.free = why, frozenset(choose_keys)
     _check(plan)
     if suggest and not plan.fits:
         plan.suggestions = suggestions(adapter, plan)
@@ -137,8 +176,8 @@ def plan_for_config(cfg, adapter, device: str, profile: Profile | None = None) -
     w = workload_from_config(cfg, device)
     # host RAM: the configured amount, else this machine's (cgroup-aware), else (planning for the profiled
     # machine from elsewhere) what the profile recorded
-    if cfg.plan.host_memory_gb:
-        host_avail, host_src = cfg.plan.host_memory_gb * GiB, "plan.host_memory_gb"
+    if cfg.memory.host_budget_gb:
+        host_avail, host_src = cfg.memory.host_budget_gb * GiB, "memory.host_budget_gb"
     elif prof.measured and prof.host and prof.host != this_host() and prof.host_available_bytes:
         host_avail, host_src = float(prof.host_available_bytes), f"free on {prof.host} when probed"
     else:
@@ -146,7 +185,7 @@ def plan_for_config(cfg, adapter, device: str, profile: Profile | None = None) -
         host_avail, host_src = float(hm.available), f"free now; {hm.source}"
     gpu_limit, gpu_src = None, ""
     if device == "cuda":
-        budget = cfg.engine.gpu_memory_budget_gb
+        budget = cfg.memory.gpu_budget_gb
         if torch_cuda_available():
             import torch
 
@@ -156,12 +195,13 @@ def plan_for_config(cfg, adapter, device: str, profile: Profile | None = None) -
             gpu_limit = float(prof.gpu_total_bytes)
             gpu_src = f"{prof.gpu_name}, from the profile" if prof.measured else f"{prof.gpu_name}"
         if budget and budget * GiB < gpu_limit:
-            gpu_limit, gpu_src = budget * GiB, "engine.gpu_memory_budget_gb"
-    keys = frozenset(f"{section}.{k}" for section in ("engine", "train", "data")
+            gpu_limit, gpu_src = budget * GiB, "memory.gpu_budget_gb"
+    keys = frozenset(f"{section}.{k}" for section in ("engine", "train", "data", "memory")
                      for k in type(getattr(cfg, section)).model_fields)
     plan = make_plan(adapter, w, prof, host_available=host_avail, host_source=host_src, gpu_limit=gpu_limit,
                      gpu_limit_source=gpu_src, disk_free=sysmem.disk_free(cfg.output.dir),
-                     checkpoint_copies=checkpoint_copies(cfg), config_keys=keys)
+                     checkpoint_copies=checkpoint_copies(cfg), config_keys=keys,
+                     choose_keys=frozenset(PLACEMENT_KEYS) - set(fixed_placement(cfg)))
     plan.model = f"{adapter.model_type} ({cfg.model.path})"
     if w.device == "cuda" and not torch_cuda_available():
         plan.notes.append("no GPU on this machine: planned for the profile's GPU (train.device=cpu plans a CPU run)")
@@ -185,8 +225,10 @@ def target_device(cfg, profile: Profile | None = None) -> str:
     return "cuda" if profile is not None and profile.measured and profile.gpu_total_bytes else "cpu"
 
 
-def plan_command(cfg) -> int:
-    """`megatrain plan CONFIG`: print the plan; exit status 1, with the reason, when the run will not fit."""
+def plan_command(cfg, as_json: bool = False) -> int:
+    """`megatrain plan CONFIG`: print the plan (as_json: its figures as one JSON object); exit status 1, with the
+    reason, when the run will not fit."""
+    import json
     import sys
 
     from ..models import get_adapter, load_hf_config
@@ -195,7 +237,7 @@ def plan_command(cfg) -> int:
     adapter = get_adapter(load_hf_config(cfg.model.path))
     prof = load_profile(cfg.plan.profile)
     plan = plan_for_config(cfg, adapter, target_device(cfg, prof), prof)
-    print(plan.report())
+    print(json.dumps(plan.as_json(), indent=1) if as_json else plan.report())
     if not plan.fits:
         print("megatrain: the run will not fit: " + "; ".join(plan.problems), file=sys.stderr)
         return 1

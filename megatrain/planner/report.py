@@ -40,12 +40,16 @@ def render(p: Plan) -> str:
     src = p.profile.source if p.profile.measured else "defaults"
     lines.append(f"  machine profile: {src}" + (f" (measured {p.profile.created} on {p.profile.host})"
                                                 if p.profile.measured else ""))
+    if w.device == "cuda":
+        lines.append(f"  placement: {p.placement_keys}")
+        lines.append(f"    ({p.why})")
     lines.append("")
     lines.append(f"{'host RAM':<58}{'GiB':>8}")
     for k, v in p.host.items():
         lines.append(f"  {k:<56}{_g(v)}")
     avail = (f"   of {p.host_available / GiB:.2f} available ({p.host_source})" if p.host_available is not None else "")
     lines.append(f"  {'total':<56}{_g(p.host_total)}{avail}")
+    lines.append(f"  {'per parameter':<56}{p.host_total / p.params:8.2f} B")
     lines.append(f"  {'of which pinned':<56}{_g(p.pinned)}")
     if w.device == "cuda":
         lines.append("")

@@ -1,14 +1,13 @@
 """What would fit: config changes that bring a run that does not fit under the machine's limits.
 
 Each candidate is a changed `Workload` planned again with make_plan (plan.py) against the same host RAM and GPU
-limit; the suggestions are the ones that fit, least disruptive first:
+limit, the planner choosing the placement keys the config leaves free (placement.py); the suggestions are the ones
+that fit, least disruptive first:
 
-    1. smaller micro-batches, the same rows per step (train.micro_batch_size, train.grad_accum_steps)
-    2. on CUDA, the fewest layer-boundary checkpoints spilled and gradients offloaded to pinned host memory
-       (engine.spill_layers, engine.offload_grad_units: ActivationSpill and OptimizerPipeline in runtime/)
+    1. the memory.* keys the config fixes left to the planner (a placement that fits, in config keys)
+    2. smaller micro-batches, the same rows per step (train.micro_batch_size, train.grad_accum_steps)
     3. fp32 streaming (12 B/param of host RAM instead of 14)
     4. shorter rows (data.max_seq_len), when nothing above fits
-    5. a checkpoint interval, which the engine cannot do yet (PENDING)
 
 and, for the disk, fewer kept checkpoints or another folder. run/oom.py asks the same question after an
 out-of-memory error, with a GPU target below the peak the plan predicted.
@@ -19,13 +18,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from .placement import FREE_ALL
 from .profile import GiB
-from .workload import PENDING, Workload
+from .workload import Workload
 
 if TYPE_CHECKING:
     from .plan import Plan
-
-CONFIG_KEYS = {"spill_layers": "engine.spill_layers", "offload_units": "engine.offload_grad_units"}
 
 
 def memory_ok(p: Plan, gpu_target: float | None) -> bool:
@@ -47,19 +45,23 @@ def suggestions(adapter, plan: Plan, gpu_target: float | None = None) -> list[st
     if gpu_target is None and plan.gpu_limit:
         gpu_target = 0.95 * plan.gpu_limit  # a suggestion keeps 5% of the GPU in hand
 
-    def trial(cand: Workload) -> Plan | None:
+    def trial(cand: Workload, free: frozenset = plan.free) -> Plan | None:
         p = make_plan(adapter, cand, plan.profile, host_available=plan.host_available, host_source=plan.host_source,
-                      gpu_limit=plan.gpu_limit if gpu_target is None else None, suggest=False,
-                      config_keys=frozenset(plan.config_keys))
+                      gpu_limit=gpu_target, suggest=False, config_keys=frozenset(plan.config_keys),
+                      choose_keys=free)
         return p if memory_ok(p, gpu_target) else None
 
     def line(p: Plan, change: str) -> str:
         what = f"host {p.host_total / GiB:.0f} GiB" + (f", GPU {p.gpu_needed / GiB:.0f} GiB"
                                                         if p.workload.device == "cuda" else "")
-        return f"{change}  ({what}, {p.step_s:.1f} s/step predicted)"
+        chosen = f"; the planner's placement: {p.placement_keys}" if p.free and p.workload.device == "cuda" else ""
+        return f"{change}  ({what}, {p.step_s:.1f} s/step predicted{chosen})"
 
     if memory_problem:
-        b = micro // 2  # 1. smaller micro-batches, the same rows per step
+        fixed = FREE_ALL - plan.free  # 1. the placement keys the config fixes, left to the planner
+        if fixed and w.device == "cuda" and (p := trial(w, FREE_ALL)):
+            out.append(line(p, "leave " + ", ".join(f"memory.{k}" for k in sorted(fixed)) + " unset"))
+        b = micro // 2  # 2. smaller micro-batches, the same rows per step
         while b >= 1:
             sizes = tuple([b] * (per_step // b) + ([per_step % b] if per_step % b else []))
             if p := trial(replace(w, micro_batches=sizes)):
@@ -67,14 +69,6 @@ def suggestions(adapter, plan: Plan, gpu_target: float | None = None) -> list[st
                                    f"(the same rows per step)"))
                 break
             b //= 2
-        if w.device == "cuda":  # 2. checkpoints and gradients to pinned host memory, the fewest that fit
-            L = adapter.num_layers
-            for knobs in (("spill_layers",), ("offload_units",), ("spill_layers", "offload_units")):
-                found = _smallest(trial, w, knobs, {"spill_layers": L, "offload_units": L + 2})
-                if found:
-                    p, change = found
-                    out.append(line(p, " ".join(_knob(plan, k, v) for k, v in change.items())))
-                    break
         if w.precision == "bf16" and (p := trial(replace(w, precision="fp32"))):  # 3. 12 B/param of host RAM
             out.append(line(p, "train.precision=fp32 (12 B/param of host RAM instead of 14; fp32 compute)"))
         T = w.seq_len // 2  # 4. shorter rows, when nothing above fits
@@ -83,9 +77,6 @@ def suggestions(adapter, plan: Plan, gpu_target: float | None = None) -> list[st
                 out.append(line(p, f"data.max_seq_len={T}"))
                 break
             T //= 2
-        for K in (2, 4, 8):  # 5. not built yet
-            if not out and (p := trial(replace(w, checkpoint_every=K))):
-                out.append(line(p, f"keep every {K}th layer-boundary checkpoint — {PENDING}"))
         if not out:
             if any(x.startswith("host RAM") for x in plan.problems):
                 floor = 12.0 * plan.params + sum(v for k, v in plan.host.items()
@@ -94,37 +85,12 @@ def suggestions(adapter, plan: Plan, gpu_target: float | None = None) -> list[st
                            f"{floor / GiB:.0f} GiB with the runtime; use a machine with more host RAM (or a "
                            f"smaller model)")
             else:
-                out.append("nothing smaller fits on this GPU: even one row per micro-batch exceeds it; use a GPU "
-                           "with more memory (or a smaller model)")
+                out.append("nothing smaller fits on this GPU: even one row per micro-batch, with every placement "
+                           "of checkpoints, gradients and wave groups, exceeds it; use a GPU with more memory, more "
+                           "host RAM (memory.host_budget_gb), or shorter rows")
     if any(x.startswith("disk") for x in plan.problems):
         if plan.checkpoint_copies > 1:
             out.append(f"checkpoint.keep=1 ({2 * plan.disk_per_checkpoint / GiB:.0f} GiB while a new one is written)")
         out.append(f"output.dir on a file system with {plan.checkpoint_copies * plan.disk_per_checkpoint / GiB:.0f} "
                    f"GiB free, or fewer saves (checkpoint.every=0, checkpoint.at_end=false)")
     return out
-
-
-def _smallest(trial, w: Workload, knobs: tuple[str, ...], top: dict[str, int]):
-    """The smallest setting of `knobs` (the last one searched with the others at their top) that fits."""
-    fixed = {k: top[k] for k in knobs[:-1]}
-    last = knobs[-1]
-    if not trial(replace(w, **fixed, **{last: top[last]})):
-        return None
-    lo, hi = getattr(w, last), top[last]  # fits at hi, not at lo
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if trial(replace(w, **fixed, **{last: mid})):
-            hi = mid
-        else:
-            lo = mid
-    change = {**fixed, last: hi}
-    return trial(replace(w, **change)), change
-
-
-def _knob(plan: Plan, name: str, value: int) -> str:
-    what = {"spill_layers": f"(the lowest {value} layers' checkpoints in pinned host memory)",
-            "offload_units": f"(the last {value} units' gradients to pinned host memory during backward)"}[name]
-    key = CONFIG_KEYS[name]
-    if key in plan.config_keys:
-        return f"{key}={value} {what}"
-    return f"{name}={value} {what} — an Engine/OptimizerPipeline argument, not a config key yet"

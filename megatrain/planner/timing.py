@@ -1,27 +1,31 @@
 """Step time of a run, from config.json, the workload and the machine profile.
 
-    FLOPs   `executed_flops`: what one step executes, recompute included: 8 per layer parameter per token
-            (forward, recompute, backward), 6 per LM-head parameter per target, attention 8·T·heads·head_dim per
-            layer per token (causal: forward 2·T·d, recompute the same, backward twice that).
+    FLOPs   `executed_flops`: what one step executes, read off the schedule: per layer parameter and token 2 in
+            a forward or rebuild use, 6 in a backward use (recompute + backward); attention 2·T·heads·head_dim per
+            layer and token forward (causal), 3x that in backward; 6 per LM-head parameter per target.
     rates   a layer rate the probe measured at this shape (profile.py), converted by COMPILED_SPEEDUP when it
             was probed only in the other compile mode; else the profile's matmul and attention rates.
     time    `_simulate`, a small event simulation of one steady-state CUDA step that walks the runtime's own
-            `step_schedule` (runtime/schedule.py), as Engine.train_step (runtime/engine.py) executes it: H2D
-            weight copies into the slot ring (skipped when the slot still holds those weights), compute per use at
-            the profile's rates, and the CPU AdamW of the last step that each forward use waits for
-            (OptimizerPipeline, runtime/optimizer_pipeline.py): a pipeline over units in forward order, piece by
-            piece through two landing buffers of `landing_piece` elements (embedding first: all of it lands and
-            is updated before layer 0 may start), the copy of piece k+1 overlapping the update of piece k;
-            offloaded units (`offloaded_units`) were copied during the last backward. Updates run at ADAMW_IN_STEP
-            of the probe's rate. A CPU run is compute plus an inline update.
+            `step_schedule` (runtime/schedule.py) with the workload's placement, as Engine.train_step
+            (runtime/engine.py) executes it: per use, H2D weight copies into the slot ring (skipped when the slot
+            still holds those weights; only uses that stream weights advance the ring), behind them on the same
+            stream the spilled inputs fetched back and the wave groups' accumulators coming back from host; compute
+            per use at the profile's rates over the group's tokens (rebuild uses at the forward rate); the copies
+            out that overlap the compute (spilled inputs, gradients sent to host, parked accumulators) bound the
+            step from below; and the CPU AdamW of the last step that each forward use of the first wave group waits
+            for (OptimizerPipeline, runtime/optimizer_pipeline.py): a pipeline over units in forward order, piece
+            by piece through two landing buffers of `landing_piece` elements (embedding first: all of it lands and
+            is updated before layer 0 may start), the copy of piece k+1 overlapping the update of piece k; units
+            whose gradients went to host (`grads_to_host`) were copied during the last backward. Updates run at
+            ADAMW_IN_STEP of the probe's rate. A CPU run is compute plus an inline update.
     bound   the CPU optimizer (or the gradients' copy-out) when the forward waited for it past the middle of the
             step, else the busiest resource.
 """
 
 from __future__ import annotations
 
-from ..runtime.optimizer_pipeline import landing_piece, offloaded_units, update_order
-from ..runtime.schedule import step_schedule
+from ..runtime.optimizer_pipeline import landing_piece, update_order
+from ..runtime.schedule import grads_to_host, kept, step_schedule
 from .flops import flops_per_token
 from .profile import COMPILED_SPEEDUP, Profile
 from .workload import Workload
@@ -33,18 +37,26 @@ from .workload import Workload
 ADAMW_IN_STEP = 0.62
 
 
+def _use_tokens(w: Workload) -> list[int]:
+    """Tokens of each wave group."""
+    return [sum(w.micro_batches[m] for m in g) * w.seq_len for g in w.groups]
+
+
 def executed_flops(adapter, units, w: Workload) -> dict[str, float]:
-    """FLOPs per step, as executed (recompute included)."""
-    tokens = w.tokens_per_step
-    targets = sum(w.micro_batches) * (w.seq_len - 1 if w.targets_per_row is None else w.targets_per_row)
-    layer_params = sum(u.numel for u in units if u.kind == "layer")
-    L = adapter.num_layers
+    """FLOPs per step, as executed, from the step's schedule: per layer parameter and token 2 in a forward or
+    rebuild use, 6 in a backward use (recompute + backward); attention 2·T·heads·head_dim per layer and token
+    forward (causal), 3x that in backward; 6 per LM-head parameter and target."""
+    n = len(units)
+    toks = _use_tokens(w)
     attn_fwd = 2.0 * w.seq_len * adapter.num_heads * adapter.head_dim  # per token per layer, causal
-    K = max(1, w.checkpoint_every)
-    extra = (K - 1) / K  # share of layers whose forward is run once more to rebuild their checkpoint
-    return {"forward": (2.0 * layer_params + L * attn_fwd) * tokens,
-            "backward": ((6.0 + 2.0 * extra) * layer_params + L * attn_fwd * (3 + extra)) * tokens,
-            "head": 6.0 * adapter.vocab_size * adapter.hidden_size * targets}
+    out = {"forward": 0.0, "rebuild": 0.0, "backward": 0.0}
+    for use in step_schedule(n, adapter.tied, w.placement, len(toks)):
+        if use.kind in out:
+            P, t = units[use.units[0]].numel, toks[use.group]
+            out[use.kind] += (6.0 * P + 3 * attn_fwd) * t if use.kind == "backward" else (2.0 * P + attn_fwd) * t
+    targets = sum(w.micro_batches) * (w.seq_len - 1 if w.targets_per_row is None else w.targets_per_row)
+    out["head"] = 6.0 * adapter.vocab_size * adapter.hidden_size * targets
+    return out
 
 
 def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
@@ -55,28 +67,27 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
     f6, fmodel = flops_per_token(adapter, w.seq_len)
     micro = max(w.micro_batches)
     rate, how = prof.layer_rate(adapter, micro, w.seq_len, w.compile)
-    attn = 2.0 * w.seq_len * adapter.num_heads * adapter.head_dim * tokens  # one layer's attention forward, causal
-    x = (max(1, w.checkpoint_every) - 1) / max(1, w.checkpoint_every)
+    attn_tok = 2.0 * w.seq_len * adapter.num_heads * adapter.head_dim  # one layer's attention forward per token
     if rate is not None:  # measured on this layer shape: matmuls and attention together
         # measured only in the other compile mode: converted by the compiled/eager ratio of the H200 runs
         mode = 1.0 if rate.compile == w.compile else COMPILED_SPEEDUP if w.compile else 1.0 / COMPILED_SPEEDUP
         if mode != 1.0:
             how += f", {'compiled' if w.compile else 'eager'} taken as x{mode:.2f} that rate"
 
-        def layer_s(P: int, forward: bool) -> float:
+        def layer_s(P: int, forward: bool, tokens: int) -> float:  # one layer use over `tokens` tokens
             if forward:
-                return (2.0 * P * tokens + attn) / (rate.forward_flops * mode)
-            return ((6.0 + 2 * x) * P * tokens + (3 + x) * attn) / (rate.backward_flops * mode)
+                return (2.0 * P + attn_tok) * tokens / (rate.forward_flops * mode)
+            return (6.0 * P + 3 * attn_tok) * tokens / (rate.backward_flops * mode)
     else:
         speed = COMPILED_SPEEDUP if w.compile else 1.0
         r_mm, r_attn = prof.layer_flops * speed, prof.attention_flops * speed
         how = ("the profile's largest probed layer's rate" if prof.layer_rates else "default rate") + \
             (" (compiled)" if w.compile else "")
 
-        def layer_s(P: int, forward: bool) -> float:
+        def layer_s(P: int, forward: bool, tokens: int) -> float:
             if forward:
-                return 2.0 * P * tokens / r_mm + attn / r_attn
-            return (6.0 + 2 * x) * P * tokens / r_mm + (3 + x) * attn / r_attn
+                return (2.0 * P / r_mm + attn_tok / r_attn) * tokens
+            return (6.0 * P / r_mm + 3 * attn_tok / r_attn) * tokens
     out = {"executed_flops": total, "rate_source": how}
     if w.device == "cpu":
         compute = total / prof.cpu_flops
@@ -98,10 +109,12 @@ def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float
     """One steady-state step: the last step's gradients start to leave at t=0 (its end)."""
     e = w.elem
     n = len(units)
-    L = n - 2
-    S = min(w.spill_layers, L)  # layers 0 .. S-1 keep their checkpoints in pinned host memory
-    C = w.tokens_per_step * adapter.hidden_size * e
-    off = set(offloaded_units(n, w.offload_units))
+    pl = w.placement
+    H = adapter.hidden_size
+    toks = _use_tokens(w)
+    groups = len(toks)
+    to_host = set(grads_to_host(n, pl))
+    parks = groups > 1 and pl.group_grads == "host"
 
     # the CPU optimizer of the last step, in forward order (OptimizerPipeline.order), piece by piece
     piece = landing_piece(max(u.numel for u in units))
@@ -116,49 +129,81 @@ def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float
         for a in range(0, u.numel, piece):
             k = min(piece, u.numel - a)
             start = max(d2h_end, prev_upd_end)  # issued when the update before last has freed its buffer
-            copy = 4.0 * k / d2h_rate
-            d2h_busy += copy  # offloaded units were copied during the last backward: no wait now
-            d2h_end = start + (0.0 if i in off else copy)
-            copied += 0.0 if i in off else copy
+            copy = 0.0 if i in to_host else 4.0 * k / d2h_rate  # sent to host during the last backward
+            d2h_busy += copy
+            d2h_end = start + copy
+            copied += copy
             prev_upd_end = upd_end
             upd_end = max(upd_end, d2h_end) + k / adam
             opt_busy += k / adam
         ready[i] = upd_end
         chain[i] = (copied, opt_busy)
 
-    # the step's uses, as the engine executes them; use k goes to slot k % num_slots (the engine's slot ring)
+    # the step's uses, as the engine executes them; the slot ring advances on uses that stream weights
     h2d_end = 0.0
     comp_end: list[float] = []
+    ring: list[float] = []  # compute end of each weight use, in ring order
     holds: list[tuple[int, ...] | None] = [None] * w.num_slots
-    h2d_busy = comp_busy = 0.0
+    h2d_busy = comp_busy = side_d2h = 0.0
     paced, paced_by = 0.0, (0.0, 0.0)  # when the GPU last resumed after waiting for an update; that chain's work
-    for k, use in enumerate(step_schedule(n, adapter.tied)):
-        slot = k % w.num_slots
-        others = max([h2d_end] + ([comp_end[k - w.num_slots]] if k >= w.num_slots else []))
-        waits = max(use.units, key=lambda i: ready[i]) if use.forward else None  # Engine: wait_for_update
-        start = max(others, ready[waits] if use.forward else 0.0)
-        fetched = holds[slot] != use.units  # the engine skips the copy when the slot still holds these weights
-        if fetched:
-            rate = d2h_rate if use.forward else prof.h2d_bps
-            t = sum(units[i].numel for i in use.units) * e / rate
-            if use.kind == "backward" and 0 < use.layer <= S:
-                t += C / rate  # the spilled checkpoints of the layer below come back behind these weights
-            h2d_end = start + t
-            h2d_busy += t
-        holds[slot] = use.units
+    back_early: set = set()  # (group, layer) of spilled inputs already on their way back
+    for use in step_schedule(n, adapter.tied, pl, groups):
+        C = toks[use.group] * H * e  # one layer boundary of the group
+        first = use.group == 0
+        waits = max(use.units, key=lambda i: ready[i]) if use.forward and first else None  # wait_for_update
+        t_in = 0.0  # bytes-time on the H2D stream for this use
+        fetched = False
+        if use.units:
+            slot = len(ring) % w.num_slots
+            free = ring[len(ring) - w.num_slots] if len(ring) >= w.num_slots else 0.0
+            fetched = holds[slot] != use.units  # the engine skips the copy when the slot still holds these
+            rate = d2h_rate if use.forward and first else prof.h2d_bps  # the first forward shares the bus
+            if fetched:
+                t_in += sum(units[i].numel for i in use.units) * e / rate
+            holds[slot] = use.units
+        else:
+            free = 0.0
+        if use.fetch is not None:
+            t_in += C / prof.h2d_bps  # the next block's spilled input, behind these weights
+        others = max(h2d_end, free)
+        if use.kind in ("rebuild", "backward") and kept(use.layer, pl) == "host" and \
+                (use.group, use.layer) not in back_early:
+            t_in += C / prof.h2d_bps  # a spilled input not fetched ahead (the top block's): loaded at its use
+            back_early.add((use.group, use.layer))
+        if use.fetch is not None:
+            back_early.add((use.group, use.fetch))
+        if parks and use.group > 0:  # accumulators back from host, one use ahead, on the same stream
+            back = {"head": use.units, "backward": use.units}.get(use.kind, ())
+            if use.kind == "embed_backward" and adapter.tied:
+                back = (0,)
+            t_in += sum(4.0 * units[i].numel for i in back) / prof.h2d_bps
+        if t_in:
+            start = max(others, ready[waits] if waits is not None else 0.0)
+            h2d_end = start + t_in
+            h2d_busy += t_in
+        # copies out that overlap the compute: spilled inputs, finished gradients to host, parked accumulators
+        if use.keep == "host":
+            side_d2h += C / d2h_rate
+        if use.grad == "host" or (use.grad == "group-host"):
+            side_d2h += 4.0 * units[0 if use.kind == "embed_backward" else use.units[0]].numel / d2h_rate
         if use.kind == "embed":
             dt = 0.0  # the lookup
         elif use.kind == "head":
-            dt = head_s
+            dt = head_s * toks[use.group] / sum(toks)
+        elif use.kind == "embed_backward":
+            dt = 0.0
         else:
-            dt = layer_s(units[use.units[0]].numel, use.kind == "forward")
-        begin = max(comp_end[-1] if comp_end else 0.0, h2d_end if fetched else 0.0)
-        if fetched and use.forward and ready[waits] > others and begin > (comp_end[-1] if comp_end else 0.0):
+            dt = layer_s(units[use.units[0]].numel, use.kind in ("forward", "rebuild"), toks[use.group])
+        prev = comp_end[-1] if comp_end else 0.0
+        begin = max(prev, h2d_end if t_in else 0.0)
+        if waits is not None and fetched and ready[waits] > others and begin > prev:
             paced, paced_by = begin, chain[waits]
         comp_end.append(begin + dt)
+        if use.units:
+            ring.append(begin + dt)
         comp_busy += dt
-    d2h_busy += S * C / d2h_rate  # spilled checkpoints going out during the forward
-    step = comp_end[-1]
+    d2h_busy += side_d2h
+    step = max(comp_end[-1], side_d2h)
     shares = {"compute": comp_busy, "H2D (weights)": h2d_busy, "D2H (gradients)": d2h_busy,
               "CPU AdamW": opt_busy}
     bound = max(shares, key=shares.get)

@@ -1,18 +1,20 @@
 """What a run asks of the engine: the planner's one input besides the model and the machine.
 
 A `Workload` is the step's shape (micro-batches, tokens per row) and the engine's settings that change what it
-allocates or how long it takes (streaming precision, weight slots, LM-head chunk, compile, spilled checkpoints,
-offloaded gradients). Each field names the runtime argument it stands for: `EngineOptions` and
-`OptimizerPipeline(offload_units)` in megatrain/runtime, the micro-batches the trainer builds (megatrain/run).
-`workload_from_config` reads it from a validated `megatrain.config.Config`; bench/plan_vs_measured.py builds one
-from a benchmark's command line instead.
+allocates or how long it takes (streaming precision, weight slots, LM-head chunk, compile, and the `Placement`:
+checkpoint interval, spilled checkpoints, gradients to host, wave groups). Each field names the runtime argument
+it stands for: `EngineOptions` in megatrain/runtime, the micro-batches the trainer builds (megatrain/run).
+`workload_from_config` reads it from a validated `megatrain.config.Config` (the memory keys a config sets; the
+planner chooses the rest: plan.py); bench/plan_vs_measured.py builds one from a benchmark's command line.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-PENDING = "needs engine support (not implemented yet)"  # what the planner models but the engine cannot do yet
+from ..runtime.schedule import Placement, group_sizes
+
+PLACEMENT_KEYS = ("checkpoint_every", "spill_layers", "grads_to_host", "wave_groups", "group_grads")
 
 
 @dataclass(frozen=True)
@@ -26,17 +28,18 @@ class Workload:
     compile: bool = False
     packed: bool = False
     targets_per_row: int | None = None  # default seq_len - 1 (every position but the last predicts a token)
-    spill_layers: int = 0  # Engine(spill_layers): the lowest N layers' checkpoints live in pinned host memory
-    offload_units: int = 0  # OptimizerPipeline(offload_units): the first N units done in backward
-    #                         (runtime.optimizer_pipeline.offloaded_units) send their fp32 gradients to pinned host
-    #                         memory during backward
-    checkpoint_every: int = 1  # keep every K-th layer boundary, recompute the rest in backward (PENDING)
+    placement: Placement = field(default_factory=Placement)  # EngineOptions.placement (runtime/schedule.py)
     head_kernels: bool = True  # CUDA: the fused cross-entropy kernel and the in-GEMM accumulation of the head
     #                            (False: the eager head of the first H200 runs, for bench/plan_vs_measured.py)
 
     @property
     def tokens_per_step(self) -> int:
         return sum(self.micro_batches) * self.seq_len
+
+    @property
+    def groups(self) -> list[range]:
+        """The micro-batches of each wave group the engine runs (runtime/schedule.group_sizes)."""
+        return group_sizes(len(self.micro_batches), self.placement.wave_groups)
 
     @property
     def elem(self) -> int:
@@ -51,14 +54,20 @@ class Workload:
                 f"x {self.seq_len} tokens = {self.tokens_per_step:,} tokens per step")
 
 
+def fixed_placement(cfg) -> dict:
+    """The placement keys a validated Config sets (memory.*): the planner chooses the others."""
+    return {k: v for k in PLACEMENT_KEYS if (v := getattr(cfg.memory, k)) is not None}
+
+
 def workload_from_config(cfg, device: str) -> Workload:
-    """The workload of a validated megatrain.config.Config on `device` ('cuda' or 'cpu')."""
+    """The workload of a validated megatrain.config.Config on `device` ('cuda' or 'cpu'), with the placement keys
+    it sets and defaults for the rest (plan_for_config then chooses those)."""
     t, eng = cfg.train, cfg.engine
     return Workload(
         micro_batches=(t.micro_batch_size,) * t.grad_accum_steps, seq_len=cfg.data.max_seq_len, device=device,
         precision=t.precision, loss_chunk_tokens=eng.loss_chunk_tokens, num_slots=eng.num_slots,
         compile=eng.compile == "on" or (eng.compile == "auto" and device == "cuda"), packed=cfg.data.packing,
-        spill_layers=eng.spill_layers, offload_units=eng.offload_grad_units)
+        placement=Placement(**fixed_placement(cfg)))
 
 
 def checkpoint_copies(cfg) -> int:

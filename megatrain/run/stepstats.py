@@ -90,4 +90,6 @@ def start_summary(run) -> str:
     lines.append(f"plan: host RAM {plan.host_total / GiB:.1f} GiB{avail}{gpu}; predicted {tm['step_s']:.2f} s/step, "
                  f"{tm['tokens_per_s']:,.0f} tokens/s, {tm['tflops_6n']:.3g} TFLOP/s (6N){mfu}, bound by "
                  f"{tm['bound']} ({src})")
+    if plan.workload.device == "cuda":
+        lines.append(f"placement: {plan.placement_keys} ({plan.why})")
     return "\n".join(lines)

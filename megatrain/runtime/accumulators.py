@@ -5,7 +5,11 @@ per group, and between two groups it waits either on the GPU or, parked in pinne
 (D2H, after the group's last touch) and back (H2D, ahead of the next group's first touch, when the engine fetches
 that use's weights). Accumulation continues into the same numbers in the same order, so a step in groups is the
 same step, bit for bit. The host buffers (4 B per parameter of the units parked) are registered once through the
-runtime's PinnedHost and reused every step. On CPU the same calls copy host to host.
+runtime's PinnedHost and reused every step; a unit whose finished gradient goes to host memory anyway
+(`grads_to_host`) waits between groups in that very buffer (the sink's `host_buffer`), so parking it costs no
+more host memory. The buffer is free for it: the optimizer has read the last step's gradient out of it before the
+unit's forward of this step (wait_for_update), and the final copy into it comes after the backward that consumed
+the last group's copy back. On CPU the same calls copy host to host.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from .pinned import PinnedHost
 
 
 class GroupAccumulators:
-    def __init__(self, device: torch.device, pinned: PinnedHost, h2d=None, compute=None):
+    def __init__(self, device: torch.device, pinned: PinnedHost, h2d=None, compute=None, borrow=None):
+        """borrow(unit): a pinned host buffer of the unit's size to wait in, or None (one is allocated)."""
         self.device = torch.device(device)
+        self.borrow = borrow
         self.cuda = self.device.type == "cuda"
         self.pinned, self.h2d, self.compute = pinned, h2d, compute
         self.d2h = None
@@ -34,6 +40,10 @@ class GroupAccumulators:
             self._waiting[unit] = (grad, None, False)
             return
         host = self._host.get(unit)
+        if host is None and self.borrow is not None:
+            lent = self.borrow(unit)
+            if lent is not None and lent.numel() == grad.numel():
+                host = lent
         if host is None or host.numel() != grad.numel():
             host = self._host[unit] = self.pinned.empty(grad.numel(), torch.float32, "gradient accumulator "
                                                                                      f"of unit {unit}")
@@ -83,4 +93,5 @@ class GroupAccumulators:
         return dev
 
     def host_bytes(self) -> int:
+        """Host memory allocated here (borrowed buffers not counted)."""
         return sum(b.numel() * 4 for b in self._host.values())

@@ -41,7 +41,7 @@ from .activation_spill import ActivationSpill
 from .layer import layer_backward
 from .lmhead import HeadKernels, default_chunk, head_loss
 from .microbatch import MicroBatch, StepOutput
-from .schedule import Placement, Use, group_sizes, head_units, slot_numel, spilled_layers, step_schedule
+from .schedule import TIED_INPUT, Placement, Use, group_sizes, head_units, slot_numel, spilled_layers, step_schedule
 from .pinned import PinnedHost
 from .store import HostStore
 
@@ -54,6 +54,9 @@ class GradientSink(Protocol):
     #   timeline; to_host: the schedule sends this gradient to pinned host memory at once
 
     def wait_for_update(self, unit_index: int) -> None: ...  # before unit u's weights are streamed for a forward
+
+    def host_buffer(self, unit_index: int) -> torch.Tensor | None: ...  # the pinned host buffer this unit's
+    #   finished gradient will be copied into (to_host units), which a wave group's accumulator may wait in
 
 
 class CollectGrads:
@@ -68,6 +71,9 @@ class CollectGrads:
     def wait_for_update(self, unit_index: int) -> None:
         pass
 
+    def host_buffer(self, unit_index: int) -> torch.Tensor | None:
+        return None
+
 
 class Phase(NamedTuple):
     """What the engine was doing: 'weights' (slots and copies), 'inputs' (micro-batches to the device, rope
@@ -76,9 +82,6 @@ class Phase(NamedTuple):
     what: str
     layer: int | None = None
     micro: int | None = None  # 0-based micro-batch
-
-
-TIED_INPUT = -1  # the accumulator of a tied embedding's input-side gradient (unit 0 holds its LM-head side)
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,8 @@ class Engine:
                 s.free.record(self.compute)
             self._next_slot = 0
         self.spill = ActivationSpill(self.device, self.dtype, self.h2d, self.compute, pinned)
-        self.accumulators = GroupAccumulators(self.device, pinned or PinnedHost(cuda=False), self.h2d, self.compute)
+        self.accumulators = GroupAccumulators(self.device, pinned or PinnedHost(cuda=False), self.h2d, self.compute,
+                                              borrow=sink.host_buffer)
 
     def schedule(self, num_micro: int) -> list[Use]:
         """This step's uses (schedule.py): the placement's, with as many wave groups as there are micro-batches
@@ -292,6 +296,7 @@ class Engine:
                 ev = self.tiles[0].views(into)["weight"]
                 for mb, dh in zip(g.mbs, g.grads_out):
                     ev.index_add_(0, mb.input_ids.reshape(-1), dh.reshape(-1, dh.shape[-1]).float())
+                del ev, into  # no reference may outlive the accumulator's trip to host between groups
                 g.grads_out = None
                 if self.adapter.tied:
                     self._tied_embedding_grad(use, acc)

@@ -120,6 +120,11 @@ class OptimizerPipeline:
             event.record(self.compute)
         self._grads[unit_index] = (grad, event)
 
+    def host_buffer(self, unit_index: int) -> torch.Tensor | None:
+        """The pinned buffer a to_host unit's finished gradient is copied into (None for the others): a wave
+        group's accumulator of that unit waits in it between groups."""
+        return self.offload_host.get(unit_index)
+
     def add_before_update(self, hook: Callable[[int], None]) -> None:
         """`hook(u)` is called (on the worker) right before unit u's tile is modified. A background checkpoint
         writer uses it to finish writing the unit's step-t state before step t+1 overwrites it, so a save needs no

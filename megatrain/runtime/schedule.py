@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
+TIED_INPUT = -1  # the accumulator of a tied embedding's input-side gradient (unit 0 accumulates its LM-head side)
+
 Kind = Literal["embed", "forward", "head", "rebuild", "backward", "embed_backward"]
 
 

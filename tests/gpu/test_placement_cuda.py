@@ -33,6 +33,8 @@ PLACEMENTS = {
     "grads_to_host6": Placement(grads_to_host=6),
     "groups2-gpu": Placement(wave_groups=2),
     "groups3-host": Placement(wave_groups=3, group_grads="host"),
+    "groups3-host-all-to-host": Placement(wave_groups=3, group_grads="host", grads_to_host=14),  # accumulators
+    #                                    wait in the gradients' own host buffers (the 70B placement's shape)
     "all": Placement(checkpoint_every=3, spill_layers=6, grads_to_host=5, wave_groups=2, group_grads="host"),
 }
 

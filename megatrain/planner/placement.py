@@ -1,0 +1,152 @@
+"""Where things live: the planner chooses a run's placement (runtime/schedule.Placement) from the budgets.
+
+The knobs, cheapest first in step time (DESIGN.md rules 9-11):
+
+    grads_to_host N     finished gradients copied to pinned host memory during backward (the copies overlap the
+                        backward, and the next step's copy-out shrinks): costs 4 B/param of host RAM for those units
+    spill_layers S      kept layer inputs in pinned host memory, fetched back a block ahead (PCIe, mostly idle)
+    checkpoint_every K  a block's inner inputs rebuilt in backward: (K-1)/K of a layer forward more per layer
+    wave_groups G       the micro-batches in G groups: weights stream 2-3 times per group; with group_grads=host
+                        the accumulators wait in pinned host memory between groups (in the gradients' own host
+                        buffers for units sent to host: no more host RAM than N = all)
+
+`choose` keeps every key the config sets and, when the default placement does not fit, searches the others: for
+each (G, where accumulators wait) the smallest K that fits, each with the fewest gradients sent to host and then
+the fewest spilled inputs that bring the GPU under its budget (both shrink the GPU need monotonically), and keeps,
+of the candidates predicted (timing.py) within NEAR_FASTEST of the shortest step, the one with the least host RAM
+(host RAM is the scarce resource: DESIGN.md rule 11), then the fewest groups. Every
+candidate is planned by the same memory model as the plan itself (memory.py), so what is chosen is what is
+reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..runtime.schedule import Placement, group_sizes
+from .memory import gpu_needed, gpu_phases, host_memory
+from .profile import GiB, Profile
+from .timing import step_time
+from .workload import PLACEMENT_KEYS, Workload
+
+FREE_ALL = frozenset(PLACEMENT_KEYS)
+CHECKPOINT_INTERVALS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+NEAR_FASTEST = 0.05  # placements predicted this close to the fastest count as fast: the least host RAM wins
+GROUP_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def describe(pl: Placement, groups: int) -> str:
+    """A placement in config keys."""
+    parts = [f"memory.checkpoint_every={pl.checkpoint_every}", f"memory.spill_layers={pl.spill_layers}",
+             f"memory.grads_to_host={pl.grads_to_host}", f"memory.wave_groups={groups}"]
+    if groups > 1:
+        parts.append(f"memory.group_grads={pl.group_grads}")
+    return " ".join(parts)
+
+
+class _Search:
+    def __init__(self, adapter, units, w: Workload, prof: Profile, host_limit, gpu_limit, free):
+        self.adapter, self.units, self.w, self.prof = adapter, units, w, prof
+        self.host_limit, self.gpu_limit, self.free = host_limit, gpu_limit, free
+        self._mem: dict[Placement, tuple[float, float]] = {}
+        self.tried = 0
+
+    def placement(self, **kw) -> Placement:
+        """The workload's placement with the free keys among `kw` changed (set keys stay as the config has them)."""
+        return replace(self.w.placement, **{k: v for k, v in kw.items() if k in self.free})
+
+    def memory(self, pl: Placement) -> tuple[float, float]:
+        """(host bytes, GPU bytes needed) of this placement."""
+        if pl not in self._mem:
+            w = replace(self.w, placement=pl)
+            host = sum(host_memory(self.units, w, self.adapter.tied).values())
+            peak = max(sum(c.values()) for _, c in gpu_phases(self.adapter, self.units, w, [], self.prof))
+            self._mem[pl] = (host, gpu_needed(peak, w))
+            self.tried += 1
+        return self._mem[pl]
+
+    def gpu_ok(self, pl: Placement) -> bool:
+        return self.gpu_limit is None or self.memory(pl)[1] <= self.gpu_limit
+
+    def host_ok(self, pl: Placement) -> bool:
+        return self.host_limit is None or self.memory(pl)[0] <= self.host_limit
+
+    def smallest(self, pl: Placement, key: str, top: int) -> Placement | None:
+        """`pl` with the smallest value of `key` (from its current one up to `top`) whose GPU need fits."""
+        if key not in self.free:
+            return pl if self.gpu_ok(pl) else None
+        lo = getattr(pl, key)
+        if self.gpu_ok(pl):
+            return pl
+        if not self.gpu_ok(replace(pl, **{key: top})):
+            return None
+        hi = top  # fits at hi, not at lo
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.gpu_ok(replace(pl, **{key: mid})):
+                hi = mid
+            else:
+                lo = mid
+        return replace(pl, **{key: hi})
+
+    def settle(self, pl: Placement) -> Placement | None:
+        """The fewest gradients to host, then the fewest spilled inputs, that bring `pl`'s structure (K, G, where
+        accumulators wait) under the GPU budget; None when nothing does, or the host cannot hold the result."""
+        n, L = len(self.units), len(self.units) - 2
+        free_n = "grads_to_host" in self.free
+        parks = len(group_sizes(len(self.w.micro_batches), pl.wave_groups)) > 1 and pl.group_grads == "host"
+        if parks and free_n:
+            pl = replace(pl, grads_to_host=n)  # costs no host RAM: the accumulators wait there anyway
+        got = self.smallest(pl, "grads_to_host", n)
+        if got is None:  # gradients alone are not enough: spill inputs too, then take back what gradients can
+            got = self.smallest(replace(pl, grads_to_host=n) if free_n else pl, "spill_layers", L)
+            if got is not None and free_n and not parks:
+                got = self.smallest(replace(got, grads_to_host=pl.grads_to_host), "grads_to_host", n)
+        return got if got is not None and self.host_ok(got) else None
+
+
+def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
+           free: frozenset = FREE_ALL) -> tuple[Workload, str]:
+    """The workload with its placement chosen (the keys in `free`; the others as given), and why."""
+    if w.device != "cuda" or not free:
+        return w, "as the config sets it" if not free else "a CPU run: the default placement (the device is the host)"
+    w = replace(w, placement=replace(w.placement, **{k: getattr(Placement(), k) for k in free}))
+    s = _Search(adapter, units, w, prof, host_limit, gpu_limit, free)
+    num_micro = len(w.micro_batches)
+    if s.gpu_ok(w.placement) and s.host_ok(w.placement):
+        return w, "the default placement fits" if free == FREE_ALL else "the placement the config sets fits"
+    candidates: list[tuple[float, int, float, Placement]] = []  # (step s, groups, host bytes, placement)
+
+    def consider(pl: Placement | None) -> bool:
+        if pl is None:
+            return False
+        ww = replace(w, placement=pl)
+        candidates.append((step_time(adapter, units, ww, prof)["step_s"], len(ww.groups), s.memory(pl)[0], pl))
+        return True
+
+    # the same structure, gradients and then inputs to host: with no rebuild and one wave nothing is faster
+    if not (consider(s.settle(w.placement)) and w.placement.checkpoint_every == 1 and len(w.groups) == 1):
+        L = len(units) - 2
+        Ks = [k for k in CHECKPOINT_INTERVALS if k <= L] if "checkpoint_every" in s.free else \
+            [w.placement.checkpoint_every]
+        Gs = [g for g in GROUP_COUNTS if g <= num_micro] if "wave_groups" in s.free else [w.placement.wave_groups]
+        wheres = ("gpu", "host") if "group_grads" in s.free else (w.placement.group_grads,)
+        for G in Gs:
+            for where in (wheres if G > 1 else (w.placement.group_grads,)):
+                for K in Ks:  # the smallest K that fits this (G, where): more K only adds rebuilds
+                    if consider(s.settle(s.placement(checkpoint_every=K, wave_groups=G, group_grads=where))):
+                        break
+            if any(c[3].checkpoint_every == 1 and c[3].spill_layers == 0 for c in candidates):
+                break  # more groups would only add weight crossings
+    if not candidates:
+        return w, (f"no placement fits (tried {s.tried}): the default needs {s.memory(w.placement)[1] / GiB:.1f} "
+                   f"GiB of GPU memory and {s.memory(w.placement)[0] / GiB:.1f} GiB of host RAM")
+    fastest = min(c[0] for c in candidates)  # host RAM is the scarce resource (DESIGN.md rule 11): of the
+    #                                          placements within NEAR_FASTEST of the fastest, the one using least
+    step, groups, host, pl = min((c for c in candidates if c[0] <= fastest * (1 + NEAR_FASTEST)),
+                                 key=lambda c: (c[2], c[1], c[0]))
+    default_gpu = s.memory(w.placement)[1]
+    why = (f"the default placement needs {default_gpu / GiB:.1f} GiB of GPU memory; {len(candidates)} placements "
+           f"fit (of {s.tried} planned); this one is predicted within {NEAR_FASTEST:.0%} of the fastest "
+           f"({fastest:.1f} s/step) with the least host RAM of those")
+    return replace(w, placement=pl), why

@@ -1,0 +1,67 @@
+"""The placements the planner chooses for the runs this project exists for, planned from config.json alone with the
+H200's probe (bench/results/2026-11-21/h200_profile.json), CUDA defaults (compiled layers), no memory keys set:
+what `megatrain plan` says before a run (GPU runs check it against measurement: bench/README.md)."""
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from megatrain.models import get_adapter
+from megatrain.planner import Workload, make_plan
+from megatrain.planner.placement import FREE_ALL
+from megatrain.planner.profile import GiB, load_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = load_profile(ROOT / "bench" / "results" / "2026-11-21" / "h200_profile.json")
+
+
+def plan(name, micro, n, seq, gpu_gib=None, host_gib=None, layers=None):
+    cfg = AutoConfig.from_pretrained(ROOT / "bench" / "model-configs" / name)
+    if layers:
+        cfg.num_hidden_layers = layers
+    adapter = get_adapter(cfg)
+    gpu = gpu_gib * GiB if gpu_gib else float(PROFILE.gpu_total_bytes)
+    return make_plan(adapter, Workload((micro,) * n, seq, compile=True), PROFILE, suggest=False, gpu_limit=gpu,
+                     host_available=host_gib * GiB if host_gib else None, choose_keys=FREE_ALL)
+
+
+def test_llama_70b_at_half_a_million_tokens_per_step_fits_one_h200():
+    p = plan("llama-3.1-70b", 1, 128, 4096, host_gib=1536)
+    assert p.fits, p.problems
+    assert p.gpu_needed <= 130 * GiB
+    assert p.host_total / p.params <= 18.5
+    assert p.time["tflops_6n"] >= 400
+    # the default placement would need 900 GiB of GPU: the plan says why it chose another
+    assert "the default placement needs" in p.why
+
+
+@pytest.mark.parametrize("name,micro,n,seq,gpu", [
+    ("llama-3.1-8b", 1, 16, 4096, 22),  # a 24 GB card's class
+    ("llama-3.1-8b", 1, 64, 4096, 78),  # an H100 80 GB (what it has free)
+    ("qwen2.5-14b", 79, 2, 1024, 80),
+])
+def test_runs_that_did_not_fit_now_fit(name, micro, n, seq, gpu):
+    p = plan(name, micro, n, seq, gpu_gib=gpu)
+    assert p.fits, p.problems
+    assert p.gpu_needed <= gpu * GiB
+
+
+def test_gpu_memory_is_flat_in_depth_under_a_budget():
+    """Width 2048, 131,072 tokens per step, 16 to 128 layers under a 24 GiB budget: every depth fits; from the depth
+    where the default placement stops fitting (32) the GPU peak stays within 10% (spare GPU memory is used first:
+    16 layers need less than the budget), and the predicted throughput within 5%, while host RAM grows with the
+    parameters."""
+    plans = [plan("llama-2048-shape", 16, 4, 2048, gpu_gib=24, layers=d) for d in (16, 32, 64, 128)]
+    assert all(p.fits and p.gpu_needed <= 24 * GiB for p in plans), [p.problems for p in plans]
+    peaks = [p.gpu_peak for p in plans[1:]]
+    assert max(peaks) <= 1.10 * min(peaks), [x / GiB for x in peaks]
+    assert plans[-1].host_total > 4 * plans[1].host_total
+    rates = [p.time["tflops_6n"] for p in plans]
+    assert max(rates) <= 1.05 * min(rates), rates
+
+
+def test_a_run_that_fits_keeps_the_default_placement():
+    p = plan("qwen2.5-7b", 79, 2, 1024)
+    assert p.fits and p.why == "the default placement fits"
+    assert p.placement.spill_layers == 0 and p.placement.grads_to_host == 0 and p.placement.wave_groups == 1
