@@ -35,6 +35,9 @@ from .workload import Workload
 # runs of 2026-11-21, the GPU idle time each measured (the forward of unit u waiting for unit u's update) implies
 # 0.44-0.72 of the probe's 4.55 Gparam/s, median 0.62 (2.8 Gparam/s), in runs of 33k to 262k tokens per step.
 ADAMW_IN_STEP = 0.62
+# fp32 streaming computes in fp32 without TF32: H100/H200 datasheet dense bf16 989 TFLOP/s against fp32 67 TFLOP/s.
+# Not measured by the probe (a run in fp32 mode is for exactness, not speed); the plan says so in its rate source.
+FP32_SLOWDOWN = 989.0 / 67.0
 
 
 def _use_tokens(w: Workload) -> list[int]:
@@ -88,6 +91,15 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
             if forward:
                 return (2.0 * P / r_mm + attn_tok / r_attn) * tokens
             return (6.0 * P / r_mm + 3 * attn_tok / r_attn) * tokens
+    head_s = fl["head"] / prof.head_flops
+    if w.precision == "fp32" and w.device == "cuda":  # the engine computes in fp32 (no TF32): every rate above is
+        #                                              a bf16 tensor-core rate, not probed in fp32
+        bf16_layer_s = layer_s
+        how += f"; fp32 compute taken as 1/{FP32_SLOWDOWN:.1f} of it (not probed)"
+        head_s *= FP32_SLOWDOWN
+
+        def layer_s(P: int, forward: bool, tokens: int) -> float:
+            return bf16_layer_s(P, forward, tokens) * FP32_SLOWDOWN
     out = {"executed_flops": total, "rate_source": how}
     if w.device == "cpu":
         compute = total / prof.cpu_flops
@@ -96,7 +108,7 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
         out.update(step_s=step, compute_s=compute, h2d_s=0.0, d2h_s=0.0, optimizer_s=opt,
                    bound="CPU compute" if compute >= opt else "CPU optimizer")
     else:
-        out.update(_simulate(adapter, units, w, prof, layer_s, fl["head"] / prof.head_flops))
+        out.update(_simulate(adapter, units, w, prof, layer_s, head_s))
     step = out["step_s"]
     out["tokens_per_s"] = tokens / step
     out["executed_tflops"] = total / step / 1e12
