@@ -59,7 +59,15 @@ def main(argv: list[str] | None = None) -> int:
             from .planner.probe import main as probe_main
 
             return probe_main(argv[1:])
-        args = _parser().parse_args(argv)
+        parser = _parser()
+        args, extra = parser.parse_known_args(argv)
+        # overrides after an option (`megatrain plan CONFIG --json KEY=VALUE`): argparse stops filling the
+        # overrides at the option and leaves the rest over
+        stray = [a for a in extra if a.startswith("-") or not hasattr(args, "overrides")]
+        if stray:
+            parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        if extra:
+            args.overrides = [*args.overrides, *extra]
         return _run(args)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2, already printed)
         return _exit_status(e)

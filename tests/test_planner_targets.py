@@ -65,3 +65,28 @@ def test_a_run_that_fits_keeps_the_default_placement():
     p = plan("qwen2.5-7b", 79, 2, 1024)
     assert p.fits and p.why == "the default placement fits"
     assert p.placement.spill_layers == 0 and p.placement.grads_to_host == 0 and p.placement.wave_groups == 1
+
+
+def test_plan_json_for_70b_names_the_placement(tmp_path):
+    """`megatrain plan CONFIG --json` on the 70B run, as a script reads it: the figures and the placement chosen."""
+    import json
+
+    from test_plan import cli, write_70b_run
+
+    cfg = write_70b_run(tmp_path)
+    r = cli("plan", str(cfg), "--json", "train.device=cuda", "train.micro_batch_size=1", "train.grad_accum_steps=128",
+            "data.max_seq_len=4096", "memory.host_budget_gb=1536", "checkpoint.at_end=false",
+            f"plan.profile={ROOT / 'bench' / 'results' / '2026-11-21' / 'h200_profile.json'}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("fits", "gpu_peak_gib", "host_peak_gib", "host_bytes_per_param", "step_time_s", "tflops_6n",
+                "placement", "placement_why"):
+        assert key in out, key
+    assert out["fits"] and out["gpu_needed_gib"] <= 130 and out["host_bytes_per_param"] <= 18.5
+    assert out["placement"]["wave_groups"] > 1 and out["tokens_per_step"] == 128 * 4096
+    # the report says the same in words
+    r = cli("plan", str(cfg), "train.device=cuda", "train.micro_batch_size=1", "train.grad_accum_steps=128",
+            "data.max_seq_len=4096", "memory.host_budget_gb=1536", "memory.wave_groups=1",
+            f"plan.profile={ROOT / 'bench' / 'results' / '2026-11-21' / 'h200_profile.json'}", cwd=tmp_path)
+    assert "placement: memory.checkpoint_every=" in r.stdout and "memory.wave_groups=1" in r.stdout
+    assert r.returncode in (0, 1)
