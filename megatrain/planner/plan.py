@@ -78,12 +78,6 @@ class Plan:
     def step_s(self) -> float:
         return self.time["step_s"]
 
-    def summary(self) -> dict:
-        """The plan's figures for the run's start summary and metrics."""
-        return {"plan_host_gib": self.host_total / GiB, "plan_gpu_peak_gib": self.gpu_peak / GiB,
-                "plan_step_s": self.step_s, "plan_tokens_per_s": self.time["tokens_per_s"],
-                "plan_bound": self.time["bound"], "plan_placement": self.placement_keys}
-
     def as_json(self) -> dict:
         """The plan's figures, for scripts (`megatrain plan --json`)."""
         pl, t = self.workload.placement, self.time

@@ -196,7 +196,7 @@ def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float
         # copies out that overlap the compute: spilled inputs, finished gradients to host, parked accumulators
         if use.keep == "host":
             side_d2h += C / d2h_rate
-        if use.grad == "host" or (use.grad == "group-host"):
+        if use.grad in ("host", "group-host"):
             side_d2h += 4.0 * units[0 if use.kind == "embed_backward" else use.units[0]].numel / d2h_rate
         if use.kind == "embed":
             dt = 0.0  # the lookup

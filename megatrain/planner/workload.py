@@ -10,11 +10,11 @@ planner chooses the rest: plan.py); bench/plan_vs_measured.py builds one from a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ..runtime.schedule import Placement, group_sizes
 
-PLACEMENT_KEYS = ("checkpoint_every", "spill_layers", "grads_to_host", "wave_groups", "group_grads")
+PLACEMENT_KEYS = tuple(f.name for f in fields(Placement))  # each a memory.* config key
 
 
 @dataclass(frozen=True)

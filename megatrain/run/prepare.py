@@ -20,6 +20,7 @@ from ..config import Config, check_paths
 from ..errors import MegatrainError, load_json, read_text
 from ..models import get_adapter, load_hf_config
 from ..runtime import CpuAdamW, EngineOptions, HostStore, Placement, Runtime, RuntimeOptions, build_runtime
+from ..planner.workload import fixed_placement
 from .oom import host_allocation
 
 
@@ -152,8 +153,7 @@ def runtime_options(cfg: Config, device: torch.device, plan=None) -> RuntimeOpti
     if plan is not None:
         placement = plan.placement
     else:
-        fixed = {k: v for k, v in cfg.memory.model_dump().items() if v is not None and k in Placement.__dataclass_fields__}
-        placement = Placement(**fixed)
+        placement = Placement(**fixed_placement(cfg))
     return RuntimeOptions(engine=EngineOptions(loss_chunk_tokens=e.loss_chunk_tokens, num_slots=e.num_slots,
                                                compile_layers=compile_layers, placement=placement))
 

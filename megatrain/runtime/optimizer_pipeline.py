@@ -28,7 +28,6 @@ import torch
 from . import adamw
 from .adamw import CpuAdamW
 from .pinned import PinnedHost
-from .schedule import gradient_order
 from .store import HostStore
 
 PIECE_MAX = 64 << 20  # elements per landing buffer
