@@ -68,16 +68,19 @@ def run(args) -> dict:
         torch.cuda.set_per_process_memory_fraction(args.gpu_budget * 2**30 / total, device)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
+    plan = None
+    if args.auto:  # the placement megatrain train would run: the planner's, from the budgets before anything is
+        plan = plan_of(args, adapter, device)  # allocated (as megatrain train plans before loading weights)
+        print(f"planner's placement: {plan.placement_keys} ({plan.why})", flush=True)
+        if not plan.fits:  # what megatrain train would refuse, before the weights are allocated
+            raise SystemExit(f"the plan does not fit: {plan.why}")
     t0 = time.perf_counter()
     store = HostStore(adapter, torch.bfloat16 if args.precision == "bf16" else torch.float32)
     store.init_random(0, 0.02)
     placement = Placement(checkpoint_every=args.checkpoint_every, spill_layers=args.spill, grads_to_host=args.offload,
                           wave_groups=args.wave_groups, group_grads=args.group_grads)
-    plan = None
-    if args.auto:  # the placement megatrain train would run: the planner's, from the budgets
-        plan = plan_of(args, adapter, device)
+    if plan is not None:
         placement = plan.placement
-        print(f"planner's placement: {plan.placement_keys} ({plan.why})", flush=True)
     runtime = build_runtime(store, device, CpuAdamW(weight_decay=0.1), RuntimeOptions(
         engine=EngineOptions(num_slots=args.slots, compile_layers=args.compile, placement=placement),
         adam_threads=args.adam_threads))

@@ -93,3 +93,20 @@ def test_wave_groups_are_consecutive_and_even():
     assert group_sizes(2, 3) == [range(0, 1), range(1, 2)]  # never an empty group
     uses = step_schedule(4, False, Placement(wave_groups=2, grads_to_host=1))
     assert [u.grad for u in uses if u.grad] == ["group-gpu"] * 4 + ["host", "gpu", "gpu", "gpu"]
+
+
+def test_gradient_norm_in_chunks(model_dir, baseline, monkeypatch):
+    """A unit longer than one cuBLAS dot (a 405B layer: 3.2e9 > 2**31 - 1 elements) has its squared norm summed over
+    chunks: with chunks of 1,000 elements every unit is split, and the step is the default's up to the order of the
+    norm's summation (the float64 norm of the same gradients agrees to fp32 rounding)."""
+    from megatrain.runtime import engine
+
+    x = torch.randn(10_007, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(engine.squared_norm(x, chunk=20_000), torch.dot(x, x))  # fits one call: the same dot
+    assert torch.allclose(engine.squared_norm(x, chunk=1_000).double(), (x.double() ** 2).sum(), rtol=1e-6)
+    monkeypatch.setattr(engine, "DOT_CHUNK", 1_000)
+    (base, _), (got, _) = baseline, train(model_dir, Placement())
+    for (l0, n0, g0), (l1, n1, g1) in zip(base, got):
+        exact = sum((g.double() ** 2).sum() for g in g1.values()).sqrt()
+        assert abs(n1 - exact) <= 1e-6 * exact and abs(n1 - n0) <= 1e-6 * n0
+        assert abs(l1 - l0) <= 1e-6 * abs(l0)

@@ -45,6 +45,17 @@ from .schedule import TIED_INPUT, Placement, Use, group_sizes, head_units, slot_
 from .pinned import PinnedHost
 from .store import HostStore
 
+DOT_CHUNK = 2**30  # cuBLAS dot takes an int32 length: a layer of 3.2e9 parameters (Llama-3.1-405B) is longer
+
+
+def squared_norm(flat: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """Sum of squares of a flat fp32 tensor as a 0-d tensor on its device, in chunks cuBLAS accepts (one dot when
+    it is shorter than `chunk`, default DOT_CHUNK: the same number as one dot for every tensor that fits one call)."""
+    chunk = chunk or DOT_CHUNK
+    if flat.numel() <= chunk:
+        return torch.dot(flat, flat)
+    return torch.stack([torch.dot(part, part) for part in flat.split(chunk)]).sum()
+
 
 class GradientSink(Protocol):
     """Where finished gradients go (the optimizer pipeline; CollectGrads in tests), and whose updates the next
@@ -231,7 +242,7 @@ class Engine:
         """After the use that last touches this unit's gradient in its group: hand it to the sink when complete,
         else keep it for the next group where the schedule says."""
         if use.grad in ("gpu", "host"):
-            sq_norms.append(torch.dot(grad, grad))
+            sq_norms.append(squared_norm(grad))
             self.sink.put(unit, grad, use.grad == "host")
         else:
             self.accumulators.park(unit, grad, use.grad.removeprefix("group-"))
