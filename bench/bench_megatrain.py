@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -77,8 +78,9 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     store = HostStore(adapter, torch.bfloat16 if args.precision == "bf16" else torch.float32)
     store.init_random(0, 0.02)
-    placement = Placement(checkpoint_every=args.checkpoint_every, spill_layers=args.spill, grads_to_host=args.offload,
-                          wave_groups=args.wave_groups, group_grads=args.group_grads)
+    placement = Placement(checkpoint_every=args.checkpoint_every, keep_top_layers=args.keep_top,
+                          spill_layers=args.spill, grads_to_host=args.offload, wave_groups=args.wave_groups,
+                          group_grads=args.group_grads)
     if plan is not None:
         placement = plan.placement
     runtime = build_runtime(store, device, CpuAdamW(weight_decay=0.1), RuntimeOptions(
@@ -137,9 +139,7 @@ def run(args) -> dict:
 
     return {
         "label": args.label, "device": device.type, "compile": args.compile, "loss_chunk": engine.loss_chunk,
-        "placement": {"checkpoint_every": placement.checkpoint_every, "spill_layers": placement.spill_layers,
-                      "grads_to_host": placement.grads_to_host, "wave_groups": placement.wave_groups,
-                      "group_grads": placement.group_grads},
+        "placement": asdict(placement),
         "planned": None if plan is None else {"gpu_peak_gib": plan.gpu_peak / 2**30, "gpu_needed_gib":
                                               plan.gpu_needed / 2**30, "host_gib": plan.host_total / 2**30,
                                               "step_s": plan.step_s, "why": plan.why},
@@ -178,6 +178,8 @@ def main():
                                                           "(memory.grads_to_host)")
     p.add_argument("--checkpoint-every", type=int, default=1, help="keep every K-th layer's input (memory."
                                                                      "checkpoint_every)")
+    p.add_argument("--keep-top", type=int, default=0, help="with --checkpoint-every > 1: top layers that keep their "
+                                                           "inputs (memory.keep_top_layers)")
     p.add_argument("--wave-groups", type=int, default=1, help="micro-batch groups per step (memory.wave_groups)")
     p.add_argument("--group-grads", choices=["gpu", "host"], default="gpu",
                    help="where accumulators wait between wave groups (memory.group_grads)")
@@ -189,7 +191,7 @@ def main():
                    help="GiB the caching allocator may hold (torch.cuda.set_per_process_memory_fraction)")
     p.add_argument("--auto", action="store_true", help="the planner chooses the placement from the GPU budget "
                    "(--gpu-budget, else free memory) and free host RAM, as megatrain train does (overrides --spill, "
-                   "--offload, --checkpoint-every, --wave-groups, --group-grads)")
+                   "--offload, --checkpoint-every, --keep-top, --wave-groups, --group-grads)")
     p.add_argument("--profile", default=None, help="machine profile for --auto (default: as megatrain plan)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--device", default="cuda", help="cuda (the benchmark), or cpu to check the script")

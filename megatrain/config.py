@@ -73,6 +73,9 @@ class MemoryConfig(_Strict):
                                                                 "what this machine has free, cgroup-aware)")
     checkpoint_every: int | None = Field(None, ge=1, description="keep every K-th layer's input in the forward; "
                                                                  "rebuild the others in backward (default: chosen)")
+    keep_top_layers: int | None = Field(None, ge=0, description="with checkpoint_every > 1: the top N layers keep "
+                                                                "their inputs, only the layers below are rebuilt "
+                                                                "in blocks (default: chosen)")
     spill_layers: int | None = Field(None, ge=0, description="kept inputs of the lowest N layers live in pinned "
                                                              "host memory (default: chosen)")
     grads_to_host: int | None = Field(None, ge=0, description="the first N units to finish their gradient (head, "

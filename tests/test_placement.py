@@ -42,6 +42,8 @@ PLACEMENTS = [
     Placement(checkpoint_every=2),
     Placement(checkpoint_every=4),
     Placement(checkpoint_every=5),
+    Placement(checkpoint_every=2, keep_top_layers=2),  # blocks (0,1) (2): the top two layers keep their inputs
+    Placement(checkpoint_every=4, keep_top_layers=1, spill_layers=3),
     Placement(spill_layers=3),
     Placement(checkpoint_every=2, spill_layers=5),
     Placement(grads_to_host=3),
@@ -86,6 +88,16 @@ def test_schedule_streams_each_block_once_more():
     assert [u.keep for u in uses if u.kind == "forward"] == ["host", "drop", "host", "drop", "gpu"]
     assert [(u.kind, u.layer, u.fetch) for u in uses if u.fetch is not None] == [("backward", 4, 2),
                                                                                ("rebuild", 2, 0)]
+
+
+def test_top_layers_keep_their_inputs():
+    """keep_top_layers = 2 over 5 layers with K = 2: blocks (0,1) (2) below the top two layers (3) (4), which keep
+    their inputs; only layer 0 is rebuilt. With every layer kept it is K = 1's schedule."""
+    uses = step_schedule(7, False, Placement(checkpoint_every=2, keep_top_layers=2))
+    assert [u.keep for u in uses if u.kind == "forward"] == ["gpu", "drop", "gpu", "gpu", "gpu"]
+    assert [(u.kind, u.layer) for u in uses if u.kind in ("rebuild", "backward")] == [
+        ("backward", 4), ("backward", 3), ("backward", 2), ("rebuild", 0), ("backward", 1), ("backward", 0)]
+    assert step_schedule(7, False, Placement(checkpoint_every=3, keep_top_layers=5)) == step_schedule(7, False)
 
 
 def test_wave_groups_are_consecutive_and_even():

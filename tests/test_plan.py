@@ -219,6 +219,8 @@ P = Placement
     ("qwen2.5-7b", 7, [16, 16], 1024, False, P(checkpoint_every=2)),  # blocks of 2, the last one short
     ("qwen2.5-7b", 8, [16, 16, 8], 1024, False, P(checkpoint_every=4)),
     ("qwen2.5-7b", 8, [16, 16], 1024, False, P(checkpoint_every=3, spill_layers=8)),  # kept inputs all spilled
+    ("qwen2.5-7b", 8, [16, 16], 1024, False, P(checkpoint_every=2, keep_top_layers=3)),  # blocks below the top 3
+    ("qwen2.5-7b", 8, [16, 16], 1024, False, P(checkpoint_every=3, keep_top_layers=4, spill_layers=3)),
     ("qwen2.5-7b", 5, [8, 8, 8, 4], 1024, False, P(wave_groups=2)),  # accumulators wait on the GPU
     ("qwen2.5-7b", 5, [8, 8, 8, 4], 1024, False, P(wave_groups=3, group_grads="host")),  # uneven groups
     ("qwen2.5-7b", 5, [2, 2, 2], 128, False, P(wave_groups=3, group_grads="host")),  # accumulators dominate
@@ -384,7 +386,8 @@ def test_a_fixed_placement_that_does_not_fit_names_the_keys_to_leave_unset():
                   choose_keys=frozenset({"grads_to_host"}))  # the others as the config sets them
     assert not p.fits
     first = p.suggestions[0]
-    assert first.startswith("leave memory.checkpoint_every, memory.group_grads, memory.spill_layers, "
+    assert first.startswith("leave memory.checkpoint_every, memory.group_grads, memory.keep_top_layers, "
+                            "memory.spill_layers, "
                             "memory.wave_groups unset"), first
     assert "the planner's placement: memory.checkpoint_every=" in first
 

@@ -6,13 +6,16 @@ The knobs, cheapest first in step time (DESIGN.md rules 9-11):
                         backward, and the next step's copy-out shrinks): costs 4 B/param of host RAM for those units
     spill_layers S      kept layer inputs in pinned host memory, fetched back a block ahead (PCIe, mostly idle)
     checkpoint_every K  a block's inner inputs rebuilt in backward: (K-1)/K of a layer forward more per layer
+    keep_top_layers T   with K > 1, the top T layers keep their inputs: rebuilds only in the layers below, so the
+                        step time grows with what the memory needs, not in one jump from K = 1 to K = 2
     wave_groups G       the micro-batches in G groups: weights stream 2-3 times per group; with group_grads=host
                         the accumulators wait in pinned host memory between groups (in the gradients' own host
                         buffers for units sent to host: no more host RAM than N = all)
 
 `choose` keeps every key the config sets and, when the default placement does not fit, searches the others: for
 each (G, where accumulators wait) the smallest K that fits, each with the fewest gradients sent to host and then
-the fewest spilled inputs that bring the GPU under its budget (both shrink the GPU need monotonically), and keeps,
+the fewest spilled inputs that bring the GPU under its budget (both shrink the GPU need monotonically), for K > 1
+also with the most top layers kept that still fits (host and GPU) by the same rule, and keeps,
 of the candidates predicted (timing.py) within NEAR_FASTEST of the shortest step, the one with the least host RAM
 (host RAM is the scarce resource: DESIGN.md rule 11), then the fewest groups. Every
 candidate is planned by the same memory model as the plan itself (memory.py), so what is chosen is what is
@@ -37,8 +40,11 @@ GROUP_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 def describe(pl: Placement, groups: int) -> str:
     """A placement in config keys."""
-    parts = [f"memory.checkpoint_every={pl.checkpoint_every}", f"memory.spill_layers={pl.spill_layers}",
-             f"memory.grads_to_host={pl.grads_to_host}", f"memory.wave_groups={groups}"]
+    parts = [f"memory.checkpoint_every={pl.checkpoint_every}"]
+    if pl.checkpoint_every > 1:
+        parts.append(f"memory.keep_top_layers={pl.keep_top_layers}")
+    parts += [f"memory.spill_layers={pl.spill_layers}", f"memory.grads_to_host={pl.grads_to_host}",
+              f"memory.wave_groups={groups}"]
     if groups > 1:
         parts.append(f"memory.group_grads={pl.group_grads}")
     return " ".join(parts)
@@ -89,6 +95,23 @@ class _Search:
                 lo = mid
         return replace(pl, **{key: hi})
 
+    def most_kept(self, pl: Placement) -> Placement | None:
+        """`pl` (K > 1, settled) with the most top layers keeping their inputs that still settles: the memory of
+        more kept inputs grows with their number, so the last that fits is found by bisection."""
+        if "keep_top_layers" not in self.free:
+            return None
+        lo, hi = pl.keep_top_layers, len(self.units) - 2  # settles at lo; all layers kept is K = 1, tried first
+        best = pl
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            got = self.settle(replace(pl, keep_top_layers=mid, grads_to_host=self.w.placement.grads_to_host,
+                                      spill_layers=self.w.placement.spill_layers))
+            if got is None:
+                hi = mid
+            else:
+                lo, best = mid, got
+        return best if best is not pl else None
+
     def settle(self, pl: Placement) -> Placement | None:
         """The fewest gradients to host, then the fewest spilled inputs, that bring `pl`'s structure (K, G, where
         accumulators wait) under the GPU budget; None when nothing does, or the host cannot hold the result."""
@@ -134,7 +157,10 @@ def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None,
         for G in Gs:
             for where in (wheres if G > 1 else (w.placement.group_grads,)):
                 for K in Ks:  # the smallest K that fits this (G, where): more K only adds rebuilds
-                    if consider(s.settle(s.placement(checkpoint_every=K, wave_groups=G, group_grads=where))):
+                    pl = s.settle(s.placement(checkpoint_every=K, wave_groups=G, group_grads=where))
+                    if consider(pl):
+                        if K > 1:  # and the fewest layers in blocks: rebuilds only where memory needs them
+                            consider(s.most_kept(pl))
                         break
             if any(c[3].checkpoint_every == 1 and c[3].spill_layers == 0 for c in candidates):
                 break  # more groups would only add weight crossings

@@ -17,7 +17,7 @@ functions, the GPU and the time from walking the runtime's own step schedule.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from .memory import DEVICE_WORK, checkpoint_bytes, gpu_needed, gpu_phases, host_memory, peak_phase, pinned_bytes
 from .placement import choose, describe
@@ -85,9 +85,7 @@ class Plan:
                 "tokens_per_step": self.workload.tokens_per_step, "micro_batches": list(self.workload.micro_batches),
                 "seq_len": self.workload.seq_len, "fits": self.fits, "problems": self.problems,
                 "suggestions": self.suggestions,
-                "placement": {"checkpoint_every": pl.checkpoint_every, "spill_layers": pl.spill_layers,
-                              "grads_to_host": pl.grads_to_host, "wave_groups": len(self.workload.groups),
-                              "group_grads": pl.group_grads},
+                "placement": {**asdict(pl), "wave_groups": len(self.workload.groups)},
                 "placement_why": self.why, "chosen_keys": sorted(self.free),
                 "host_peak_gib": self.host_total / GiB, "host_bytes_per_param": self.host_total / self.params,
                 "host_available_gib": None if self.host_available is None else self.host_available / GiB,

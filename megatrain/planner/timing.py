@@ -178,7 +178,7 @@ def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float
         if use.fetch is not None:
             t_in += C / prof.h2d_bps  # the next block's spilled input, behind these weights
         others = max(h2d_end, free)
-        if use.kind in ("rebuild", "backward") and kept(use.layer, pl) == "host" and \
+        if use.kind in ("rebuild", "backward") and kept(use.layer, pl, len(units) - 2) == "host" and \
                 (use.group, use.layer) not in back_early:
             t_in += C / prof.h2d_bps  # a spilled input not fetched ahead (the top block's): loaded at its use
             back_early.add((use.group, use.layer))

@@ -7,6 +7,8 @@ decides, before the step, where everything lives:
     checkpoint_every K   the input of every K-th layer (0, K, 2K, ...) is kept in the forward wave; in backward a
                          block's other inputs are rebuilt from its kept one ('rebuild' uses: the block's weights
                          stream once more) before the block's backward
+    keep_top_layers T    with K > 1: the top T layers keep every input (no rebuild), the layers below them are in
+                         blocks of K, so rebuilds cost only what the memory needs (default 0: every layer in blocks)
     spill_layers S       kept inputs of layers below S live in pinned host memory, not on the GPU; each comes back
                          one block ahead of its backward (`Use.fetch`)
     grads_to_host N      the first N units to finish their gradient (head, last layer, ...) send it to pinned host
@@ -43,13 +45,15 @@ Kind = Literal["embed", "forward", "head", "rebuild", "backward", "embed_backwar
 @dataclass(frozen=True)
 class Placement:
     checkpoint_every: int = 1  # K
+    keep_top_layers: int = 0  # with K > 1: the top T layers keep their inputs; the layers below are in blocks of K
     spill_layers: int = 0  # kept inputs of layers below this live in pinned host memory
     grads_to_host: int = 0  # first N units to complete send their gradient to pinned host memory
     wave_groups: int = 1  # G
     group_grads: Literal["gpu", "host"] = "gpu"  # where accumulators wait between wave groups (G > 1)
 
     def __post_init__(self):
-        if self.checkpoint_every < 1 or self.wave_groups < 1 or self.spill_layers < 0 or self.grads_to_host < 0:
+        counts = (self.spill_layers, self.grads_to_host, self.keep_top_layers)
+        if self.checkpoint_every < 1 or self.wave_groups < 1 or min(counts) < 0:
             raise ValueError(f"invalid placement {self}")
 
 
@@ -87,15 +91,27 @@ def grads_to_host(num_units: int, placement: Placement) -> list[int]:
     return gradient_order(num_units)[:placement.grads_to_host]
 
 
-def kept(layer: int, placement: Placement) -> str:
+def blocked_layers(num_layers: int, placement: Placement) -> int:
+    """The layers (from the bottom) grouped in blocks of K: all but the top `keep_top_layers`."""
+    return max(0, num_layers - placement.keep_top_layers)
+
+
+def blocks(num_layers: int, placement: Placement) -> list[tuple[int, int]]:
+    """The step's backward blocks, bottom up, as [start, end) layer ranges: blocks of K below the kept top layers
+    (the last of them short when K does not divide their number), then one per top layer."""
+    B, K = blocked_layers(num_layers, placement), placement.checkpoint_every
+    return [(s, min(B, s + K)) for s in range(0, B, K)] + [(l, l + 1) for l in range(B, num_layers)]
+
+
+def kept(layer: int, placement: Placement, num_layers: int) -> str:
     """Where the forward wave leaves this layer's input: on the GPU, spilled to host, or dropped (rebuilt)."""
-    if layer % placement.checkpoint_every:
+    if layer < blocked_layers(num_layers, placement) and layer % placement.checkpoint_every:
         return "drop"
     return "host" if layer < placement.spill_layers else "gpu"
 
 
 def spilled_layers(num_layers: int, placement: Placement) -> list[int]:
-    return [l for l in range(num_layers) if kept(l, placement) == "host"]
+    return [l for l in range(num_layers) if kept(l, placement, num_layers) == "host"]
 
 
 def group_sizes(num_micro: int, groups: int) -> list[range]:
@@ -119,9 +135,9 @@ def step_schedule(num_units: int, tied: bool, placement: Placement = Placement()
 
 @lru_cache(maxsize=64)
 def _schedule(num_units: int, tied: bool, placement: Placement, groups: int) -> tuple[Use, ...]:
-    L, K = num_units - 2, placement.checkpoint_every
+    L = num_units - 2
     to_host = set(grads_to_host(num_units, placement))
-    blocks = [(s, min(L, s + K)) for s in range(0, L, K)]
+    bl = blocks(L, placement)
     uses: list[Use] = []
     for g in range(groups):
         last = g == groups - 1
@@ -132,14 +148,14 @@ def _schedule(num_units: int, tied: bool, placement: Placement, groups: int) -> 
             return "host" if unit in to_host else "gpu"
 
         uses.append(Use((0,), "embed", group=g))
-        uses += [Use((1 + l,), "forward", l, g, keep=kept(l, placement)) for l in range(L)]
+        uses += [Use((1 + l,), "forward", l, g, keep=kept(l, placement, L)) for l in range(L)]
         head = head_units(num_units, tied)
         uses.append(Use(head, "head", group=g, grad=grad(head[0])))
-        for b in reversed(range(len(blocks))):
-            s, e = blocks[b]
+        for b in reversed(range(len(bl))):
+            s, e = bl[b]
             # the next block's kept input comes back from host during this block, one block ahead of its use
-            below = blocks[b - 1][0] if b > 0 else None
-            fetch = below if below is not None and kept(below, placement) == "host" else None
+            below = bl[b - 1][0] if b > 0 else None
+            fetch = below if below is not None and kept(below, placement, L) == "host" else None
             block = [Use((1 + l,), "rebuild", l, g) for l in range(s, e - 1)]
             block += [Use((1 + l,), "backward", l, g, grad=grad(1 + l)) for l in reversed(range(s, e))]
             block[0] = Use(block[0].units, block[0].kind, block[0].layer, g, grad=block[0].grad, fetch=fetch)

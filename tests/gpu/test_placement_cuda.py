@@ -30,6 +30,7 @@ STEPS, TOL = 3, 1e-5
 PLACEMENTS = {
     "K2-spill4": Placement(checkpoint_every=2, spill_layers=4),
     "K4": Placement(checkpoint_every=4),
+    "K2-top3-spill2": Placement(checkpoint_every=2, keep_top_layers=3, spill_layers=2),  # rebuilds below the top 3
     "grads_to_host6": Placement(grads_to_host=6),
     "groups2-gpu": Placement(wave_groups=2),
     "groups3-host": Placement(wave_groups=3, group_grads="host"),
