@@ -96,6 +96,7 @@ def main():
                    help="stop (and record) when the host's available memory falls below this")
     p.add_argument("--try-anyway", action="store_true",
                    help="build the model even when 18 B/param exceeds the host's memory")
+    p.add_argument("--progress", type=int, default=0, help="print the step's time every N micro-batches")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     assert args.seqs % args.micro == 0, "--seqs must be a multiple of --micro (DeepSpeed's accumulation)"
@@ -176,12 +177,16 @@ def main():
         sync()
         t = time.perf_counter()
         total = 0.0
-        for _ in range(accum):
+        for i in range(accum):
             ids = torch.randint(0, cfg.vocab_size, (args.micro, args.seq), generator=g).to(engine.device)
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
             total += loss.detach()
+            if args.progress and (i + 1) % args.progress == 0:  # a long step's rate, should the run be cut short
+                sync()
+                print(f"  step {step}: {i + 1}/{accum} micro-batches in {time.perf_counter() - t:.1f} s, host RSS "
+                      f"{rss_bytes() / GiB:.1f} GiB", flush=True)
         sync()
         dt = time.perf_counter() - t
         tokens = args.seqs * args.seq

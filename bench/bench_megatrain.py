@@ -63,6 +63,8 @@ def run(args) -> dict:
                     intermediate_size=args.intermediate)
     adapter = get_adapter(cfg)
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # memory queries and caps want the index
+        device = torch.device("cuda", torch.cuda.current_device())
     cuda = device.type == "cuda"
     if args.gpu_budget and cuda:  # a hard cap: the caching allocator raises out-of-memory rather than exceed it
         total = torch.cuda.get_device_properties(device).total_memory
