@@ -3,7 +3,7 @@
 placements) and with the placement the planner chooses (no memory keys; or under memory.gpu_budget_gb), and what the
 GPU runs measured (markers: torch.cuda.max_memory_allocated).
 
-    python bench/plot_gpu_memory.py [--out bench/results/2026-11-23/gpu_memory]   (needs matplotlib)
+    python bench/plot_gpu_memory.py [--out bench/results/2026-11-24/gpu_memory]   (needs matplotlib)
 
 Planned with the H200 probe (bench/results/2026-11-21/h200_profile.json), compiled layers, from config.json alone.
 Writes OUT.png and OUT.json (every point), prints a table last.
@@ -32,7 +32,11 @@ MEASURED = {  # (series, x, GPU peak GiB, result file)
     "depth": [("default placement (H200)", 16, None, R + "2026-11-21/depth131k_16.json"),
               ("hand-set spill (H200, 2026-11-21)", 32, None, R + "2026-11-21/depth131k_32.json"),
               ("hand-set spill (H200, 2026-11-21)", 64, None, R + "2026-11-21/depth131k_64.json"),
-              ("hand-set spill (H200, 2026-11-21)", 128, None, R + "2026-11-21/depth131k_128.json")],
+              ("hand-set spill (H200, 2026-11-21)", 128, None, R + "2026-11-21/depth131k_128.json")] + [
+              ("planner, no keys (H200)", d, None, R + f"2026-11-24/depth-nokeys/depth_{d}.json")
+              for d in (16, 32, 64, 128)] + [
+              ("planner, gpu_budget_gb=16 (H200 of the x2 kind)", 128, None,
+               R + "2026-11-24/x2-peer2/depth_128_b16.json")],
     "tokens": [("default placement, micro-batches of 16 rows (H200)", 64 * 4096, None, R + "2026-11-21/llama8b.json"),
                ("planner, H100 80 GB", 64 * 4096, None, R + "2026-11-23/bounded-h100/llama8b_64x4096.json"),
                ("planner, gpu_budget_gb=22 (H200)", 16 * 4096, None,
@@ -58,7 +62,7 @@ def series() -> dict:
     rows = [8, 16, 32, 64, 96, 128]
     out = {"depth": {}, "tokens": {}}
     for label, gpu, choose in (("default placement (before)", None, False), ("planner, H200 141 GB", None, True),
-                               ("planner, gpu_budget_gb=24", 24, True)):
+                               ("planner, gpu_budget_gb=16", 16, True)):
         out["depth"][label] = [(d, peak(adapter("llama-2048-shape", d), Workload((16,) * 4, 2048, compile=True),
                                         gpu, choose)) for d in depths]
     a = adapter("llama-3.1-8b")
@@ -82,7 +86,7 @@ def measured() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(HERE / "results" / "2026-11-23" / "gpu_memory"))
+    ap.add_argument("--out", default=str(HERE / "results" / "2026-11-24" / "gpu_memory"))
     args = ap.parse_args()
     planned, meas = series(), measured()
     Path(args.out + ".json").write_text(json.dumps({"planned": planned, "measured": meas}, indent=1))
