@@ -415,6 +415,26 @@ def test_measured_peaks_are_reproduced(profile):
         assert abs(row["time_err"]) <= 0.15, row
 
 
+def test_the_bounded_memory_runs_are_reproduced():
+    """The 2026-11-24 runs (out of sample: no constant was fitted to them), with the default rates: the planner's
+    placements under no keys and under a 16 GiB budget, the no-slower pairs, and the real-width runs of issue 11
+    (Llama-3.1-70B cut to 4 layers and Llama-3.1-405B cut to 1, 524,288 tokens per step), whose GPU peak, host
+    peak and step time must be within 10% of `megatrain plan`."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from plan_vs_measured import compare, load_results
+
+    runs = load_results(ROOT / "bench" / "results" / "2026-11-24")
+    assert len(runs) >= 10
+    real_width = 0
+    for r in runs:
+        row = compare(r, DEFAULTS)
+        limit = 0.10 if r["label"].startswith(("llama-3.1-70b", "llama-3.1-405b")) else 0.15
+        real_width += limit == 0.10
+        assert abs(row["gpu_err"]) <= 0.10 and abs(row["host_err"]) <= 0.10, row
+        assert abs(row["time_err"]) <= limit, row
+    assert real_width == 2
+
+
 def _probed(compile: bool):
     """The H200 probe with only its qwen2.5-7b layer, measured in one compile mode."""
     from megatrain.planner.profile import LayerRate, load_profile
