@@ -29,7 +29,7 @@ from common import H200_BF16_PEAK, hf_config, peak_rss_bytes, rss_bytes, table, 
 from megatrain.models import get_adapter  # noqa: E402
 from megatrain.planner.flops import flops_per_token  # noqa: E402
 from megatrain.runtime import (CpuAdamW, EngineOptions, HostStore, MicroBatch, Placement, RuntimeOptions,  # noqa: E402
-                               build_runtime)
+                               build_runtime, store_dtypes)
 from megatrain.runtime.adamw import clip_coefficient  # noqa: E402
 
 
@@ -77,14 +77,14 @@ def run(args) -> dict:
         print(f"planner's placement: {plan.placement_keys} ({plan.why})", flush=True)
         if not plan.fits:  # what megatrain train would refuse, before the weights are allocated
             raise SystemExit(f"the plan does not fit: {plan.why}")
-    t0 = time.perf_counter()
-    store = HostStore(adapter, torch.bfloat16 if args.precision == "bf16" else torch.float32)
-    store.init_random(0, 0.02)
     placement = Placement(checkpoint_every=args.checkpoint_every, keep_top_layers=args.keep_top,
                           spill_layers=args.spill, grads_to_host=args.offload, wave_groups=args.wave_groups,
-                          group_grads=args.group_grads)
+                          group_grads=args.group_grads, stream_dtype=args.stream_dtype)
     if plan is not None:
         placement = plan.placement
+    t0 = time.perf_counter()
+    store = HostStore(adapter, *store_dtypes(args.precision, placement.stream_dtype))
+    store.init_random(0, 0.02)
     runtime = build_runtime(store, device, CpuAdamW(weight_decay=0.1), RuntimeOptions(
         engine=EngineOptions(num_slots=args.slots, compile_layers=args.compile, placement=placement),
         adam_threads=args.adam_threads))
@@ -193,9 +193,11 @@ def main():
                    help="GiB the caching allocator may hold (torch.cuda.set_per_process_memory_fraction)")
     p.add_argument("--auto", action="store_true", help="the planner chooses the placement from the GPU budget "
                    "(--gpu-budget, else free memory) and free host RAM, as megatrain train does (overrides --spill, "
-                   "--offload, --checkpoint-every, --keep-top, --wave-groups, --group-grads)")
+                   "--offload, --checkpoint-every, --keep-top, --wave-groups, --group-grads, --stream-dtype)")
     p.add_argument("--profile", default=None, help="machine profile for --auto (default: as megatrain plan)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--stream-dtype", default="bf16", choices=["bf16", "fp32"],
+                   help="bf16 runs: stream a host bf16 copy, or the fp32 master cast on the GPU (memory.stream_dtype)")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark), or cpu to check the script")
     p.add_argument("--json", default=None)
     args = p.parse_args()

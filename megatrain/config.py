@@ -85,6 +85,9 @@ class MemoryConfig(_Strict):
                                                             "whole forward and backward wave (default: chosen)")
     group_grads: Literal["gpu", "host"] | None = Field(None, description="with wave groups: where gradient "
                                                                         "accumulators wait between groups")
+    stream_dtype: Literal["bf16", "fp32"] | None = Field(
+        None, description="bf16 training: stream a bf16 copy kept on the host (14 B/param), or the fp32 master, "
+                          "cast on the GPU (12 B/param, the same numbers; default: bf16, fp32 when only that fits)")
 
 
 class OutputConfig(_Strict):

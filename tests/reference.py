@@ -48,7 +48,8 @@ class Megatrain:
     def __init__(self, model_dir, dtype=torch.float32, *, threaded_optimizer: bool | None = None,
                  **engine_options):
         self.adapter = get_adapter(load_hf_config(model_dir))
-        self.store = HostStore(self.adapter, dtype)
+        stream = engine_options["placement"].stream_dtype if "placement" in engine_options else "bf16"
+        self.store = HostStore(self.adapter, torch.float32 if stream == "fp32" else dtype, dtype)
         self.store.load_safetensors(model_dir)
         self.opt = CpuAdamW(eps=EPS, weight_decay=WD)
         self.runtime = build_runtime(self.store, "cpu", self.opt, RuntimeOptions(

@@ -24,6 +24,7 @@ from megatrain.models import get_adapter
 from megatrain.planner import Workload, make_plan, memory, timing
 from megatrain.planner.memory import gpu_phases, landing_piece, padded_elems, slot_numel
 from megatrain.planner.placement import FREE_ALL
+from megatrain.planner.workload import PLACEMENT_KEYS
 from megatrain.planner.profile import DEFAULTS, GiB
 from megatrain.runtime.store import HostStore, LayerTile
 
@@ -186,7 +187,8 @@ def engine_peak_on_meta(adapter, sizes, seq, dtype=torch.bfloat16, packed=False,
         def mk(dt, n=u.numel):
             return torch.empty(n, dtype=dt, device="meta")
         tiles.append(LayerTile(u, mk(torch.float32), mk(torch.float32), mk(torch.float32), mk(dtype)))
-    store = SimpleNamespace(tiles=tiles, stream_dtype=dtype, max_unit_numel=max(t.numel for t in tiles))
+    store = SimpleNamespace(tiles=tiles, stream_dtype=dtype, compute_dtype=dtype,
+                            max_unit_numel=max(t.numel for t in tiles))
     engine = Engine(store, adapter, torch.device("meta"), _GpuLikeSink(), EngineOptions(placement=placement))
     engine.spill, engine.accumulators = _GpuLikeSpill(dtype), _GpuLikeAccumulators()
     mbs = []
@@ -264,6 +266,37 @@ def test_placement_host_buffers_equal_the_runtimes(placement, tied):
     plan = make_plan(adapter, w, DEFAULTS)
     assert plan.pinned == sum(host.get(k, 0) for k in (memory.MASTER, memory.LANDING, memory.SPILLED,
                                                       memory.OFFLOADED, memory.PARKED))  # fp32: the master streams
+
+
+def test_fp32_streaming_drops_the_bf16_copy():
+    """memory.stream_dtype=fp32 (bf16 compute): the host holds no bf16 copy (12 B/param, as the runtime's store),
+    the master is what is pinned, the GPU adds the engine's staging buffer, and twice the bytes cross the bus."""
+    from megatrain.runtime.engine import STAGE_ELEMS
+
+    adapter = get_adapter(tiny_hf_config("llama", layers=3, vocab=1001))
+    units = adapter.units()
+    w16 = Workload((2, 2), 64, device="cuda")
+    w32 = replace(w16, placement=P(stream_dtype="fp32"))
+    h16, h32 = memory.host_memory(units, w16, False), memory.host_memory(units, w32, False)
+    assert sum(h16.values()) - sum(h32.values()) == 2 * padded_elems(u.numel for u in units)
+    store = HostStore(adapter, torch.float32, torch.bfloat16)
+    assert store.host_bytes() == sum(h32[k] for k in (memory.MASTER, "Adam m (fp32)", "Adam v (fp32)"))
+    assert make_plan(adapter, w32, DEFAULTS).pinned == h32[memory.MASTER] + h32[memory.LANDING]
+    peak = [max(sum(c.values()) for _, c in gpu_phases(adapter, units, w, [])) for w in (w16, w32)]
+    assert peak[1] - peak[0] == 4 * min(slot_numel(units, False), STAGE_ELEMS)
+    t16, t32 = (timing.step_time(adapter, units, w, DEFAULTS)["h2d_s"] for w in (w16, w32))
+    assert t32 > 1.5 * t16
+
+
+def test_fp32_precision_cannot_stream_bf16(tmp_path):
+    from megatrain.config import load_config
+    from megatrain.errors import MegatrainError
+    from megatrain.planner.workload import workload_from_config
+
+    cfg = load_config(None, ["train.precision=fp32", "memory.stream_dtype=bf16"])
+    with pytest.raises(MegatrainError, match="memory.stream_dtype"):
+        workload_from_config(cfg, "cuda")
+    assert workload_from_config(load_config(None, ["memory.stream_dtype=fp32"]), "cuda").fp32_stream
 
 
 # ---- time --------------------------------------------------------------------------------------------------------
@@ -386,9 +419,8 @@ def test_a_fixed_placement_that_does_not_fit_names_the_keys_to_leave_unset():
                   choose_keys=frozenset({"grads_to_host"}))  # the others as the config sets them
     assert not p.fits
     first = p.suggestions[0]
-    assert first.startswith("leave memory.checkpoint_every, memory.group_grads, memory.keep_top_layers, "
-                            "memory.spill_layers, "
-                            "memory.wave_groups unset"), first
+    fixed = sorted(k for k in PLACEMENT_KEYS if k != "grads_to_host")  # every key the planner was not given
+    assert first.startswith("leave " + ", ".join(f"memory.{k}" for k in fixed) + " unset"), first
     assert "the planner's placement: memory.checkpoint_every=" in first
 
 

@@ -29,6 +29,7 @@ import weakref
 import torch
 
 from ..runtime.activation_spill import spill_numel
+from ..runtime.engine import STAGE_ELEMS
 from ..runtime.lmhead import default_chunk
 from ..runtime.optimizer_pipeline import NUM_LANDING, update_order
 from ..runtime.optimizer_pipeline import landing_piece as _landing_piece
@@ -94,7 +95,7 @@ def host_memory(units, w: Workload, tied: bool = False) -> dict[str, float]:
     embedding (its input-side gradient has an accumulator of its own)."""
     elems = padded_elems(u.numel for u in units)
     out = {MASTER: 4.0 * elems, "Adam m (fp32)": 4.0 * elems, "Adam v (fp32)": 4.0 * elems}
-    if w.precision == "bf16":
+    if w.precision == "bf16" and not w.fp32_stream:
         out["bf16 streaming copy" + (" (pinned)" if w.device == "cuda" else "")] = 2.0 * elems
     if w.device == "cuda":
         out[LANDING] = NUM_LANDING * 4.0 * landing_piece(units)
@@ -127,8 +128,8 @@ def pinned_bytes(host: dict[str, float], w: Workload) -> float:
     if w.device != "cuda":
         return 0.0
     pinned = sum(host.get(k, 0) for k in (STREAM_COPY_PINNED, LANDING, OFFLOADED, SPILLED, PARKED))
-    if w.precision == "fp32":
-        pinned += host[MASTER]  # in fp32 mode the master is what streams, registered as pinned
+    if w.precision == "fp32" or w.fp32_stream:
+        pinned += host[MASTER]  # streaming the fp32 master: it is what the runtime registers as pinned
     return pinned
 
 
@@ -213,6 +214,8 @@ def gpu_phases(adapter, units, w: Workload, notes: list[str], prof: Profile | No
     cuda = w.device == "cuda"
     to_host = set(grads_to_host(n, pl))
     slots = float(w.num_slots * slot_numel(units, adapter.tied) * e) if cuda else 0.0
+    if cuda and w.fp32_stream:  # the engine's staging buffer: fp32 pieces cast into the slots
+        slots += 4.0 * min(slot_numel(units, adapter.tied), STAGE_ELEMS)
     per_token_ctx = 2 * adapter.head_dim * e + 4 * 8  # cos, sin; input ids, positions, target index, targets
     act = _activation_sizes(adapter, w, notes, prof)
     # the last step's gradients that waited on the GPU, copied out in the optimizer's order (forward order)

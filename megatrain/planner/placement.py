@@ -11,6 +11,9 @@ The knobs, cheapest first in step time (DESIGN.md rules 9-11):
     wave_groups G       the micro-batches in G groups: weights stream 2-3 times per group; with group_grads=host
                         the accumulators wait in pinned host memory between groups (in the gradients' own host
                         buffers for units sent to host: no more host RAM than N = all)
+    stream_dtype fp32   bf16 runs stream the fp32 master and cast it on the GPU: no bf16 copy on the host (12 B/param
+                        instead of 14) for twice the bus traffic; chosen when it fits where the copy does not, or
+                        is more than NEAR_FASTEST faster (room for kept checkpoints and gradients)
 
 `choose` keeps every key the config sets and, when the default placement does not fit, searches the others: for
 each (G, where accumulators wait) the smallest K that fits, each with the fewest gradients sent to host and then
@@ -47,6 +50,8 @@ def describe(pl: Placement, groups: int) -> str:
               f"memory.wave_groups={groups}"]
     if groups > 1:
         parts.append(f"memory.group_grads={pl.group_grads}")
+    if pl.stream_dtype == "fp32":
+        parts.append("memory.stream_dtype=fp32")
     return " ".join(parts)
 
 
@@ -128,16 +133,10 @@ class _Search:
         return got if got is not None and self.host_ok(got) else None
 
 
-def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
-           free: frozenset = FREE_ALL) -> tuple[Workload, str]:
-    """The workload with its placement chosen (the keys in `free`; the others as given), and why."""
-    if w.device != "cuda" or not free:
-        return w, "as the config sets it" if not free else "a CPU run: the default placement (the device is the host)"
-    w = replace(w, placement=replace(w.placement, **{k: getattr(Placement(), k) for k in free}))
-    s = _Search(adapter, units, w, prof, host_limit, gpu_limit, free)
+def _candidates(s: _Search, w: Workload) -> list[tuple[float, int, float, Placement]]:
+    """(step s, groups, host bytes, placement) of every placement the search finds that fits, from `w`'s."""
+    adapter, units, prof = s.adapter, s.units, s.prof
     num_micro = len(w.micro_batches)
-    if s.gpu_ok(w.placement) and s.host_ok(w.placement):
-        return w, "the default placement fits" if free == FREE_ALL else "the placement the config sets fits"
     candidates: list[tuple[float, int, float, Placement]] = []  # (step s, groups, host bytes, placement)
 
     def consider(pl: Placement | None) -> bool:
@@ -164,15 +163,37 @@ def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None,
                         break
             if any(c[3].checkpoint_every == 1 and c[3].spill_layers == 0 for c in candidates):
                 break  # more groups would only add weight crossings
+    return candidates
+
+
+def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
+           free: frozenset = FREE_ALL) -> tuple[Workload, str]:
+    """The workload with its placement chosen (the keys in `free`; the others as given), and why."""
+    if w.device != "cuda" or not free:
+        return w, "as the config sets it" if not free else "a CPU run: the default placement (the device is the host)"
+    w = replace(w, placement=replace(w.placement, **{k: getattr(Placement(), k) for k in free}))
+    s = _Search(adapter, units, w, prof, host_limit, gpu_limit, free)
+    if s.gpu_ok(w.placement) and s.host_ok(w.placement):
+        return w, "the default placement fits" if free == FREE_ALL else "the placement the config sets fits"
+    candidates, tried = _candidates(s, w), s.tried
+    if "stream_dtype" in free and w.precision == "bf16":  # also without the bf16 copy (12 B/param): more room
+        w32 = replace(w, placement=replace(w.placement, stream_dtype="fp32"))  # for checkpoints and gradients
+        s32 = _Search(adapter, units, w32, prof, host_limit, gpu_limit, free)
+        if not candidates and s32.gpu_ok(w32.placement) and s32.host_ok(w32.placement):
+            return w32, "the default placement fits once the fp32 master streams (no bf16 copy on the host)"
+        candidates += _candidates(s32, w32)
+        tried += s32.tried
     if not candidates:
-        return w, (f"no placement fits (tried {s.tried}): the default needs {s.memory(w.placement)[1] / GiB:.1f} "
+        return w, (f"no placement fits (tried {tried}): the default needs {s.memory(w.placement)[1] / GiB:.1f} "
                    f"GiB of GPU memory and {s.memory(w.placement)[0] / GiB:.1f} GiB of host RAM")
     fastest = min(c[0] for c in candidates)  # host RAM is the scarce resource (DESIGN.md rule 11): of the
-    #                                          placements within NEAR_FASTEST of the fastest, the one using least
+    #   placements within NEAR_FASTEST of the fastest, the one using least; but the bf16 copy is kept when that is
+    #   as fast (fp32 streaming doubles the bus traffic for 2 B/param)
     step, groups, host, pl = min((c for c in candidates if c[0] <= fastest * (1 + NEAR_FASTEST)),
-                                 key=lambda c: (c[2], c[1], c[0]))
+                                 key=lambda c: (c[3].stream_dtype != "bf16", c[2], c[1], c[0]))
     default_gpu = s.memory(w.placement)[1]
     why = (f"the default placement needs {default_gpu / GiB:.1f} GiB of GPU memory; {len(candidates)} placements "
-           f"fit (of {s.tried} planned); this one is predicted within {NEAR_FASTEST:.0%} of the fastest "
-           f"({fastest:.1f} s/step) with the least host RAM of those")
+           f"fit (of {tried} planned); this one is predicted within {NEAR_FASTEST:.0%} of the fastest "
+           f"({fastest:.1f} s/step) with the least host RAM of those" +
+           (", the fp32 master streamed" if pl.stream_dtype == "fp32" else ""))
     return replace(w, placement=pl), why

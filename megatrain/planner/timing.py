@@ -171,7 +171,7 @@ def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float
             fetched = holds[slot] != use.units  # the engine skips the copy when the slot still holds these
             rate = d2h_rate if use.forward and first else prof.h2d_bps  # the first forward shares the bus
             if fetched:
-                t_in += sum(units[i].numel for i in use.units) * e / rate
+                t_in += sum(units[i].numel for i in use.units) * w.stream_elem / rate
             holds[slot] = use.units
         else:
             free = 0.0

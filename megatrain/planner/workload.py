@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from ..errors import MegatrainError
 from ..runtime.schedule import Placement, group_sizes
 
 PLACEMENT_KEYS = tuple(f.name for f in fields(Placement))  # each a memory.* config key
@@ -43,7 +44,18 @@ class Workload:
 
     @property
     def elem(self) -> int:
+        """Bytes per element of the compute dtype (slots, activations)."""
         return 2 if self.precision == "bf16" else 4
+
+    @property
+    def stream_elem(self) -> int:
+        """Bytes per parameter streamed to the device (the host's streaming copy, or the fp32 master)."""
+        return 4 if self.fp32_stream else self.elem
+
+    @property
+    def fp32_stream(self) -> bool:
+        """bf16 compute streamed from the fp32 master (placement.stream_dtype): no bf16 copy on the host."""
+        return self.precision == "bf16" and self.placement.stream_dtype == "fp32"
 
     def describe(self) -> str:
         sizes: dict[int, int] = {}
@@ -63,6 +75,9 @@ def workload_from_config(cfg, device: str) -> Workload:
     """The workload of a validated megatrain.config.Config on `device` ('cuda' or 'cpu'), with the placement keys
     it sets and defaults for the rest (plan_for_config then chooses those)."""
     t, eng = cfg.train, cfg.engine
+    if t.precision == "fp32" and cfg.memory.stream_dtype == "bf16":
+        raise MegatrainError("memory.stream_dtype: bf16 streaming cannot feed train.precision=fp32 (fp32 runs stream "
+                             "the fp32 master); leave memory.stream_dtype unset or set fp32")
     return Workload(
         micro_batches=(t.micro_batch_size,) * t.grad_accum_steps, seq_len=cfg.data.max_seq_len, device=device,
         precision=t.precision, loss_chunk_tokens=eng.loss_chunk_tokens, num_slots=eng.num_slots,

@@ -19,7 +19,8 @@ from ..checkpoint import resume as resume_lib
 from ..config import Config, check_paths
 from ..errors import MegatrainError, load_json, read_text
 from ..models import get_adapter, load_hf_config
-from ..runtime import CpuAdamW, EngineOptions, HostStore, Placement, Runtime, RuntimeOptions, build_runtime
+from ..runtime import (CpuAdamW, EngineOptions, HostStore, Placement, Runtime, RuntimeOptions, build_runtime,
+                       store_dtypes)
 from ..planner.workload import fixed_placement
 from .oom import host_allocation
 
@@ -127,9 +128,10 @@ def prepare(cfg: Config) -> Run:
     """Check every input, then allocate and fill the store and build the runtime. Writes nothing."""
     inp = check_inputs(cfg)
     adapter, plan = inp.adapter, inp.plan
-    stream_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    options = runtime_options(cfg, inp.device, plan)
+    stream_dtype, compute_dtype = store_dtypes(cfg.train.precision, options.engine.placement.stream_dtype)
     with host_allocation("host store (fp32 master, Adam m and v, streaming copy)", plan, adapter):
-        store = HostStore(adapter, stream_dtype)
+        store = HostStore(adapter, stream_dtype, compute_dtype)
     if inp.resumed is not None:  # instead of the model's weights, not after them: the weights are read once
         resume_lib.load_store(inp.resumed, store)
         inp.loader.load_state_dict(inp.resumed.state["loader"])
@@ -140,7 +142,7 @@ def prepare(cfg: Config) -> Run:
         store.load_safetensors(cfg.model.path)
     with host_allocation("pinned buffers (gradient landing buffers, offloaded gradients)", plan, adapter):
         runtime = build_runtime(store, inp.device, CpuAdamW(cfg.train.betas, cfg.train.eps, cfg.train.weight_decay),
-                                runtime_options(cfg, inp.device, plan))
+                                options)
     return Run(cfg, adapter, runtime, inp.loader, inp.eval_batches, inp.exact_match, inp.tokenizer, inp.out_dir,
                inp.resumed, plan)
 

@@ -32,7 +32,7 @@ from .microbatch import MicroBatch, StepOutput
 from .optimizer_pipeline import OptimizerPipeline, OptimizerThreadError
 from .pinned import PinnedHost
 from .schedule import Placement, Use, grads_to_host, step_schedule
-from .store import HostStore
+from .store import HostStore, store_dtypes
 from .timeline import Timeline
 
 
@@ -84,5 +84,5 @@ def build_runtime(store: HostStore, device: torch.device | str, optimizer: CpuAd
 
 
 __all__ = ["CollectGrads", "CpuAdamW", "Engine", "EngineOptions", "HeadKernels", "HostStore", "MicroBatch",
-           "OptimizerPipeline", "OptimizerThreadError", "Phase", "PinnedHost", "Placement", "Runtime", "RuntimeOptions",
-           "StepOutput", "Timeline", "Use", "build_runtime", "step_schedule"]
+           "OptimizerPipeline", "OptimizerThreadError", "Phase", "PinnedHost", "Placement", "Runtime",
+           "RuntimeOptions", "StepOutput", "Timeline", "Use", "build_runtime", "step_schedule", "store_dtypes"]

@@ -45,6 +45,7 @@ from .schedule import TIED_INPUT, Placement, Use, group_sizes, head_units, slot_
 from .pinned import PinnedHost
 from .store import HostStore
 
+STAGE_ELEMS = 32 << 20  # fp32 streaming: elements per staged piece (128 MiB of device memory)
 DOT_CHUNK = 2**30  # cuBLAS dot takes an int32 length: a layer of 3.2e9 parameters (Llama-3.1-405B) is longer
 
 
@@ -145,7 +146,11 @@ class Engine:
         # shares the graphs.
         self.layer = torch.compile(adapter.layer_forward, dynamic=False) if options.compile_layers \
             else adapter.layer_forward
-        self.dtype = store.stream_dtype
+        self.dtype = store.compute_dtype
+        self.cast_on_device = store.stream_dtype != self.dtype  # fp32 streamed, cast into the slots
+        if self.dtype == torch.bfloat16 and self.cast_on_device != (options.placement.stream_dtype == "fp32"):
+            raise ValueError(f"the placement streams {options.placement.stream_dtype} but the host store holds "
+                             f"{store.stream_dtype} tiles (build it with store_dtypes)")
         self.tiles = store.tiles
         self.loss_chunk = options.loss_chunk_tokens or default_chunk(adapter.vocab_size)
         self.head_kernels = options.head_kernels or HeadKernels.for_device(self.device)
@@ -166,6 +171,10 @@ class Engine:
             for s in self.slots:
                 s.free.record(self.compute)
             self._next_slot = 0
+            # fp32 streaming: tiles arrive in pieces through one staging buffer and are cast into the slot, both on
+            # the h2d stream (in order: the next piece's copy waits for the previous piece's cast)
+            self.staging = torch.empty(min(numel, STAGE_ELEMS), dtype=store.stream_dtype, device=self.device) \
+                if self.cast_on_device else None
         self.spill = ActivationSpill(self.device, self.dtype, self.h2d, self.compute, pinned)
         self.accumulators = GroupAccumulators(self.device, pinned or PinnedHost(cuda=False), self.h2d, self.compute,
                                               borrow=sink.host_buffer)
@@ -185,7 +194,7 @@ class Engine:
         if not self.cuda:
             for i in unit_indices:
                 self.sink.wait_for_update(i)
-            return _Loaded([t.views(t.stream) for t in tiles])
+            return _Loaded([t.views(t.stream.to(self.dtype) if self.cast_on_device else t.stream) for t in tiles])
         key = (unit_indices, self.weights_version)
         # Slots are used strictly in ring order, so the slot taken here is the one released longest ago. If it
         # still holds these very weights (the last layer, around the head), the copy is skipped.
@@ -199,7 +208,10 @@ class Engine:
                 with self._span("h2d", self.h2d):
                     off = 0
                     for t in tiles:
-                        slot.buf[off: off + t.numel].copy_(t.stream, non_blocking=True)
+                        if self.cast_on_device:
+                            self._copy_cast(slot.buf[off: off + t.numel], t.stream)
+                        else:
+                            slot.buf[off: off + t.numel].copy_(t.stream, non_blocking=True)
                         off += t.numel
                 slot.ready.record(self.h2d)
             slot.holds = key
@@ -208,6 +220,15 @@ class Engine:
             views.append(t.views(slot.buf[off: off + t.numel]))
             off += t.numel
         return _Loaded(views, slot)
+
+    def _copy_cast(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """src (pinned host, fp32) into dst (device, compute dtype) through the staging buffer, on the h2d stream."""
+        n = self.staging.numel()
+        for start in range(0, src.numel(), n):
+            piece = src[start: start + n]
+            stage = self.staging[: piece.numel()]
+            stage.copy_(piece, non_blocking=True)
+            dst[start: start + piece.numel()].copy_(stage)
 
     def _acquire(self, loaded: _Loaded) -> list[dict[str, torch.Tensor]]:
         if loaded.slot is not None:

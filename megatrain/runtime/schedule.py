@@ -13,6 +13,8 @@ decides, before the step, where everything lives:
                          one block ahead of its backward (`Use.fetch`)
     grads_to_host N      the first N units to finish their gradient (head, last layer, ...) send it to pinned host
                          memory as soon as it is complete; the others wait on the GPU for the optimizer
+    stream_dtype         with bf16 compute, what the host streams: its bf16 copy, or the fp32 master (cast on the
+                         device: no bf16 copy on the host); it changes where bytes live, not the step's order
     wave_groups G        the step's micro-batches run in G consecutive groups, each a whole forward and backward
                          wave; gradients accumulate across groups (on the GPU, or parked in pinned host memory
                          between groups: `group_grads`), the optimizer runs once per step: the same step
@@ -50,10 +52,13 @@ class Placement:
     grads_to_host: int = 0  # first N units to complete send their gradient to pinned host memory
     wave_groups: int = 1  # G
     group_grads: Literal["gpu", "host"] = "gpu"  # where accumulators wait between wave groups (G > 1)
+    stream_dtype: Literal["bf16", "fp32"] = "bf16"  # bf16 compute: stream a host bf16 copy (14 B/param), or the fp32
+    #                                                 master itself, cast on the device (12 B/param, twice the bus)
 
     def __post_init__(self):
         counts = (self.spill_layers, self.grads_to_host, self.keep_top_layers)
-        if self.checkpoint_every < 1 or self.wave_groups < 1 or min(counts) < 0:
+        if self.checkpoint_every < 1 or self.wave_groups < 1 or min(counts) < 0 or \
+                self.stream_dtype not in ("bf16", "fp32") or self.group_grads not in ("gpu", "host"):
             raise ValueError(f"invalid placement {self}")
 
 

@@ -49,11 +49,23 @@ class LayerTile:
         return self.unit.views(flat)
 
 
+def store_dtypes(precision: str, stream: str = "bf16") -> tuple[torch.dtype, torch.dtype]:
+    """(streaming, compute) dtypes of a run: `precision` ('bf16' or 'fp32') and the placement's stream_dtype."""
+    compute = torch.bfloat16 if precision == "bf16" else torch.float32
+    return (torch.float32 if stream == "fp32" else compute), compute
+
+
 class HostStore:
-    def __init__(self, adapter: ModelAdapter, stream_dtype: torch.dtype):
+    def __init__(self, adapter: ModelAdapter, stream_dtype: torch.dtype, compute_dtype: torch.dtype | None = None):
+        """stream_dtype: what is sent to the device (bf16: a copy the optimizer rewrites; fp32: the master itself).
+        compute_dtype: the weights' dtype in the slots (default stream_dtype); bf16 compute from an fp32 stream is
+        cast on the device, with the same rounding as the host copy (memory.stream_dtype=fp32: 12 B/param)."""
         self.adapter = adapter
         self.units = adapter.units()
         self.stream_dtype = stream_dtype
+        self.compute_dtype = compute_dtype or stream_dtype
+        if self.compute_dtype != stream_dtype and stream_dtype != torch.float32:
+            raise ValueError(f"streaming {stream_dtype} cannot feed {self.compute_dtype} compute")
         starts, total = [], 0
         for u in self.units:
             starts.append(total)
