@@ -34,7 +34,8 @@ def _flops(x: float) -> str:
 def render(p: Plan) -> str:
     """The report `megatrain plan` prints (Plan.report)."""
     w, t = p.workload, p.time
-    lines = [f"megatrain plan: {p.model}, {_count(p.params)} parameters, {w.precision} streaming on {w.device}"
+    streamed = "fp32 master streamed, cast to bf16" if w.fp32_stream else f"{w.precision} streaming"
+    lines = [f"megatrain plan: {p.model}, {_count(p.params)} parameters, {streamed} on {w.device}"
              f"{' (compiled layers)' if w.compile else ''}",
              f"  step: {w.describe()}"]
     src = p.profile.source if p.profile.measured else "defaults"
