@@ -169,19 +169,23 @@ class DecoderAdapter(ModelAdapter):
         cos, sin = ctx.cos[:, None], ctx.sin[:, None]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        gqa = self.num_kv_heads != self.num_heads
-        if ctx.block_mask is not None:
-            o = _flex_attention()(q, k, v, block_mask=ctx.block_mask, scale=self.head_dim**-0.5, enable_gqa=gqa)
-        elif ctx.mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5, enable_gqa=gqa)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, scale=self.head_dim**-0.5, enable_gqa=gqa)
-        o = o.transpose(1, 2).reshape(B, T, -1)
+        o = self.attend(q, k, v, ctx).transpose(1, 2).reshape(B, T, -1)
         h = h + F.linear(o, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
         x = rms_norm(h, w["post_attention_layernorm.weight"], self.eps)
         gate = F.linear(x, w["mlp.gate_proj.weight"], w.get("mlp.gate_proj.bias"))
         up = F.linear(x, w["mlp.up_proj.weight"], w.get("mlp.up_proj.bias"))
         return h + F.linear(F.silu(gate) * up, w["mlp.down_proj.weight"], w.get("mlp.down_proj.bias"))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        """Causal attention of q [B, heads, T, d] over k, v [B, kv_heads, T, d] (rope applied), within documents
+        when rows are packed. Returns [B, heads, T, d]."""
+        gqa = self.num_kv_heads != self.num_heads
+        scale = self.head_dim**-0.5
+        if ctx.block_mask is not None:
+            return _flex_attention()(q, k, v, block_mask=ctx.block_mask, scale=scale, enable_gqa=gqa)
+        if ctx.mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, scale=scale, enable_gqa=gqa)
 
     def final_norm(self, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(h, w, self.eps)
