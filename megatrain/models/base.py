@@ -6,7 +6,7 @@ Templates are stateless functions called with a dict of weight views; they know 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -61,8 +61,15 @@ class AttnContext:
 
     cos: torch.Tensor  # [B, T, head_dim]
     sin: torch.Tensor
-    mask: torch.Tensor | None  # CPU, packed documents: bool [B, 1, T, T], True = may attend
-    block_mask: object = None  # CUDA, packed documents: a FlexAttention BlockMask (no T x T tensor is built)
+    mask: torch.Tensor | None  # CPU, packed documents or a window: bool [B, 1, T, T], True = may attend
+    block_mask: object = None  # CUDA, packed documents or a window: a FlexAttention BlockMask (no T x T tensor)
+    window: int | None = None  # sliding window (a query sees itself and the window - 1 keys before it), or None
+    variants: dict[str, "AttnContext"] = field(default_factory=dict)  # other layer kinds' contexts (see below)
+
+    def for_kind(self, kind: str) -> "AttnContext":
+        """The context of a layer of `kind` (ModelAdapter.layer_kinds): this one for "full" attention, else the
+        variant built for that kind (a sliding window, another rope base), or this one if none was needed."""
+        return self.variants.get(kind, self)
 
 
 class ModelAdapter:
@@ -77,6 +84,12 @@ class ModelAdapter:
 
     def units(self) -> list[Unit]:
         raise NotImplementedError
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        """Each layer's attention kind ("full", "sliding", ...): the engine runs layer i with
+        `ctx.for_kind(layer_kinds[i])`. All "full" unless a family says otherwise."""
+        return ["full"] * self.num_layers
 
     def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         raise NotImplementedError

@@ -36,6 +36,46 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * x32.to(dtype)
 
 
+def attention_context(position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: bool,
+                      window: int | None) -> AttnContext:
+    """An AttnContext: causal attention, within documents when rows are packed, over the last `window` positions
+    (the query's own included, as transformers' sliding_window_overlay: kv > q - window) when a window is given.
+    Unpacked rows no longer than the window need no mask (plain causal SDPA)."""
+    B, T = position_ids.shape
+    if window is not None and T <= window:
+        window = None  # the window reaches back further than the row: plain causal
+    if not packed and window is None:
+        return AttnContext(cos=cos, sin=sin, mask=None)
+    # A new document starts wherever the position restarts at 0: attend only within it, causally.
+    doc = torch.cumsum((position_ids == 0).int(), dim=1) if packed else None
+    if position_ids.is_cuda:
+        # FlexAttention: block-sparse, fused, GQA-aware; the mask is evaluated per 128x128 block, never as a
+        # T x T tensor. (Its backward does not run on CPU, where the explicit mask below is exact and small.)
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        if packed and window is not None:
+            def allowed(b, h, q, kv):
+                return (doc[b, q] == doc[b, kv]) & (q >= kv) & (kv > q - window)
+        elif packed:
+            def allowed(b, h, q, kv):
+                return (doc[b, q] == doc[b, kv]) & (q >= kv)
+        else:
+            def allowed(b, h, q, kv):
+                return (q >= kv) & (kv > q - window)
+
+        # _compile: evaluated block by block; eagerly it would build the T x T grid (measured: +8 GiB at 32k)
+        block = create_block_mask(allowed, B if packed else None, None, T, T, device=position_ids.device,
+                                  _compile=True)
+        return AttnContext(cos=cos, sin=sin, mask=None, block_mask=block, window=window)
+    q = torch.arange(T, device=position_ids.device)
+    mask = (q[:, None] >= q[None, :])[None, None]
+    if window is not None:
+        mask = mask & (q[None, :] > q[:, None] - window)[None, None]
+    if packed:
+        mask = mask & (doc[:, :, None] == doc[:, None, :])[:, None]
+    return AttnContext(cos=cos, sin=sin, mask=mask.expand(B, 1, T, T), window=window)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -75,6 +115,23 @@ class DecoderAdapter(ModelAdapter):
         if c.model_type == "qwen2" and not getattr(c, "use_sliding_window", False):
             return None
         return int(window)
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        """"sliding" for the layers transformers runs with the sliding window (config.json's layer_types, or every
+        layer when a window is set without them, as mistral does), else "full"."""
+        if self.sliding_window is None:
+            return ["full"] * self.num_layers
+        types = getattr(self.hf_config, "layer_types", None)
+        if not types:
+            return ["sliding"] * self.num_layers
+        if len(types) != self.num_layers:
+            raise MegatrainError(f"config.json: layer_types has {len(types)} entries for {self.num_layers} layers")
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise MegatrainError(f"config.json: layer_types {sorted(unknown)} are not supported "
+                                 "(supported: full_attention, sliding_attention)")
+        return ["sliding" if t == "sliding_attention" else "full" for t in types]
 
     def _init_rope(self, c) -> None:
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -129,32 +186,23 @@ class DecoderAdapter(ModelAdapter):
         return units
 
     # ---- computation ---------------------------------------------------------------------------
-    def make_context(self, position_ids: torch.Tensor, dtype: torch.dtype, packed: bool) -> AttnContext:
-        """cos/sin as transformers computes them (fp32, then cast), and a document mask when rows are packed."""
-        inv = self.inv_freq.to(position_ids.device)
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor | None = None,
+             scaling: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, rotary dims] as transformers computes them: fp32, scaled, then cast."""
+        inv = (self.inv_freq if inv_freq is None else inv_freq).to(position_ids.device)
         freqs = position_ids[..., None].float() * inv
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scaling).to(dtype)
-        sin = (emb.sin() * self.rope_scaling).to(dtype)
-        if not packed:
-            return AttnContext(cos=cos, sin=sin, mask=None)
-        # A new document starts wherever the position restarts at 0: attend only within it, causally.
-        doc = torch.cumsum((position_ids == 0).int(), dim=1)
-        B, T = position_ids.shape
-        if position_ids.is_cuda:
-            # FlexAttention: block-sparse, fused, GQA-aware; the mask is evaluated per 128x128 block, never as a
-            # T x T tensor. (Its backward does not run on CPU, where the explicit mask below is exact and small.)
-            from torch.nn.attention.flex_attention import create_block_mask
+        scale = self.rope_scaling if scaling is None else scaling
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
-            def same_document_causal(b, h, q, kv):
-                return (doc[b, q] == doc[b, kv]) & (q >= kv)
-
-            # _compile: evaluated block by block; eagerly it would build the T x T grid (measured: +8 GiB at 32k)
-            block = create_block_mask(same_document_causal, B, None, T, T, device=position_ids.device, _compile=True)
-            return AttnContext(cos=cos, sin=sin, mask=None, block_mask=block)
-        causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
-        mask = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
-        return AttnContext(cos=cos, sin=sin, mask=mask)
+    def make_context(self, position_ids: torch.Tensor, dtype: torch.dtype, packed: bool) -> AttnContext:
+        """cos/sin as transformers computes them (fp32, then cast), a document mask when rows are packed, and for
+        sliding-window layers a variant whose mask also bounds how far back a query sees."""
+        cos, sin = self.rope(position_ids, dtype)
+        ctx = attention_context(position_ids, cos, sin, packed, None)
+        if "sliding" in self.layer_kinds:
+            ctx.variants["sliding"] = attention_context(position_ids, cos, sin, packed, self.sliding_window)
+        return ctx
 
     def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         B, T, _ = h.shape

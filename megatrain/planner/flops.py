@@ -12,5 +12,20 @@ def flops_per_token(adapter, seq_len: int) -> tuple[float, float]:
     units = adapter.units()
     n = sum(u.numel for u in units)
     lookup = 0 if adapter.tied else sum(u.numel for u in units if u.kind == "embed")
-    attn = 6 * adapter.num_layers * adapter.num_heads * adapter.head_dim * seq_len
+    attn = 6 * adapter.num_layers * adapter.num_heads * adapter.head_dim * attention_span(adapter, seq_len)
     return 6.0 * n, 6.0 * (n - lookup) + attn
+
+
+def attention_span(adapter, seq_len: int) -> float:
+    """Twice the keys a query attends to on average over positions and layers: `seq_len` for causal attention
+    (T/2 keys per query), 2W - W²/T for a layer with a sliding window W < T (W keys once the window is full).
+    Attention FLOPs per token scale with it."""
+    window = getattr(adapter, "sliding_window", None)
+    kinds = adapter.layer_kinds
+
+    def span(kind: str) -> float:
+        if kind != "sliding" or window is None or seq_len <= window:
+            return float(seq_len)
+        return 2.0 * window - window * window / seq_len
+
+    return sum(span(k) for k in kinds) / len(kinds)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ..runtime.optimizer_pipeline import landing_piece, update_order
 from ..runtime.schedule import grads_to_host, kept, step_schedule
-from .flops import flops_per_token
+from .flops import attention_span, flops_per_token
 from .profile import COMPILED_SPEEDUP, Profile
 from .workload import Workload
 
@@ -51,7 +51,7 @@ def executed_flops(adapter, units, w: Workload) -> dict[str, float]:
     forward (causal), 3x that in backward; 6 per LM-head parameter and target."""
     n = len(units)
     toks = _use_tokens(w)
-    attn_fwd = 2.0 * w.seq_len * adapter.num_heads * adapter.head_dim  # per token per layer, causal
+    attn_fwd = 2.0 * attention_span(adapter, w.seq_len) * adapter.num_heads * adapter.head_dim  # per token, layer
     out = {"forward": 0.0, "rebuild": 0.0, "backward": 0.0}
     for use in step_schedule(n, adapter.tied, w.placement, len(toks)):
         if use.kind in out:
@@ -70,7 +70,7 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
     f6, fmodel = flops_per_token(adapter, w.seq_len)
     micro = max(w.micro_batches)
     rate, how = prof.layer_rate(adapter, micro, w.seq_len, w.compile)
-    attn_tok = 2.0 * w.seq_len * adapter.num_heads * adapter.head_dim  # one layer's attention forward per token
+    attn_tok = 2.0 * attention_span(adapter, w.seq_len) * adapter.num_heads * adapter.head_dim  # a layer's, a token's
     if rate is not None:  # measured on this layer shape: matmuls and attention together
         # measured only in the other compile mode: converted by the compiled/eager ratio of the H200 runs
         mode = 1.0 if rate.compile == w.compile else COMPILED_SPEEDUP if w.compile else 1.0 / COMPILED_SPEEDUP

@@ -144,6 +144,7 @@ class Engine:
         # The layer template, optionally compiled: fusing RMSNorm, rope, SwiGLU and the residual adds around
         # the matmuls. One graph per (grad mode, micro-batch shape); weights are graph inputs, so every layer
         # shares the graphs.
+        self.kinds = adapter.layer_kinds  # each layer's attention kind: which of a micro-batch's contexts it uses
         self.layer = torch.compile(adapter.layer_forward, dynamic=False) if options.compile_layers \
             else adapter.layer_forward
         self.dtype = store.compute_dtype
@@ -297,7 +298,8 @@ class Engine:
                 self.phase = Phase("forward", use.layer)
                 self._keep(g, use)
                 with torch.no_grad():
-                    g.hidden = [self.layer(w[0], h, c) for h, c in zip(g.hidden, g.ctxs)]
+                    kind = self.kinds[use.layer]
+                    g.hidden = [self.layer(w[0], h, c.for_kind(kind)) for h, c in zip(g.hidden, g.ctxs)]
             elif use.kind == "head":
                 acc[0] = self._grad_buffer(0)
                 acc[use.units[0]] = self._grad_buffer(use.units[0])
@@ -308,7 +310,8 @@ class Engine:
                 self._fetch_spilled(g, use)
                 x = self._checkpoint(g, use.layer)
                 with torch.no_grad():
-                    g.checkpoints[use.layer + 1] = [self.layer(w[0], h, c) for h, c in zip(x, g.ctxs)]
+                    kind = self.kinds[use.layer]
+                    g.checkpoints[use.layer + 1] = [self.layer(w[0], h, c.for_kind(kind)) for h, c in zip(x, g.ctxs)]
             elif use.kind == "backward":
                 acc[use.units[0]] = self._grad_buffer(use.units[0])
                 gviews = list(self.tiles[use.units[0]].views(acc[use.units[0]]).values())
@@ -317,7 +320,8 @@ class Engine:
                 del g.checkpoints[use.layer]
                 for m, (c, dh) in enumerate(zip(g.ctxs, g.grads_out)):
                     self.phase = Phase("backward", use.layer, g.index[m])
-                    g.grads_out[m] = layer_backward(self.layer, w[0], ckpt[m], c, dh, gviews)
+                    g.grads_out[m] = layer_backward(self.layer, w[0], ckpt[m], c.for_kind(self.kinds[use.layer]), dh,
+                                                    gviews)
                     ckpt[m] = None  # this checkpoint is spent
                 del gviews
             else:  # embed_backward: scatter-add of the input gradient; needs no weights
@@ -436,6 +440,6 @@ class Engine:
             if use.kind == "embed":
                 hidden = [F.embedding(mb.input_ids, w["weight"]) for mb in mbs]
             else:
-                hidden = [self.layer(w, h, c) for h, c in zip(hidden, ctxs)]
+                hidden = [self.layer(w, h, c.for_kind(self.kinds[use.layer])) for h, c in zip(hidden, ctxs)]
             self._release(loaded)
         return hidden, mbs
