@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral", "olmoe"]
 
 
 def tiny_hf_config(family: str, tied: bool = False, layers: int = 3, vocab: int = 97):
@@ -25,7 +25,32 @@ def tiny_hf_config(family: str, tied: bool = False, layers: int = 3, vocab: int 
         kw["head_dim"] = 16
     if family == "mistral":
         kw["sliding_window"] = None
+    if family in ("gemma2", "gemma3_text"):
+        # windows shorter than the test rows on two of three layers; gemma-3-27b's rope (linear scaling on the full
+        # layers, another base on the sliding ones); gemma2's caps small enough to bend a tiny model's scores
+        kw.update(head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+                  layer_types=(["sliding_attention", "full_attention"] * layers)[:layers])
+        if family == "gemma3_text":
+            kw["rope_parameters"] = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+        else:
+            kw.update(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    if family in ("qwen3_moe", "mixtral", "olmoe"):
+        # 4 experts, top 2, the router loss on (a coefficient large enough to matter at this size); qwen3_moe
+        # renormalises the top-k weights, olmoe does not (its default), mixtral always does
+        kw.update({"num_local_experts" if family == "mixtral" else "num_experts": 4, "num_experts_per_tok": 2,
+                   "output_router_logits": True, "router_aux_loss_coef": 0.05})
+        if family == "qwen3_moe":
+            kw.update(moe_intermediate_size=48, head_dim=16, norm_topk_prob=True)
+        if family == "mixtral":
+            kw["sliding_window"] = None
     return AutoConfig.for_model(family, **kw)
+
+
+def reference_attention(family: str) -> str:
+    """transformers' attention for a reference model: SDPA, but eager for gemma2, whose SDPA path skips the score
+    cap (megatrain's CPU path computes capped attention the eager way)."""
+    return "eager" if family == "gemma2" else "sdpa"
 
 
 def make_model_dir(path, family: str, tied: bool = False, seed: int = 0, layers: int = 3, vocab: int = 97):

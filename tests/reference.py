@@ -27,11 +27,15 @@ def reference_step(model, opt, batches, max_norm=MAX_NORM) -> tuple[float, dict[
     opt.zero_grad(set_to_none=True)
     n_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
     total = 0.0
+    moe = getattr(model.config, "output_router_logits", False)
     for b in batches:
         out = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"],
                     num_items_in_batch=n_items)
-        out.loss.backward()
-        total += out.loss.item()
+        loss = out.loss
+        if moe:  # transformers adds coef * aux per micro-batch; megatrain's step takes their mean (router_loss.py)
+            loss = loss - (1 - 1 / len(batches)) * model.config.router_aux_loss_coef * out.aux_loss
+        loss.backward()
+        total += loss.item()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     if max_norm:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -59,7 +63,7 @@ class Megatrain:
     def train_step(self, batches, max_norm=MAX_NORM, lr=LR, keep_grads: bool = False):
         """One step as the trainer takes it: the engine's waves, the norm, the pipeline's update. Returns
         (loss, grad norm, {HF name: gradient} when keep_grads)."""
-        mbs = [MicroBatch.from_labels(b["input_ids"], b["labels"]) for b in batches]
+        mbs = [MicroBatch.from_labels(b["input_ids"], b["labels"], None, b.get("attention_mask")) for b in batches]
         out = self.engine.train_step(mbs)
         norm = out.grad_sq_norm.sqrt().item()
         grads = {}
@@ -103,4 +107,7 @@ def random_batches(n_micro: int, batch: int, vocab: int, lengths: list[int], see
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error of a to b; a may hold b's elements in another shape (megatrain's stacked experts
+    [E, 2, I, H] against transformers' gate_up_proj [E, 2I, H])."""
+    a = a.reshape(b.shape)
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()

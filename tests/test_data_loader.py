@@ -25,13 +25,14 @@ def test_batches_have_the_documented_layout(tmp_path):
     step = loader.next_step()
     assert len(step) == 2
     for b in step:
-        assert set(b) == {"input_ids", "labels", "position_ids", "num_real_tokens"}
+        assert set(b) == {"input_ids", "labels", "position_ids", "attention_mask", "num_real_tokens"}
         assert all(v.dtype == torch.int64 and v.device.type == "cpu" for v in b.values())
         B, T = b["input_ids"].shape
         assert B == 3 and b["labels"].shape == b["position_ids"].shape == (B, T)
         pad = b["input_ids"] == tok.pad_token_id
         assert (b["labels"][pad] == IGNORE).all()  # padding never carries loss ...
         assert b["num_real_tokens"].item() == int((~pad).sum())  # ... and is not counted as tokens
+        assert torch.equal(b["attention_mask"], (~pad).long())  # ... and is masked out of router statistics
         for r in range(B):  # right padding, one document per row without packing
             n = int((~pad[r]).sum())
             assert not pad[r, :n].any() and pad[r, n:].all()

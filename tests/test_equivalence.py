@@ -2,16 +2,18 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import make_model_dir
+from conftest import make_model_dir, reference_attention
 from reference import Megatrain, random_batches, reference_optimizer, reference_step, rel
 
 TOL = 1e-5
 
 
 def load_reference(d):
-    return AutoModelForCausalLM.from_pretrained(d, attn_implementation="sdpa", dtype=torch.float32)
+    family = AutoConfig.from_pretrained(d).model_type
+    return AutoModelForCausalLM.from_pretrained(d, attn_implementation=reference_attention(family),
+                                                dtype=torch.float32)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -17,6 +17,7 @@ from megatrain.checkpoint.export import export_checkpoint
 from megatrain.models import get_adapter, load_hf_config
 from megatrain.runtime.store import HostStore
 from test_checkpoint_helpers import CHAT_TEMPLATE, run, setup_run
+from conftest import reference_attention
 
 
 def megatrain_logits(ckpt, ids, lengths) -> torch.Tensor:
@@ -35,8 +36,9 @@ def sample_inputs(vocab: int = 29):
 
 
 @pytest.mark.parametrize("family,tied", [("llama", False), ("mistral", False), ("qwen2", False), ("qwen3", False),
-                                         ("llama", True), ("qwen3", True)],
-                         ids=["llama", "mistral", "qwen2", "qwen3", "llama-tied", "qwen3-tied"])
+                                         ("llama", True), ("qwen3", True), ("gemma2", True), ("gemma3_text", True)],
+                         ids=["llama", "mistral", "qwen2", "qwen3", "llama-tied", "qwen3-tied", "gemma2-tied",
+                              "gemma3-tied"])
 def test_export_at_end_loads_in_transformers_with_equal_logits(tmp_path, family, tied):
     cfg = setup_run(tmp_path, family, tied, train={"steps": 2}, data={"chat_template": CHAT_TEMPLATE},
                     export={"at_end": True, "dtype": "fp32", "max_shard_mb": 0.05})
@@ -52,7 +54,8 @@ def test_export_at_end_loads_in_transformers_with_equal_logits(tmp_path, family,
     assert config["dtype"] == "float32" and config["tie_word_embeddings"] == tied
     assert (out / "generation_config.json").is_file()
 
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                 attn_implementation=reference_attention(family))
     ids, lengths = sample_inputs()
     with torch.no_grad():
         hf = model(input_ids=ids).logits[torch.arange(3), lengths - 1]

@@ -105,7 +105,8 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "
     if len(units) != len(manifest["units"]):
         raise MegatrainError(f"{ckpt}: holds {len(manifest['units'])} units, its config.json implies {len(units)}")
     esize = torch.empty((), dtype=torch_dtype).element_size()
-    shards = plan_shards([(s.hf_name, s.shape) for u in units for s in u.specs], esize,
+    specs = {s.hf_name: s for u in units for s in u.specs}
+    shards = plan_shards([(n, s.part_shape) for s in specs.values() for n in s.checkpoint_names], esize,
                          max(1, int(max_shard_mb * 1e6)))
 
     tmp = out.parent / f".{out.name}.partial"
@@ -120,8 +121,12 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "
             reader = TensorFileReader(ckpt / u["file"], info["bytes"])
             try:
                 for name, _, _ in reader:
-                    if name.startswith("master/"):
-                        stream.put(name[len("master/"):], reader.read())  # one tensor at a time
+                    if name.startswith("master/"):  # one tensor at a time, split as the checkpoint stores it
+                        spec = specs.get(name[len("master/"):])
+                        if spec is None:
+                            raise MegatrainError(f"{ckpt / u['file']}: holds '{name}', not part of this model")
+                        for part_name, part in spec.split(reader.read()):
+                            stream.put(part_name, part)
                 reader.finish(info["sha256"])  # Adam states are skipped but still hashed
             finally:
                 reader.close()

@@ -32,6 +32,7 @@ A Batch is a dict of CPU int64 tensors:
                             padding, and the first token of every document)
     position_ids    [B, T]  restart at 0 at every packed document: a new document starts wherever
                             position_ids == 0 (padding continues the positions of its row's last document)
+    attention_mask  [B, T]  1 on real tokens, 0 on padding (MoE router statistics leave padding out)
     num_real_tokens []      scalar: tokens that are not padding (padding is never counted as tokens)
 All errors are MegatrainError with one-line messages naming the key, file and row.
 """

@@ -69,6 +69,7 @@ def collate(rows: list[list[tuple[np.ndarray, np.ndarray]]], pad_id: int) -> dic
     input_ids = np.full((B, T), pad_id, dtype=np.int64)
     labels = np.full((B, T), IGNORE, dtype=np.int64)
     position_ids = np.zeros((B, T), dtype=np.int64)
+    attention_mask = np.zeros((B, T), dtype=np.int64)
     real = 0
     for b, docs in enumerate(rows):
         t = 0
@@ -80,8 +81,10 @@ def collate(rows: list[list[tuple[np.ndarray, np.ndarray]]], pad_id: int) -> dic
             position_ids[b, t: t + n] = np.arange(n)
             t += n
         real += t
+        attention_mask[b, :t] = 1
         if t < T:  # padding continues the last document's positions
             start = position_ids[b, t - 1] + 1 if t else 0
             position_ids[b, t:] = np.arange(start, start + T - t)
     return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
-            "position_ids": torch.from_numpy(position_ids), "num_real_tokens": torch.tensor(real, dtype=torch.int64)}
+            "position_ids": torch.from_numpy(position_ids), "attention_mask": torch.from_numpy(attention_mask),
+            "num_real_tokens": torch.tensor(real, dtype=torch.int64)}

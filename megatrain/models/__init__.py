@@ -7,6 +7,8 @@ from pathlib import Path
 from ..errors import MegatrainError, load_json
 from .base import ModelAdapter, TensorSpec, Unit
 from .decoder import DecoderAdapter
+from .gemma import GemmaAdapter
+from .moe import MoEAdapter
 
 # model_type -> adapter class. All four share one decoder template, differing in flags read from config.json.
 ADAPTERS: dict[str, type[ModelAdapter]] = {
@@ -14,6 +16,11 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {
     "mistral": DecoderAdapter,
     "qwen2": DecoderAdapter,
     "qwen3": DecoderAdapter,
+    "gemma2": GemmaAdapter,
+    "gemma3_text": GemmaAdapter,
+    "qwen3_moe": MoEAdapter,
+    "mixtral": MoEAdapter,
+    "olmoe": MoEAdapter,
 }
 
 

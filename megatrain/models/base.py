@@ -19,6 +19,11 @@ class TensorSpec:
     shape: tuple[int, ...]
     decay: bool  # AdamW weight decay applies (matrices yes; norms and biases no)
     init: Literal["normal", "ones", "zeros"]
+    # The checkpoint's tensors when it stores this one otherwise than under hf_name (the name transformers' model
+    # gives the parameter): its row-major sub-blocks along the leading dimensions, in order. A MoE layer's experts
+    # are one stacked [E, 2, I, H] tensor here, 2E tensors `...experts.{e}.gate_proj.weight`/`up_proj` there; one
+    # part is a rename (mixtral's router, `block_sparse_moe.gate.weight` in the checkpoint).
+    parts: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -26,6 +31,26 @@ class TensorSpec:
         for s in self.shape:
             n *= s
         return n
+
+    @property
+    def checkpoint_names(self) -> tuple[str, ...]:
+        return self.parts or (self.hf_name,)
+
+    @property
+    def part_shape(self) -> tuple[int, ...]:
+        """The shape of each checkpoint tensor: `shape` less the leading dimensions that number the parts."""
+        n, lead = len(self.checkpoint_names), 0
+        while n > 1:
+            if lead >= len(self.shape) or n % self.shape[lead]:
+                raise ValueError(f"{self.hf_name}: {len(self.parts)} parts do not split shape {self.shape}")
+            n //= self.shape[lead]
+            lead += 1
+        return self.shape[lead:]
+
+    def split(self, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """(checkpoint name, view) for each checkpoint tensor of `t`, a tensor of this spec's shape."""
+        names = self.checkpoint_names
+        return list(zip(names, t.reshape(len(names), *self.part_shape).unbind(0)))
 
 
 @dataclass(frozen=True)
@@ -65,6 +90,13 @@ class AttnContext:
     block_mask: object = None  # CUDA, packed documents or a window: a FlexAttention BlockMask (no T x T tensor)
     window: int | None = None  # sliding window (a query sees itself and the window - 1 keys before it), or None
     variants: dict[str, "AttnContext"] = field(default_factory=dict)  # other layer kinds' contexts (see below)
+    token_mask: torch.Tensor | None = None  # bool [B, T]: real tokens (not padding), for MoE router statistics
+
+    def with_token_mask(self, mask: torch.Tensor | None) -> "AttnContext":
+        """Sets the micro-batch's real-token mask on this context and its variants; returns self."""
+        for c in (self, *self.variants.values()):
+            c.token_mask = mask
+        return self
 
     def for_kind(self, kind: str) -> "AttnContext":
         """The context of a layer of `kind` (ModelAdapter.layer_kinds): this one for "full" attention, else the
@@ -85,6 +117,10 @@ class ModelAdapter:
     def units(self) -> list[Unit]:
         raise NotImplementedError
 
+    def active_numel(self, unit: Unit) -> int:
+        """Parameters of `unit` that multiply each token (a MoE layer: its top-k experts of E, not all)."""
+        return unit.numel
+
     @property
     def layer_kinds(self) -> list[str]:
         """Each layer's attention kind ("full", "sliding", ...): the engine runs layer i with
@@ -99,3 +135,19 @@ class ModelAdapter:
 
     def final_norm(self, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    moe: bool = False  # layer_forward returns (h, router probability sum [E], top-k counts [E]): models/moe.py
+    num_experts: int = 0
+    router_aux_coef: float = 0.0
+    embed_scale: float | None = None  # the embedding's output multiplied by it (gemma: sqrt(hidden_size))
+    logit_softcap: float | None = None  # logits capped as c·tanh(logits/c) before the loss (gemma2)
+
+    def embed(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The input embedding: a lookup, times `embed_scale` rounded to the weight's dtype (as transformers'
+        Gemma*ScaledWordEmbedding) where the family scales it."""
+        h = torch.nn.functional.embedding(ids, weight)
+        return h if self.embed_scale is None else h * torch.tensor(self.embed_scale, dtype=weight.dtype)
+
+    def embed_input_grad(self, dh: torch.Tensor) -> torch.Tensor:
+        """d(embedding rows) from d(embedding output): the scale's chain rule, in dh's dtype as autograd does."""
+        return dh if self.embed_scale is None else dh * torch.tensor(self.embed_scale, dtype=dh.dtype)

@@ -10,22 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import MegatrainError
+from .attention import attention_context, causal_attention
 from .base import AttnContext, ModelAdapter, TensorSpec, Unit
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-_FLEX = None
-
-
-def _flex_attention():
-    """FlexAttention, compiled once: uncompiled it would materialise the full score matrix."""
-    global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _FLEX = torch.compile(flex_attention, dynamic=False)
-    return _FLEX
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,46 +22,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return w * x32.to(dtype)
-
-
-def attention_context(position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: bool,
-                      window: int | None) -> AttnContext:
-    """An AttnContext: causal attention, within documents when rows are packed, over the last `window` positions
-    (the query's own included, as transformers' sliding_window_overlay: kv > q - window) when a window is given.
-    Unpacked rows no longer than the window need no mask (plain causal SDPA)."""
-    B, T = position_ids.shape
-    if window is not None and T <= window:
-        window = None  # the window reaches back further than the row: plain causal
-    if not packed and window is None:
-        return AttnContext(cos=cos, sin=sin, mask=None)
-    # A new document starts wherever the position restarts at 0: attend only within it, causally.
-    doc = torch.cumsum((position_ids == 0).int(), dim=1) if packed else None
-    if position_ids.is_cuda:
-        # FlexAttention: block-sparse, fused, GQA-aware; the mask is evaluated per 128x128 block, never as a
-        # T x T tensor. (Its backward does not run on CPU, where the explicit mask below is exact and small.)
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        if packed and window is not None:
-            def allowed(b, h, q, kv):
-                return (doc[b, q] == doc[b, kv]) & (q >= kv) & (kv > q - window)
-        elif packed:
-            def allowed(b, h, q, kv):
-                return (doc[b, q] == doc[b, kv]) & (q >= kv)
-        else:
-            def allowed(b, h, q, kv):
-                return (q >= kv) & (kv > q - window)
-
-        # _compile: evaluated block by block; eagerly it would build the T x T grid (measured: +8 GiB at 32k)
-        block = create_block_mask(allowed, B if packed else None, None, T, T, device=position_ids.device,
-                                  _compile=True)
-        return AttnContext(cos=cos, sin=sin, mask=None, block_mask=block, window=window)
-    q = torch.arange(T, device=position_ids.device)
-    mask = (q[:, None] >= q[None, :])[None, None]
-    if window is not None:
-        mask = mask & (q[None, :] > q[:, None] - window)[None, None]
-    if packed:
-        mask = mask & (doc[:, :, None] == doc[:, None, :])[:, None]
-    return AttnContext(cos=cos, sin=sin, mask=mask.expand(B, 1, T, T), window=window)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +51,7 @@ class DecoderAdapter(ModelAdapter):
             bias = bool(getattr(c, "attention_bias", False))
             self.qkv_bias = self.o_bias = bias
         self.mlp_bias = bool(getattr(c, "mlp_bias", False))
-        self.qk_norm = self.model_type == "qwen3"
+        self.qk_norm = "head" if self.model_type == "qwen3" else None  # q/k RMSNorm: per head, or "full" (olmoe)
         self.sliding_window = self._sliding_window(c)
         self._init_rope(c)
 
@@ -168,8 +116,8 @@ class DecoderAdapter(ModelAdapter):
             ]
             rest = [("input_layernorm.weight", (H,), "ones"), ("post_attention_layernorm.weight", (H,), "ones")]
             if self.qk_norm:
-                rest += [("self_attn.q_norm.weight", (self.head_dim,), "ones"),
-                         ("self_attn.k_norm.weight", (self.head_dim,), "ones")]
+                qn, kn = (q, kv) if self.qk_norm == "full" else (self.head_dim, self.head_dim)
+                rest += [("self_attn.q_norm.weight", (qn,), "ones"), ("self_attn.k_norm.weight", (kn,), "ones")]
             if self.qkv_bias:
                 rest += [("self_attn.q_proj.bias", (q,), "zeros"), ("self_attn.k_proj.bias", (kv,), "zeros"),
                          ("self_attn.v_proj.bias", (kv,), "zeros")]
@@ -205,12 +153,24 @@ class DecoderAdapter(ModelAdapter):
         return ctx
 
     def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        h = h + self.attention_block(w, h, ctx)
+        x = rms_norm(h, w["post_attention_layernorm.weight"], self.eps)
+        gate = F.linear(x, w["mlp.gate_proj.weight"], w.get("mlp.gate_proj.bias"))
+        up = F.linear(x, w["mlp.up_proj.weight"], w.get("mlp.up_proj.bias"))
+        return h + F.linear(F.silu(gate) * up, w["mlp.down_proj.weight"], w.get("mlp.down_proj.bias"))
+
+    def attention_block(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        """The attention branch of a layer (input norm through o_proj), before its residual add."""
         B, T, _ = h.shape
         x = rms_norm(h, w["input_layernorm.weight"], self.eps)
-        q = F.linear(x, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias")).view(B, T, -1, self.head_dim)
-        k = F.linear(x, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias")).view(B, T, -1, self.head_dim)
-        v = F.linear(x, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias")).view(B, T, -1, self.head_dim)
-        if self.qk_norm:
+        q = F.linear(x, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
+        k = F.linear(x, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
+        v = F.linear(x, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
+        if self.qk_norm == "full":  # olmoe: RMSNorm over all heads' q (and k) at once, before the head split
+            q = rms_norm(q, w["self_attn.q_norm.weight"], self.eps)
+            k = rms_norm(k, w["self_attn.k_norm.weight"], self.eps)
+        q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
+        if self.qk_norm == "head":  # qwen3: per head
             q = rms_norm(q, w["self_attn.q_norm.weight"], self.eps)
             k = rms_norm(k, w["self_attn.k_norm.weight"], self.eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -218,22 +178,12 @@ class DecoderAdapter(ModelAdapter):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         o = self.attend(q, k, v, ctx).transpose(1, 2).reshape(B, T, -1)
-        h = h + F.linear(o, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
-        x = rms_norm(h, w["post_attention_layernorm.weight"], self.eps)
-        gate = F.linear(x, w["mlp.gate_proj.weight"], w.get("mlp.gate_proj.bias"))
-        up = F.linear(x, w["mlp.up_proj.weight"], w.get("mlp.up_proj.bias"))
-        return h + F.linear(F.silu(gate) * up, w["mlp.down_proj.weight"], w.get("mlp.down_proj.bias"))
+        return F.linear(o, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         """Causal attention of q [B, heads, T, d] over k, v [B, kv_heads, T, d] (rope applied), within documents
-        when rows are packed. Returns [B, heads, T, d]."""
-        gqa = self.num_kv_heads != self.num_heads
-        scale = self.head_dim**-0.5
-        if ctx.block_mask is not None:
-            return _flex_attention()(q, k, v, block_mask=ctx.block_mask, scale=scale, enable_gqa=gqa)
-        if ctx.mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, scale=scale, enable_gqa=gqa)
+        when rows are packed, within the window for sliding layers. Returns [B, heads, T, d]."""
+        return causal_attention(q, k, v, ctx, self.head_dim**-0.5)
 
     def final_norm(self, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(h, w, self.eps)

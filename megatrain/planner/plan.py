@@ -56,6 +56,7 @@ class Plan:
     suggestions: list[str] = field(default_factory=list)
     why: str = ""  # how the placement was chosen
     free: frozenset = frozenset()  # the placement keys the planner chose (the config leaves them unset)
+    active_params: int = 0  # parameters that multiply each token (a MoE's top-k experts; = params when dense)
 
     @property
     def placement(self):
@@ -81,7 +82,8 @@ class Plan:
     def as_json(self) -> dict:
         """The plan's figures, for scripts (`megatrain plan --json`)."""
         pl, t = self.workload.placement, self.time
-        return {"model": self.model, "params": self.params, "device": self.workload.device,
+        return {"model": self.model, "params": self.params, "active_params": self.active_params,
+                "device": self.workload.device,
                 "tokens_per_step": self.workload.tokens_per_step, "micro_batches": list(self.workload.micro_batches),
                 "seq_len": self.workload.seq_len, "fits": self.fits, "problems": self.problems,
                 "suggestions": self.suggestions,
@@ -95,7 +97,7 @@ class Plan:
                 "gpu_peak_phase": self.gpu_peak_phase, "gpu": {k: v / GiB for k, v in self.gpu.items()},
                 "disk_per_checkpoint_gib": self.disk_per_checkpoint / GiB,
                 "step_time_s": t["step_s"], "tokens_per_s": t["tokens_per_s"], "tflops_6n": t["tflops_6n"],
-                "executed_tflops": t["executed_tflops"], "mfu": t.get("mfu"), "bound": t["bound"],
+                "tflops_6n_active": t.get("tflops_6n_active", t["tflops_6n"]), "executed_tflops": t["executed_tflops"], "mfu": t.get("mfu"), "bound": t["bound"],
                 "notes": self.notes}
 
     def report(self) -> str:
@@ -129,7 +131,8 @@ def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float |
         needed, gpu = 0.0, {}
     plan = Plan(f"{adapter.model_type}", params, w, profile, host, pinned, host_available, host_source, gpu,
                 peak if w.device == "cuda" else 0.0, name, needed, gpu_limit, gpu_limit_source,
-                checkpoint_bytes(params), disk_free, step_time(adapter, units, w, profile), notes)
+                checkpoint_bytes(params), disk_free, step_time(adapter, units, w, profile), notes,
+                active_params=sum(adapter.active_numel(u) for u in units))
     if " taken as x" in plan.time["rate_source"]:
         notes.append(f"layer rate: the profile has this layer shape {'eager' if w.compile else 'compiled'} only "
                      f"({plan.time['rate_source']}); converted by COMPILED_SPEEDUP={COMPILED_SPEEDUP}, the "

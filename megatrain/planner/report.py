@@ -35,7 +35,8 @@ def render(p: Plan) -> str:
     """The report `megatrain plan` prints (Plan.report)."""
     w, t = p.workload, p.time
     streamed = "fp32 master streamed, cast to bf16" if w.fp32_stream else f"{w.precision} streaming"
-    lines = [f"megatrain plan: {p.model}, {_count(p.params)} parameters, {streamed} on {w.device}"
+    moe = f" ({_count(p.active_params)} active per token)" if p.active_params != p.params else ""
+    lines = [f"megatrain plan: {p.model}, {_count(p.params)} parameters{moe}, {streamed} on {w.device}"
              f"{' (compiled layers)' if w.compile else ''}",
              f"  step: {w.describe()}"]
     src = p.profile.source if p.profile.measured else "defaults"
@@ -72,8 +73,9 @@ def render(p: Plan) -> str:
                      f"D2H gradients {t['d2h_s']:.2f} s, CPU AdamW {t['optimizer_s']:.2f} s (overlapped with the "
                      f"next forward); GPU idle {t['gpu_idle_s']:.2f} s")
     mfu = f", MFU {t['mfu'] * 100:.1f}%" if t.get("mfu") else ""
+    active = f", {_flops(t['tflops_6n_active'] * 1e12)} (6·N_active)" if "tflops_6n_active" in t else ""
     lines.append(f"  {t['tokens_per_s']:,.0f} tokens/s, {_flops(t['executed_tflops'] * 1e12)} executed, "
-                 f"{_flops(t['tflops_6n'] * 1e12)} (6N){mfu}")
+                 f"{_flops(t['tflops_6n'] * 1e12)} (6N){active}{mfu}")
     for n in p.notes:
         lines.append(f"note: {n}")
     if p.problems:

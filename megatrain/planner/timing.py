@@ -55,7 +55,7 @@ def executed_flops(adapter, units, w: Workload) -> dict[str, float]:
     out = {"forward": 0.0, "rebuild": 0.0, "backward": 0.0}
     for use in step_schedule(n, adapter.tied, w.placement, len(toks)):
         if use.kind in out:
-            P, t = units[use.units[0]].numel, toks[use.group]
+            P, t = adapter.active_numel(units[use.units[0]]), toks[use.group]
             out[use.kind] += (6.0 * P + 3 * attn_fwd) * t if use.kind == "backward" else (2.0 * P + attn_fwd) * t
     targets = sum(w.micro_batches) * (w.seq_len - 1 if w.targets_per_row is None else w.targets_per_row)
     out["head"] = 6.0 * adapter.vocab_size * adapter.hidden_size * targets
@@ -113,6 +113,8 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
     out["tokens_per_s"] = tokens / step
     out["executed_tflops"] = total / step / 1e12
     out["tflops_6n"] = f6 * tokens / step / 1e12
+    if adapter.moe:  # 6·N_active·tokens besides 6·N_total·tokens
+        out["tflops_6n_active"] = 6.0 * sum(adapter.active_numel(u) for u in units) * tokens / step / 1e12
     out["mfu"] = fmodel * tokens / step / prof.peak_bf16 if prof.peak_bf16 and w.device == "cuda" else None
     return out
 
@@ -205,7 +207,7 @@ def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float
         elif use.kind == "embed_backward":
             dt = 0.0
         else:
-            dt = layer_s(units[use.units[0]].numel, use.kind in ("forward", "rebuild"), toks[use.group])
+            dt = layer_s(adapter.active_numel(units[use.units[0]]), use.kind in ("forward", "rebuild"), toks[use.group])
         prev = comp_end[-1] if comp_end else 0.0
         begin = max(prev, h2d_end if t_in else 0.0)
         if waits is not None and fetched and ready[waits] > others and begin > prev:

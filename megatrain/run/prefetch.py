@@ -32,7 +32,8 @@ class PreparedStep:
 
 
 def prepare_step(batches: list[dict], pin: bool) -> list[MicroBatch]:
-    mbs = [MicroBatch.from_labels(b["input_ids"], b["labels"], b.get("position_ids")) for b in batches]
+    mbs = [MicroBatch.from_labels(b["input_ids"], b["labels"], b.get("position_ids"), b.get("attention_mask"))
+           for b in batches]
     return [mb.pin() for mb in mbs] if pin else mbs
 
 

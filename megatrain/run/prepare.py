@@ -89,9 +89,6 @@ def check_inputs(cfg: Config) -> Inputs:
     if cfg.data.max_seq_len > getattr(hf_config, "max_position_embeddings", cfg.data.max_seq_len):
         raise MegatrainError(f"data.max_seq_len: {cfg.data.max_seq_len} exceeds the model's max_position_embeddings "
                              f"({hf_config.max_position_embeddings})")
-    if adapter.sliding_window and cfg.data.max_seq_len > adapter.sliding_window:
-        raise MegatrainError(f"data.max_seq_len: {cfg.data.max_seq_len} exceeds the model's sliding_window "
-                             f"({adapter.sliding_window}), which megatrain does not implement; use at most that")
     from ..planner import check_before_run
 
     plan = check_before_run(cfg, adapter, device.type)  # refuses a run that cannot fit, before any weight is read

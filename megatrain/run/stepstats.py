@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..planner.flops import flops_per_token
+from ..planner.flops import active_params, flops_per_token
 from ..planner.sysmem import rss_bytes
 
 GiB = 2**30
@@ -19,6 +19,7 @@ class StepStats:
     def __init__(self, adapter, seq_len: int, timeline, peak_flops: float | None):
         """timeline: the runtime's (None on CPU, or when streams are not measured)."""
         self.fpt6, self.fpt_model = flops_per_token(adapter, seq_len)
+        self.fpt6_active = 6.0 * active_params(adapter) if adapter.moe else None  # MoE: 6·N_active per token
         self.peak = peak_flops
         self.timeline = timeline
         self.cuda = timeline is not None
@@ -39,6 +40,8 @@ class StepStats:
         tokens, dt = record.get("tokens"), record.get("step_time_s")
         if tokens and dt:
             out["tflops_6n"] = self.fpt6 * tokens / dt / 1e12
+            if self.fpt6_active:
+                out["tflops_6n_active"] = self.fpt6_active * tokens / dt / 1e12
             out["tflops_attn"] = self.fpt_model * tokens / dt / 1e12
             if self.peak and self.cuda:
                 out["mfu"] = self.fpt_model * tokens / dt / self.peak

@@ -17,6 +17,7 @@ from ..checkpoint.state import model_files_writer, restore_rng, run_state
 from ..config import Config
 from ..errors import MegatrainError
 from ..runtime.adamw import clip_coefficient, lr_at
+from ..runtime.router_loss import expert_load
 from .evaluate import evaluate
 from .metrics import MetricsLogger
 from .oom import raise_if_out_of_memory
@@ -126,9 +127,13 @@ def train_step(run: Run, step: int, data: PreparedStep, stats: StepStats | None 
     tokens = data.tokens
     # where the host thread's time went: waiting for data, queueing the step (waits for the optimizer's updates
     # included), waiting for the GPU to finish it
-    return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-            "tokens_per_s": tokens / dt, "step_time_s": dt, "data_wait_s": data.wait_s,
-            "queue_s": t_queued - t0, "gpu_wait_s": t_done - t_queued}
+    record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+              "tokens_per_s": tokens / dt, "step_time_s": dt, "data_wait_s": data.wait_s,
+              "queue_s": t_queued - t0, "gpu_wait_s": t_done - t_queued}
+    if out.aux_loss is not None:  # MoE: the router loss (inside `loss`) and how evenly tokens went to experts
+        record["router_loss"] = out.aux_loss.item()
+        record.update(expert_load(out.expert_counts.cpu()))
+    return record
 
 
 def state_at(run: Run, s: Session, step: int, lr: float) -> dict:

@@ -39,7 +39,8 @@ from ..models import ModelAdapter
 from .accumulators import GroupAccumulators
 from .activation_spill import ActivationSpill
 from .layer import layer_backward
-from .lmhead import HeadKernels, default_chunk, head_loss
+from .lmhead import HeadKernels, default_chunk, head_loss, softcap_logits
+from .router_loss import RouterStats, aux_loss_and_grad
 from .microbatch import MicroBatch, StepOutput
 from .schedule import TIED_INPUT, Placement, Use, group_sizes, head_units, slot_numel, spilled_layers, step_schedule
 from .pinned import PinnedHost
@@ -115,6 +116,8 @@ class _Group:
     hidden: list[torch.Tensor] | None = None  # the current layer boundary of each micro-batch
     checkpoints: dict = field(default_factory=dict)  # layer -> kept inputs (None: spilled to host)
     grads_out: list[torch.Tensor] | None = None  # d(hidden) of each micro-batch, flowing down
+    router: list[RouterStats] | None = None  # MoE: each micro-batch's router statistics from the forward wave
+    router_grads: list | None = None  # MoE: d(router loss)/d(a layer's probability sum), per micro-batch
 
 
 @dataclass
@@ -258,7 +261,8 @@ class Engine:
     def _inputs(self, microbatches: list[MicroBatch]):
         self.phase = Phase("inputs")
         mbs = [mb.to(self.device) for mb in microbatches]
-        return mbs, [self.adapter.make_context(mb.position_ids, self.dtype, mb.packed) for mb in mbs]
+        return mbs, [self.adapter.make_context(mb.position_ids, self.dtype, mb.packed).with_token_mask(mb.token_mask)
+                     for mb in mbs]
 
     def _finish_grad(self, use: Use, unit: int, grad: torch.Tensor, sq_norms: list) -> None:
         """After the use that last touches this unit's gradient in its group: hand it to the sink when complete,
@@ -284,6 +288,8 @@ class Engine:
         # gradient accumulator comes back the same way, ahead of its use.
         pending = [self._fetch(schedule[0].units)]
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        router = {"aux": torch.zeros((), dtype=torch.float32, device=self.device), "counts": None} \
+            if self.adapter.moe else None
         sq_norms: list[torch.Tensor] = []
         acc: dict[int, torch.Tensor] = {}  # units' accumulators in use: the embedding's from the head on, a layer's
         g: _Group | None = None
@@ -293,25 +299,34 @@ class Engine:
             w = self._acquire(pending[k])
             if use.kind == "embed":
                 with torch.no_grad():
-                    g.hidden = [F.embedding(mb.input_ids, w[0]["weight"]) for mb in g.mbs]
+                    g.hidden = [self.adapter.embed(w[0]["weight"], mb.input_ids) for mb in g.mbs]
             elif use.kind == "forward":
                 self.phase = Phase("forward", use.layer)
                 self._keep(g, use)
                 with torch.no_grad():
                     kind = self.kinds[use.layer]
-                    g.hidden = [self.layer(w[0], h, c.for_kind(kind)) for h, c in zip(g.hidden, g.ctxs)]
+                    outs = [self.layer(w[0], h, c.for_kind(kind)) for h, c in zip(g.hidden, g.ctxs)]
+                if self.adapter.moe:  # (h, probability sum, counts): keep the statistics for the router loss
+                    g.router = g.router or [RouterStats() for _ in g.mbs]
+                    for stats, o in zip(g.router, outs):
+                        stats.add(o[1], o[2])
+                    outs = [o[0] for o in outs]
+                g.hidden = outs
             elif use.kind == "head":
                 acc[0] = self._grad_buffer(0)
                 acc[use.units[0]] = self._grad_buffer(use.units[0])
                 g.grads_out = self._head(w, g.mbs, g.hidden, acc[use.units[0]], acc[0], 1.0 / num_targets, loss_sum)
                 g.hidden = None
+                if self.adapter.moe:
+                    self._router_loss(g, len(microbatches), loss_sum, router)
             elif use.kind == "rebuild":  # the block's next input, from the one below (kept or rebuilt)
                 self.phase = Phase("forward", use.layer)
                 self._fetch_spilled(g, use)
                 x = self._checkpoint(g, use.layer)
                 with torch.no_grad():
                     kind = self.kinds[use.layer]
-                    g.checkpoints[use.layer + 1] = [self.layer(w[0], h, c.for_kind(kind)) for h, c in zip(x, g.ctxs)]
+                    g.checkpoints[use.layer + 1] = [self._hidden(self.layer(w[0], h, c.for_kind(kind)))
+                                                    for h, c in zip(x, g.ctxs)]
             elif use.kind == "backward":
                 acc[use.units[0]] = self._grad_buffer(use.units[0])
                 gviews = list(self.tiles[use.units[0]].views(acc[use.units[0]]).values())
@@ -320,8 +335,9 @@ class Engine:
                 del g.checkpoints[use.layer]
                 for m, (c, dh) in enumerate(zip(g.ctxs, g.grads_out)):
                     self.phase = Phase("backward", use.layer, g.index[m])
+                    extra = g.router_grads[m] if g.router_grads else None  # MoE: the router loss's gradient
                     g.grads_out[m] = layer_backward(self.layer, w[0], ckpt[m], c.for_kind(self.kinds[use.layer]), dh,
-                                                    gviews)
+                                                    gviews, extra)
                     ckpt[m] = None  # this checkpoint is spent
                 del gviews
             else:  # embed_backward: scatter-add of the input gradient; needs no weights
@@ -331,7 +347,8 @@ class Engine:
                     into = acc[TIED_INPUT] = self._grad_buffer(TIED_INPUT)
                 ev = self.tiles[0].views(into)["weight"]
                 for mb, dh in zip(g.mbs, g.grads_out):
-                    ev.index_add_(0, mb.input_ids.reshape(-1), dh.reshape(-1, dh.shape[-1]).float())
+                    dx = self.adapter.embed_input_grad(dh)
+                    ev.index_add_(0, mb.input_ids.reshape(-1), dx.reshape(-1, dx.shape[-1]).float())
                 del ev, into  # no reference may outlive the accumulator's trip to host between groups
                 g.grads_out = None
                 if self.adapter.tied:
@@ -349,7 +366,28 @@ class Engine:
                 unit = 0 if use.kind == "embed_backward" else use.units[0]
                 self._finish_grad(use, unit, acc.pop(unit), sq_norms)
         return StepOutput(loss_sum, torch.stack(sq_norms).sum(), num_targets,
-                          sum(mb.num_tokens for mb in microbatches))
+                          sum(mb.num_tokens for mb in microbatches),
+                          router["aux"] if router else None, router["counts"] if router else None)
+
+    def _hidden(self, out):
+        """A layer's output hidden states (a MoE layer also returns its router statistics)."""
+        return out[0] if self.adapter.moe else out
+
+    def _router_loss(self, g: _Group, num_microbatches: int, loss_sum: torch.Tensor, router: dict) -> None:
+        """After a group's forward wave: each micro-batch's router loss into the step's loss, its gradient with
+        respect to every layer's probability sum for the backward, and the expert counts (runtime/router_loss)."""
+        weight = self.adapter.router_aux_coef / num_microbatches
+        g.router_grads = []
+        for mb, stats in zip(g.mbs, g.router):
+            real = mb.token_mask.sum() if mb.token_mask is not None else \
+                torch.full((), mb.num_tokens, dtype=torch.float32, device=self.device)
+            aux, grad = aux_loss_and_grad(stats, real, self.adapter.num_experts, weight)
+            loss_sum += aux
+            router["aux"] += aux
+            g.router_grads.append(grad if weight else None)
+            counts = torch.stack(stats.counts)
+            router["counts"] = counts if router["counts"] is None else router["counts"] + counts
+        g.router = None
 
     def _tied_embedding_grad(self, use: Use, acc: dict) -> None:
         """A tied embedding's gradient is its LM-head side (accumulated at the head) plus its input side
@@ -389,7 +427,7 @@ class Engine:
         for m, (mb, h) in enumerate(zip(mbs, hidden)):
             self.phase = Phase("head", micro=m)
             loss, dh = head_loss(self.adapter.final_norm, h, mb.target_index, mb.targets, norm_w, lm_w, norm_grad,
-                                 lm_grad, scale, self.loss_chunk, self.head_kernels)
+                                 lm_grad, scale, self.loss_chunk, self.head_kernels, self.adapter.logit_softcap)
             loss_sum += loss
             grads_out.append(dh)
         return grads_out
@@ -409,7 +447,7 @@ class Engine:
         for mb, h in zip(mbs, hidden):
             x = self.adapter.final_norm(norm_w, h.reshape(-1, h.shape[-1]).index_select(0, mb.target_index))
             for a in range(0, x.shape[0], self.loss_chunk):
-                logits = (x[a: a + self.loss_chunk] @ lm_w.t()).float()
+                logits = softcap_logits(x[a: a + self.loss_chunk] @ lm_w.t(), self.adapter.logit_softcap)[0].float()
                 total += F.cross_entropy(logits, mb.targets[a: a + self.loss_chunk], reduction="sum")
             n += mb.num_targets
         self._release(loaded)
@@ -424,7 +462,7 @@ class Engine:
         loaded = self._fetch(self.head_units)
         norm_w, lm_w = self._head_weights(self._acquire(loaded))
         last = hidden[0][torch.arange(B, device=self.device), (lengths - 1).to(self.device)]
-        logits = (self.adapter.final_norm(norm_w, last) @ lm_w.t()).float()
+        logits = softcap_logits(self.adapter.final_norm(norm_w, last) @ lm_w.t(), self.adapter.logit_softcap)[0].float()
         self._release(loaded)
         return logits
 
@@ -438,8 +476,9 @@ class Engine:
             (w,) = self._acquire(loaded)
             self.phase = Phase("forward", use.layer)
             if use.kind == "embed":
-                hidden = [F.embedding(mb.input_ids, w["weight"]) for mb in mbs]
+                hidden = [self.adapter.embed(w["weight"], mb.input_ids) for mb in mbs]
             else:
-                hidden = [self.layer(w, h, c.for_kind(self.kinds[use.layer])) for h, c in zip(hidden, ctxs)]
+                hidden = [self._hidden(self.layer(w, h, c.for_kind(self.kinds[use.layer])))
+                          for h, c in zip(hidden, ctxs)]
             self._release(loaded)
         return hidden, mbs

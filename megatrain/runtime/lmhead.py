@@ -84,6 +84,15 @@ def _ce_eager(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor):
     return loss, grad.to(logits.dtype)
 
 
+def softcap_logits(z: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(softcap·tanh(z/softcap), the tanh) in z's dtype as transformers computes gemma2's capped logits; (z, None)
+    without a cap."""
+    if softcap is None:
+        return z, None
+    t = torch.tanh(z / softcap)
+    return t * softcap, t
+
+
 @dataclass(frozen=True)
 class HeadKernels:
     """Which LM-head kernels run: the fused cross-entropy (Triton, CUDA) and the in-GEMM fp32 accumulation of the
@@ -100,11 +109,13 @@ class HeadKernels:
 
 def head_loss(final_norm: Callable, h: torch.Tensor, target_index: torch.Tensor, targets: torch.Tensor,
               norm_w: torch.Tensor, lm_w: torch.Tensor, norm_grad: torch.Tensor, lm_grad: torch.Tensor,
-              scale: float, chunk: int, kernels: HeadKernels) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float, chunk: int, kernels: HeadKernels, softcap: float | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Final norm + LM head + cross-entropy over one micro-batch's target positions (`target_index` into the
     flattened [B*T] hidden states `h`, predicting `targets`), never holding more than `chunk` rows of logits.
     Returns (sum of token losses * scale, d(loss * scale)/d h) and accumulates the norm's and the LM head's
-    fp32 gradients into `norm_grad` and `lm_grad`."""
+    fp32 gradients into `norm_grad` and `lm_grad`. With `softcap` (gemma2's final_logit_softcapping) the logits
+    are capped as softcap·tanh(logits/softcap) before the loss, and the gradient goes back through the tanh."""
     H = h.shape[-1]
     x = h.reshape(-1, H).index_select(0, target_index).detach().requires_grad_(True)
     nw = norm_w.detach().requires_grad_(True)
@@ -117,7 +128,11 @@ def head_loss(final_norm: Callable, h: torch.Tensor, target_index: torch.Tensor,
     fused = kernels.fused_accumulate and fusable_dtypes(lm_grad, xn_d)
     for a in range(0, xn_d.shape[0], chunk):
         xc, y = xn_d[a: a + chunk], targets[a: a + chunk]
-        chunk_loss, dlogits = ce_loss_and_grad(xc @ lm_w.t(), y, scale_t, kernel=kernels.fused_ce)
+        logits, tanh = softcap_logits(xc @ lm_w.t(), softcap)
+        chunk_loss, dlogits = ce_loss_and_grad(logits, y, scale_t, kernel=kernels.fused_ce)
+        if tanh is not None:  # d(c·tanh(z/c))/dz = 1 - tanh²
+            dlogits = dlogits * (1 - tanh * tanh)
+        del logits, tanh
         loss += chunk_loss
         torch.mm(dlogits, lm_w, out=d_xn[a: a + chunk])
         accumulate_matmul(lm_grad, dlogits.t(), xc, fused)

@@ -18,6 +18,7 @@ class MicroBatch:
     target_index: torch.Tensor  # [n] int64: flat positions (into B*T) that predict a token
     targets: torch.Tensor  # [n] int64: the token each of those positions predicts
     packed: bool  # some row holds more than one document
+    token_mask: torch.Tensor | None = None  # bool [B, T]: real tokens, False on padding (None: all real)
 
     @property
     def num_targets(self) -> int:
@@ -28,8 +29,10 @@ class MicroBatch:
         return int(self.input_ids.numel())
 
     @classmethod
-    def from_labels(cls, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None):
-        """From Hugging Face style (input_ids, labels): labels are unshifted, -100 where no loss is taken."""
+    def from_labels(cls, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+                    attention_mask: torch.Tensor | None = None):
+        """From Hugging Face style (input_ids, labels): labels are unshifted, -100 where no loss is taken;
+        attention_mask (1 on real tokens, 0 on padding) only matters to MoE router statistics."""
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T).repeat(B, 1)
@@ -38,7 +41,13 @@ class MicroBatch:
         flat = shifted.reshape(-1)
         index = torch.nonzero(flat != IGNORE_INDEX).squeeze(1)
         packed = bool((position_ids != torch.arange(T)).any())
-        return cls(input_ids.long().contiguous(), position_ids.long().contiguous(), index, flat[index].long(), packed)
+        mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool().contiguous()
+        return cls(input_ids.long().contiguous(), position_ids.long().contiguous(), index, flat[index].long(), packed,
+                   mask)
+
+    @property
+    def real_tokens(self) -> int:
+        return self.num_tokens if self.token_mask is None else int(self.token_mask.sum())
 
     def pin(self) -> "MicroBatch":
         """The same tensors in page-locked memory, so `to(cuda)` is an asynchronous DMA (done ahead of the step
@@ -46,7 +55,8 @@ class MicroBatch:
         if self.input_ids.is_pinned():
             return self
         return MicroBatch(self.input_ids.pin_memory(), self.position_ids.pin_memory(),
-                          self.target_index.pin_memory(), self.targets.pin_memory(), self.packed)
+                          self.target_index.pin_memory(), self.targets.pin_memory(), self.packed,
+                          None if self.token_mask is None else self.token_mask.pin_memory())
 
     def to(self, device: torch.device) -> "MicroBatch":
         if device.type == "cpu":
@@ -54,7 +64,8 @@ class MicroBatch:
         src = self.pin()
         nb = dict(device=device, non_blocking=True)
         return MicroBatch(src.input_ids.to(**nb), src.position_ids.to(**nb), src.target_index.to(**nb),
-                          src.targets.to(**nb), self.packed)
+                          src.targets.to(**nb), self.packed,
+                          None if src.token_mask is None else src.token_mask.to(**nb))
 
 
 @dataclass
@@ -63,3 +74,5 @@ class StepOutput:
     grad_sq_norm: torch.Tensor  # device scalar: squared global gradient norm
     num_targets: int
     num_tokens: int
+    aux_loss: torch.Tensor | None = None  # MoE: the router loss included in loss_sum (coefficient applied)
+    expert_counts: torch.Tensor | None = None  # MoE: [MoE layers, E] top-k assignments of the step's real tokens

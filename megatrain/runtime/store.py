@@ -119,7 +119,7 @@ class HostStore:
 
         model_dir = Path(model_dir)
         weight_map = _weight_map(model_dir)
-        expected = {s.hf_name for u in self.units for s in u.specs}
+        expected = {n for u in self.units for s in u.specs for n in s.checkpoint_names}
         ignorable = {"lm_head.weight"} if self.adapter.tied else set()
         unexpected = sorted(
             n for n in weight_map
@@ -132,21 +132,22 @@ class HostStore:
                 f"{self.adapter.model_type} model with this config.json{more}: {', '.join(unexpected[:3])}"
             )
         for t in self.tiles:
-            missing = [s.hf_name for s in t.unit.specs if s.hf_name not in weight_map]
+            missing = [n for s in t.unit.specs for n in s.checkpoint_names if n not in weight_map]
             if missing:
                 raise MegatrainError(f"{model_dir}: tensor '{missing[0]}' ({t.unit.name}) is missing from the checkpoint")
-            files = sorted({weight_map[s.hf_name] for s in t.unit.specs})
+            files = sorted({weight_map[n] for s in t.unit.specs for n in s.checkpoint_names})
             handles = {f: safe_open(str(model_dir / f), framework="pt") for f in files}
             try:
                 for s, view in zip(t.unit.specs, t.views(t.master).values()):
-                    fname = weight_map[s.hf_name]
-                    shape = tuple(handles[fname].get_slice(s.hf_name).get_shape())
-                    if shape != s.shape:
-                        raise MegatrainError(
-                            f"{model_dir / fname}: tensor '{s.hf_name}' has shape {list(shape)}, config.json implies "
-                            f"{list(s.shape)}"
-                        )
-                    view.copy_(handles[fname].get_tensor(s.hf_name))
+                    for name, part in s.split(view):
+                        fname = weight_map[name]
+                        shape = tuple(handles[fname].get_slice(name).get_shape())
+                        if shape != tuple(part.shape):
+                            raise MegatrainError(
+                                f"{model_dir / fname}: tensor '{name}' has shape {list(shape)}, config.json implies "
+                                f"{list(part.shape)}"
+                            )
+                        part.copy_(handles[fname].get_tensor(name))
             finally:
                 handles.clear()  # closes the files and their mappings before the next unit
             self.refresh_stream_copy(t)

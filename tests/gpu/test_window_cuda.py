@@ -116,3 +116,59 @@ def test_windowed_long_row_builds_no_dense_mask(tmp_path, record):
             rt.close()
     record.append({"check": f"one row of {T} tokens, 3 layers (2 windowed at {window}), bf16", **out})
     assert out["window"]["peak_gib"] < out["full"]["peak_gib"] + 0.5  # a T x T bool mask alone is 1 GiB
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_cuda_equals_cpu(tmp_path, record, no_tf32, family):
+    """Gemma on CUDA: gemma2's soft-capped scores through FlexAttention's score_mod (a causal block mask on every
+    layer), both windows, per-kind RoPE, the scaled embedding and (gemma2) capped logits, against the CPU path
+    (equal to transformers in tests/test_gemma.py); then bf16 with compiled layers trains (loss falls)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
+              num_key_value_heads=2, head_dim=32, sliding_window=48, query_pre_attn_scalar=32,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    if family == "gemma2":
+        kw.update(attn_logit_softcapping=20.0, final_logit_softcapping=15.0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **kw)).save_pretrained(str(tmp_path))
+    d = str(tmp_path)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 4096, (2, 200), generator=g)
+    lengths = [37, 90, 73]
+    pids = torch.randint(1, 4096, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    plabels = pids.clone()
+    plabels[0, pos[0] == 0] = -100
+    results = {}
+    for name, rows in (("unpacked", [(ids, ids.clone(), None)]), ("packed", [(pids, plabels, pos)])):
+        cpu, cuda = runtime(d, torch.float32, "cpu"), runtime(d, torch.float32, "cuda")
+        try:
+            ref_loss, ref_grads = step(cpu, rows)
+            loss, grads = step(cuda, rows)
+        finally:
+            cpu.close()
+            cuda.close()
+        loss_rel = abs(loss - ref_loss) / abs(ref_loss)
+        grad_rel = ((grads.double() - ref_grads.double()).norm() / ref_grads.double().norm()).item()
+        results[name] = {"loss_rel": loss_rel, "grad_rel": grad_rel}
+        assert loss_rel < 1e-5, name
+        assert grad_rel < 1e-4, name
+
+    from megatrain.runtime import EngineOptions, RuntimeOptions
+
+    adapter = get_adapter(load_hf_config(d))
+    store = HostStore(adapter, torch.bfloat16)
+    store.load_safetensors(d)
+    rt = build_runtime(store, "cuda", CpuAdamW(), RuntimeOptions(engine=EngineOptions(compile_layers=True)))
+    try:
+        losses = []
+        for _ in range(8):
+            out = rt.engine.train_step([MicroBatch.from_labels(ids, ids.clone())])
+            losses.append(out.loss_sum.item())
+            rt.pipeline.finish_step(lr=1e-3, clip_coef=1.0)
+    finally:
+        rt.close()
+    results["bf16_compiled_losses"] = losses
+    record.append({"check": f"{family} CUDA vs CPU fp32; bf16 compiled training", **results})
+    assert losses[-1] < losses[0]
