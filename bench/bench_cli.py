@@ -52,7 +52,8 @@ MAX_WORDS = 4096
 # per-step fields kept from metrics.jsonl (those a megatrain version does not write are None)
 STEP_FIELDS = ["step_time_s", "wall_s", "data_wait_s", "queue_s", "gpu_wait_s", "tokens_per_s", "wall_tokens_per_s",
                "tflops_6n", "tflops_attn", "mfu", "busy_compute", "busy_h2d", "busy_d2h", "gpu_peak_gib",
-               "gpu_reserved_gib", "host_rss_gib"]
+               "gpu_reserved_gib", "host_rss_gib", "tflops_6n_active", "router_loss", "expert_load_min",
+               "expert_load_max", "expert_entropy"]
 
 
 def model_config(args) -> dict:
@@ -61,7 +62,8 @@ def model_config(args) -> dict:
     if args.layers:
         cfg["num_hidden_layers"] = args.layers
         if isinstance(cfg.get("layer_types"), list) and cfg["layer_types"]:
-            cfg["layer_types"] = [cfg["layer_types"][0]] * args.layers
+            types = cfg["layer_types"]  # the first --layers of the real pattern (gemma's sliding/full alternation)
+            cfg["layer_types"] = (types * (args.layers // len(types) + 1))[:args.layers]
     return cfg
 
 
@@ -182,6 +184,8 @@ def summarise(args, steps: list[dict], params: int) -> dict:
         "queue_s": mean("queue_s"), "gpu_wait_s": mean("gpu_wait_s"), "tokens_per_s": mean("tokens_per_s"),
         "wall_tokens_per_s": mean("wall_tokens_per_s"), "tflops_6n": mean("tflops_6n"),
         "tflops_attn": mean("tflops_attn"), "mfu": mean("mfu"),
+        "tflops_6n_active": mean("tflops_6n_active"), "router_loss": mean("router_loss"),  # MoE
+        "expert_load_max": peak("expert_load_max"),
         "busy_compute": busy, "busy_h2d": mean("busy_h2d"), "busy_d2h": mean("busy_d2h"),
         "gpu_idle": 1.0 - busy if busy is not None else None,
         "gpu_peak_gib": peak("gpu_peak_gib"), "gpu_reserved_gib": peak("gpu_reserved_gib"),
@@ -251,7 +255,7 @@ def main() -> int:
             res["error"] = f"steps {short} did not have {full} real tokens ({args.seqs} full rows of {args.seq})"
         write_json(args.json, {"command": " ".join(sys.argv), "result": res})
         print(table([res], ["label", "params", "tokens_per_step", "step_s", "wall_step_s", "tokens_per_s",
-                            "tflops_6n", "mfu", "gpu_idle", "busy_h2d", "busy_d2h", "gpu_peak_gib",
+                            "tflops_6n", "tflops_6n_active", "mfu", "gpu_idle", "busy_h2d", "busy_d2h", "gpu_peak_gib",
                             "host_peak_rss_gib", "host_bytes_per_param"]))
         if not ok:
             print(f"bench_cli: {res['error']}", file=sys.stderr)

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 COLS = [("label", "run"), ("params", "params (B)"), ("tokens_per_step", "tokens/step"), ("step_s", "step s"),
-        ("tokens_per_s", "tokens/s"), ("tflops_6n", "TFLOP/s 6·N"), ("mfu", "MFU (attn)"), ("gpu_idle", "GPU idle"),
+        ("tokens_per_s", "tokens/s"), ("tflops_6n", "TFLOP/s 6·N"), ("tflops_6n_active", "TFLOP/s 6·N_active"),
+        ("mfu", "MFU (attn)"), ("gpu_idle", "GPU idle"),
         ("busy_h2d", "H2D busy"), ("busy_d2h", "D2H busy"), ("gpu_peak_gib", "GPU peak GiB"),
         ("host_peak_rss_gib", "host RSS GiB"), ("host_bytes_per_param", "host B/param")]
 WALL = ("wall_step_s", "wall s")

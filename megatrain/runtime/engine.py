@@ -303,15 +303,7 @@ class Engine:
             elif use.kind == "forward":
                 self.phase = Phase("forward", use.layer)
                 self._keep(g, use)
-                with torch.no_grad():
-                    kind = self.kinds[use.layer]
-                    outs = [self.layer(w[0], h, c.for_kind(kind)) for h, c in zip(g.hidden, g.ctxs)]
-                if self.adapter.moe:  # (h, probability sum, counts): keep the statistics for the router loss
-                    g.router = g.router or [RouterStats() for _ in g.mbs]
-                    for stats, o in zip(g.router, outs):
-                        stats.add(o[1], o[2])
-                    outs = [o[0] for o in outs]
-                g.hidden = outs
+                g.hidden = self._forward_layer(w[0], g, use.layer)
             elif use.kind == "head":
                 acc[0] = self._grad_buffer(0)
                 acc[use.units[0]] = self._grad_buffer(use.units[0])
@@ -368,6 +360,19 @@ class Engine:
         return StepOutput(loss_sum, torch.stack(sq_norms).sum(), num_targets,
                           sum(mb.num_tokens for mb in microbatches),
                           router["aux"] if router else None, router["counts"] if router else None)
+
+    @torch.no_grad()
+    def _forward_layer(self, w: dict, g: _Group, layer: int) -> list[torch.Tensor]:
+        """One layer over the group's micro-batches in the forward wave: the next hidden states (a MoE layer's
+        router statistics kept in the group for the router loss). No reference to the inputs outlives the call."""
+        kind = self.kinds[layer]
+        outs = [self.layer(w, h, c.for_kind(kind)) for h, c in zip(g.hidden, g.ctxs)]
+        if not self.adapter.moe:
+            return outs
+        g.router = g.router or [RouterStats() for _ in g.mbs]
+        for stats, o in zip(g.router, outs):  # (h, probability sum, counts)
+            stats.add(o[1], o[2])
+        return [o[0] for o in outs]
 
     def _hidden(self, out):
         """A layer's output hidden states (a MoE layer also returns its router statistics)."""
