@@ -9,6 +9,8 @@ from .base import ModelAdapter, TensorSpec, Unit
 from .decoder import DecoderAdapter
 from .gemma import GemmaAdapter
 from .moe import MoEAdapter
+from .olmo2 import Olmo2Adapter
+from .phi3 import Phi3Adapter
 
 # model_type -> adapter class. All four share one decoder template, differing in flags read from config.json.
 ADAPTERS: dict[str, type[ModelAdapter]] = {
@@ -21,6 +23,8 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {
     "qwen3_moe": MoEAdapter,
     "mixtral": MoEAdapter,
     "olmoe": MoEAdapter,
+    "phi3": Phi3Adapter,
+    "olmo2": Olmo2Adapter,
 }
 
 
