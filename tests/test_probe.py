@@ -157,3 +157,33 @@ def test_host_memory_is_the_smaller_of_meminfo_and_cgroup(monkeypatch):
     monkeypatch.setattr(sysmem, "cgroup_limits", lambda: [])
     hm = sysmem.host_memory()
     assert (hm.total, hm.available) == (128 * GiB, 100 * GiB) and "MemAvailable" in hm.source
+
+
+def test_a_probed_moe_layer_is_counted_by_active_parameters_and_matched_only_to_its_shape(tmp_path):
+    """The probe counts a MoE layer's executed FLOPs by its active parameters (the planner's count) and records the
+    expert sizes; a profile's MoE rate applies to that MoE shape only, and a dense rate never to a MoE layer (which
+    without a measured rate runs at MOE_DEFAULT_SHARE of the default rate, said in the plan)."""
+    from conftest import make_model_dir
+    from transformers import AutoConfig
+
+    from megatrain.models import get_adapter
+    from megatrain.planner.probe import layer_rate
+    from megatrain.planner.profile import MOE_DEFAULT_SHARE, LayerRate, Profile
+
+    make_model_dir(tmp_path, "qwen3_moe", seed=0)
+    ad = get_adapter(AutoConfig.from_pretrained(tmp_path))
+    r = layer_rate(str(tmp_path), 2, 16, "cpu", False, reps=1)
+    assert (r["experts"], r["top_k"], r["expert_intermediate"]) == (4, 2, 48)
+    unit = next(u for u in ad.units() if u.kind == "layer")
+    assert ad.active_numel(unit) < unit.numel
+    attn = 2.0 * 16 * ad.num_heads * ad.head_dim
+    assert r["forward_flops"] == pytest.approx((2.0 * ad.active_numel(unit) + attn) * 32 / r["forward_s"])
+    rate = LayerRate(**{k: v for k, v in r.items() if k in LayerRate.__dataclass_fields__})
+    prof = Profile(source="t", measured=True, layer_rates=[rate])
+    assert prof.layer_rate(ad, 2, 16, False)[0] == rate
+    dense = LayerRate(**{**rate.__dict__, "experts": 0, "top_k": 0, "expert_intermediate": 0})
+    prof = Profile(source="t", measured=True, layer_rates=[dense])
+    assert prof.layer_rate(ad, 2, 16, False)[0] is None
+    w = Workload((2,), 16)
+    moe_plan = make_plan(ad, w, DEFAULTS)
+    assert f"MoE layers at {MOE_DEFAULT_SHARE:.2f}" in moe_plan.time["rate_source"]

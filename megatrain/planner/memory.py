@@ -37,7 +37,7 @@ from ..runtime.schedule import TIED_INPUT, grads_to_host, spilled_layers, step_s
 from ..runtime.schedule import slot_numel as _slot_numel
 from ..runtime.store import padded_numel
 from . import activations as actsim
-from .profile import GiB, Profile
+from .profile import GiB, Profile, layer_shape
 from .workload import Workload
 
 RUNTIME_HOST = {"cuda": 1.5 * GiB, "cpu": 0.6 * GiB}  # peak RSS beyond the store's buffers (H200 runs)
@@ -142,9 +142,9 @@ def _measured_activations(adapter, w: Workload, prof: Profile | None, b: int) ->
     """The probe's measured recompute+backward peak for this layer shape, micro-batch and compile mode."""
     if prof is None or w.device != "cuda" or w.packed or w.precision != "bf16":
         return None
-    shape = (adapter.hidden_size, adapter.intermediate_size, adapter.num_heads, adapter.num_kv_heads, adapter.head_dim)
+    shape = layer_shape(adapter)
     for r in prof.layer_rates:
-        if (r.hidden, r.intermediate, r.heads, r.kv_heads, r.head_dim) == shape and (r.micro, r.seq, r.compile) == \
+        if r.shape == shape and (r.micro, r.seq, r.compile) == \
                 (b, w.seq_len, w.compile) and r.activation_peak_bytes:
             return float(r.activation_peak_bytes)
     return None

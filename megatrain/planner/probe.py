@@ -23,7 +23,7 @@ import torch
 
 from .. import __version__
 from ..errors import ArgumentParser, MegatrainError, check_file_target, report
-from .profile import PROFILE_VERSION, default_profile_path, peak_bf16_for, this_host
+from .profile import PROFILE_VERSION, default_profile_path, layer_shape, peak_bf16_for, this_host
 from ..runtime.layer import layer_backward
 from ..runtime.lmhead import HeadKernels, default_chunk, head_loss
 from .sysmem import host_memory, memlock_limit
@@ -200,10 +200,11 @@ def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers
         act = torch.cuda.max_memory_allocated() - base
     bwd_s = timed(bwd)
     tokens = micro * seq
-    P = unit.numel
+    P = ad.active_numel(unit)  # a MoE layer: its top-k experts, as the planner counts
     attn = 2.0 * seq * ad.num_heads * ad.head_dim
-    return {"model": Path(model_dir).name, "hidden": ad.hidden_size, "intermediate": ad.intermediate_size,
-            "heads": ad.num_heads, "kv_heads": ad.num_kv_heads, "head_dim": ad.head_dim, "micro": micro, "seq": seq,
+    shape = dict(zip(("hidden", "intermediate", "heads", "kv_heads", "head_dim", "experts", "top_k",
+                      "expert_intermediate"), layer_shape(ad)))
+    return {"model": Path(model_dir).name, **shape, "micro": micro, "seq": seq,
             "compile": compile_layers, "forward_s": fwd_s, "backward_s": bwd_s,
             "forward_flops": (2.0 * P + attn) * tokens / fwd_s, "backward_flops": (6.0 * P + 3 * attn) * tokens / bwd_s,
             "activation_peak_bytes": act}

@@ -56,10 +56,36 @@ class LayerRate:
     forward_flops: float  # executed FLOP/s
     backward_flops: float
     activation_peak_bytes: int | None = None  # torch.cuda.max_memory_allocated growth during recompute+backward
+    # MoE layers (0 for dense ones): experts, experts per token, each expert's intermediate size. Their executed
+    # FLOPs count the active parameters (the top-k experts), as the planner does.
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
 
     @property
     def tokens(self) -> int:
         return self.micro * self.seq
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim, self.experts, self.top_k,
+                self.expert_intermediate)
+
+
+def layer_shape(adapter) -> tuple[int, ...]:
+    """What a measured layer rate must match: the attention and MLP sizes, and a MoE layer's expert sizes."""
+    moe = tuple(int(getattr(adapter, k, 0)) for k in ("num_experts", "top_k", "expert_intermediate")) \
+        if adapter.moe else (0, 0, 0)
+    return (adapter.hidden_size, adapter.intermediate_size, adapter.num_heads, adapter.num_kv_heads,
+            adapter.head_dim, *moe)
+
+
+# A MoE layer with no measured rate runs at this share of the default (dense) layer rate: routing, the token
+# permutation and grouped GEMMs over a few thousand tokens per expert are slower than one dense GEMM. Fitted to
+# the one MoE run measured (Qwen3-30B-A3B, 12 layers, 256 x 4096 per step, compiled, one H200,
+# bench/results/2026-11-25/h200-moe): the layers took 21.2 s of the 24.4 s busy compute (the head 3.1 s), the
+# default rate gave 17.2 s. A probed MoE layer (`megatrain probe --layer MODEL:BxT`) replaces it.
+MOE_DEFAULT_SHARE = 0.81
 
 
 @dataclass
@@ -95,10 +121,7 @@ class Profile:
 
     def layer_rate(self, adapter, micro: int, seq: int, compile: bool) -> tuple[LayerRate | None, str]:
         """The measured rate for this layer shape, nearest micro-batch size (and compile mode) first."""
-        same = [r for r in self.layer_rates
-                if (r.hidden, r.intermediate, r.heads, r.kv_heads, r.head_dim) ==
-                (adapter.hidden_size, adapter.intermediate_size, adapter.num_heads, adapter.num_kv_heads,
-                 adapter.head_dim)]
+        same = [r for r in self.layer_rates if r.shape == layer_shape(adapter)]
         if not same:
             return None, "no measured layer of this shape"
         tokens = micro * seq
@@ -145,8 +168,9 @@ def from_dict(raw: dict, source: str) -> Profile:
         prof.matmul_flops = gpu.get("matmul_bf16_flops", prof.matmul_flops)
         prof.layer_rates = [LayerRate(**{k: v for k, v in r.items() if k in LayerRate.__dataclass_fields__})
                             for r in gpu.get("layers", [])]
-        if prof.layer_rates:  # the rate for unprobed shapes: the largest probed layer's, as an eager rate
-            best = max(prof.layer_rates, key=lambda r: (r.tokens, not r.compile))
+        dense = [r for r in prof.layer_rates if not r.experts]
+        if dense:  # the rate for unprobed shapes: the largest probed dense layer's, as an eager rate
+            best = max(dense, key=lambda r: (r.tokens, not r.compile))
             prof.layer_flops = (best.forward_flops + 3 * best.backward_flops) / 4 / \
                 (COMPILED_SPEEDUP if best.compile else 1.0)
         prof.head_flops = gpu.get("head_flops", prof.head_flops)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from ..runtime.optimizer_pipeline import landing_piece, update_order
 from ..runtime.schedule import grads_to_host, kept, step_schedule
 from .flops import attention_span, flops_per_token
-from .profile import COMPILED_SPEEDUP, Profile
+from .profile import COMPILED_SPEEDUP, MOE_DEFAULT_SHARE, Profile
 from .workload import Workload
 
 # The CPU AdamW inside a training step runs at this share of the probe's rate (measured alone on an idle machine):
@@ -86,6 +86,9 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
         r_mm, r_attn = prof.layer_flops * speed, prof.attention_flops * speed
         how = ("the profile's largest probed layer's rate" if prof.layer_rates else "default rate") + \
             (" (compiled)" if w.compile else "")
+        if adapter.moe:
+            r_mm, r_attn = r_mm * MOE_DEFAULT_SHARE, r_attn * MOE_DEFAULT_SHARE
+            how += f", MoE layers at {MOE_DEFAULT_SHARE:.2f} of it (fitted to one run; probe the layer)"
 
         def layer_s(P: int, forward: bool, tokens: int) -> float:
             if forward:
