@@ -48,13 +48,21 @@ class TrainConfig(_Strict):
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    max_grad_norm: float | None = Field(1.0, ge=0)
+    max_grad_norm: float | None = Field(
+        1.0, ge=0, description="clip the global gradient norm to this (null or 0: no clipping; then each unit's "
+                               "update starts as soon as its gradient is complete, during backward)")
     seed: int = 0
     precision: Literal["bf16", "fp32"] = "bf16"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     eval_every: int = Field(0, ge=0, description="steps between evaluations (0: only at the end, if eval data)")
     exact_match_path: str | None = Field(None, description="alpaca JSONL whose answers greedy decoding must match")
     init_std: float | None = Field(None, gt=0, description="std of random init; default: config.json's initializer_range")
+
+    @property
+    def clipping(self) -> bool:
+        """Whether the step clips the global gradient norm (null or 0 turn it off: runtime.adamw.clip_coefficient
+        is then 1, and the optimizer need not wait for the norm)."""
+        return bool(self.max_grad_norm)
 
 
 class EngineConfig(_Strict):

@@ -14,11 +14,12 @@ runs (the constants below):
             (runtime/schedule.py) with the workload's placement, at the use's worst micro-batch, keeping the
             engine's books (runtime/engine.py): weight slots (`slot_numel`), the group's kept, fetched and rebuilt
             layer inputs, hidden states and d(hidden), fp32 accumulators in use, parked on the GPU between wave
-            groups or coming back from host, finished gradients waiting for the optimizer (which copies them out in
-            forward order during the next step's first forward wave), rope tables, and one micro-batch's layer or
-            LM-head work, measured by running the runtime's own layer and head functions on the meta device
-            (activations.py). tests/test_plan.py checks the peak against the real Engine run on the meta device,
-            placement by placement.
+            groups or coming back from host, finished gradients waiting for the optimizer (with clipping it copies
+            them out in forward order during the next step's first forward wave; without, at most DEVICE_GRADS
+            wait for its worker on CUDA, none on CPU where it runs inline, none are left at the next forward), rope
+            tables, and one micro-batch's layer or LM-head work, measured by running the runtime's own layer and
+            head functions on the meta device (activations.py). tests/test_plan.py checks the peak against the real
+            Engine run on the meta device, placement by placement.
     disk    `checkpoint_bytes`: what checkpoint/saver.py writes per save.
 """
 
@@ -31,7 +32,7 @@ import torch
 from ..runtime.activation_spill import spill_numel
 from ..runtime.engine import STAGE_ELEMS
 from ..runtime.lmhead import default_chunk
-from ..runtime.optimizer_pipeline import NUM_LANDING, update_order
+from ..runtime.optimizer_pipeline import DEVICE_GRADS, NUM_LANDING, update_order
 from ..runtime.optimizer_pipeline import landing_piece as _landing_piece
 from ..runtime.schedule import TIED_INPUT, grads_to_host, spilled_layers, step_schedule
 from ..runtime.schedule import slot_numel as _slot_numel
@@ -218,12 +219,14 @@ def gpu_phases(adapter, units, w: Workload, notes: list[str], prof: Profile | No
         slots += 4.0 * min(slot_numel(units, adapter.tied), STAGE_ELEMS)
     per_token_ctx = 2 * adapter.head_dim * e + 4 * 8  # cos, sin; input ids, positions, target index, targets
     act = _activation_sizes(adapter, w, notes, prof)
-    # the last step's gradients that waited on the GPU, copied out in the optimizer's order (forward order)
+    # the last step's gradients that waited on the GPU, copied out in the optimizer's order (forward order); without
+    # clipping they were updated during that step's backward: none is left
     copied_out = update_order(n)
-    stays = [0.0 if i in to_host else grad[i] for i in range(n)]
+    stays = [0.0 if i in to_host or not w.clipping else grad[i] for i in range(n)]
     left_after = [0.0] * n
     for k in range(n - 2, -1, -1):
         left_after[copied_out[k]] = left_after[copied_out[k + 1]] + stays[copied_out[k + 1]]
+    handed = []  # without clipping: the gradients handed to the optimizer, the latest of which may wait on the device
 
     phases = []
     finished = 0.0  # this step's complete gradients waiting on the GPU
@@ -268,8 +271,11 @@ def gpu_phases(adapter, units, w: Workload, notes: list[str], prof: Profile | No
         def done(unit: int, where: str) -> None:  # Engine._finish_grad, after the unit's last use in the group
             nonlocal finished, last_out
             b = active.pop(unit)
-            if where == "gpu":
+            if where == "gpu" and w.clipping:
                 finished += b
+            elif where == "gpu":  # OptimizerPipeline.put holds the engine while DEVICE_GRADS wait for the worker
+                handed.append(b)
+                finished = sum(handed[-DEVICE_GRADS:]) if cuda else 0.0
             elif where == "group-gpu":
                 parked[unit] = b
             else:  # copied to host memory: freed (its memory reused once the copy ends)

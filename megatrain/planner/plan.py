@@ -98,6 +98,9 @@ class Plan:
                 "disk_per_checkpoint_gib": self.disk_per_checkpoint / GiB,
                 "step_time_s": t["step_s"], "tokens_per_s": t["tokens_per_s"], "tflops_6n": t["tflops_6n"],
                 "tflops_6n_active": t.get("tflops_6n_active", t["tflops_6n"]), "executed_tflops": t["executed_tflops"], "mfu": t.get("mfu"), "bound": t["bound"],
+                "clipping": self.workload.clipping, "gpu_idle_s": t.get("gpu_idle_s"),
+                "optimizer_s": t["optimizer_s"], "optimizer_wait_s": t["optimizer_wait_s"],
+                "optimizer_window_s": t["optimizer_window_s"], "other_mode": t.get("other_mode"),
                 "notes": self.notes}
 
     def report(self) -> str:

@@ -3,9 +3,10 @@ run will not fit (`refusal`).
 
 The report has one section per resource, in the order a reader checks them: host RAM by component (memory.py)
 against what is available, the GPU's components at its peak phase and what the allocator and the CUDA context add,
-disk per checkpoint, the predicted step time with its parts and bound (timing.py), the notes on where the figures
-come from, and, when the run does not fit, the problems and what would fit (suggest.py). Nothing is computed
-here: every figure is a field of the Plan (plan.py).
+disk per checkpoint, the predicted step time with its parts and bound (timing.py), the optimizer's mode (clipping
+or not), the share of the step it may use and what it costs, with the other mode's figures beside it, the notes on
+where the figures come from, and, when the run does not fit, the problems and what would fit (suggest.py). Nothing
+is computed here: every figure is a field of the Plan (plan.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def render(p: Plan) -> str:
     streamed = "fp32 master streamed, cast to bf16" if w.fp32_stream else f"{w.precision} streaming"
     moe = f" ({_count(p.active_params)} active per token)" if p.active_params != p.params else ""
     lines = [f"megatrain plan: {p.model}, {_count(p.params)} parameters{moe}, {streamed} on {w.device}"
-             f"{' (compiled layers)' if w.compile else ''}",
+             f"{' (compiled layers)' if w.compile else ''}, gradient clipping {'on' if w.clipping else 'off'}",
              f"  step: {w.describe()}"]
     src = p.profile.source if p.profile.measured else "defaults"
     lines.append(f"  machine profile: {src}" + (f" (measured {p.profile.created} on {p.profile.host})"
@@ -70,8 +71,9 @@ def render(p: Plan) -> str:
     lines.append(f"step time (predicted): {t['step_s']:.2f} s, bound by {t['bound']}")
     if w.device == "cuda":
         lines.append(f"  compute {t['compute_s']:.2f} s ({t['rate_source']}), H2D weights {t['h2d_s']:.2f} s, "
-                     f"D2H gradients {t['d2h_s']:.2f} s, CPU AdamW {t['optimizer_s']:.2f} s (overlapped with the "
-                     f"next forward); GPU idle {t['gpu_idle_s']:.2f} s")
+                     f"D2H gradients {t['d2h_s']:.2f} s, CPU AdamW {t['optimizer_s']:.2f} s; GPU idle "
+                     f"{t['gpu_idle_s']:.2f} s")
+    lines += _optimizer_lines(w, t)
     mfu = f", MFU {t['mfu'] * 100:.1f}%" if t.get("mfu") else ""
     active = f", {_flops(t['tflops_6n_active'] * 1e12)} (6·N_active)" if "tflops_6n_active" in t else ""
     lines.append(f"  {t['tokens_per_s']:,.0f} tokens/s, {_flops(t['executed_tflops'] * 1e12)} executed, "
@@ -88,6 +90,27 @@ def render(p: Plan) -> str:
     else:
         lines.append("fits.")
     return "\n".join(lines)
+
+
+def _optimizer_lines(w, t: dict) -> list[str]:
+    """The optimizer's mode, the share of the step it may use unseen, and what it costs (timing.py)."""
+    if w.device != "cuda":
+        mode = "clipping on" if w.clipping else "no clipping (train.max_grad_norm: null)"
+        return [f"  optimizer: {mode}; CPU AdamW {t['optimizer_s']:.2f} s, inline after each step's backward"]
+    if w.clipping:
+        how = (f"clipping on (train.max_grad_norm): CPU AdamW {t['optimizer_s']:.2f} s waits for the step's global "
+               f"norm, then runs in forward order within the next step's first forward wave "
+               f"({t['optimizer_window_s']:.2f} s of compute), which waits for each unit's update")
+        other = "without clipping (train.max_grad_norm: null)"
+    else:
+        how = (f"no clipping (train.max_grad_norm: null): CPU AdamW {t['optimizer_s']:.2f} s starts as each unit's "
+               f"gradient is complete, in backward order, within {t['optimizer_window_s']:.2f} s of backward; the "
+               f"next forward waits for the units not yet updated")
+        other = "with clipping"
+    o = t["other_mode"]
+    return [f"  optimizer: {how}; the GPU waits {t['optimizer_wait_s']:.2f} s for it",
+            f"  {other}: {o['step_s']:.2f} s a step, GPU idle {o['gpu_idle_s']:.2f} s, waiting "
+            f"{o['optimizer_wait_s']:.2f} s for the optimizer, bound by {o['bound']}"]
 
 
 def refusal(plan: Plan) -> str:

@@ -18,13 +18,26 @@
             is updated before layer 0 may start), the copy of piece k+1 overlapping the update of piece k; units
             whose gradients went to host (`grads_to_host`) were copied during the last backward. Updates run at
             ADAMW_IN_STEP of the probe's rate. A CPU run is compute plus an inline update.
+            Without clipping (`Workload.clipping` False: train.max_grad_norm null) there is no norm to wait for: a
+            unit's update is queued as soon as its gradient is complete in the last group's backward (head, last
+            layer, ..., embedding), the worker taking them in that order through the same landing buffers (a
+            piece's copy issued ahead only when its gradient is already queued), those copies sharing the bus with
+            the backward's weights, and the engine's thread held while DEVICE_GRADS gradients wait on the GPU
+            (`_UpdatesInBackward`). The next step's forward waits for the units still being updated when the
+            backward ends (the embedding's, queued last, at least): simulated once to find those, then the
+            steady-state step with them.
+            `optimizer_wait_s`: the step minus the same step with instantaneous updates (what the optimizer costs);
+            `optimizer_window_s`: the GPU time it may use unseen (with clipping the first forward wave; without,
+            the backward from the first gradient queued). `other_mode`: the same figures with clipping turned
+            the other way.
     bound   the CPU optimizer (or the gradients' copy-out) when the forward waited for it past the middle of the
-            step, else the busiest resource.
+            step (with clipping), or when it made the GPU wait and was busy from the first gradient to the last
+            update (without), else the busiest resource.
 """
 
 from __future__ import annotations
 
-from ..runtime.optimizer_pipeline import landing_piece, update_order
+from ..runtime.optimizer_pipeline import DEVICE_GRADS, landing_piece, update_order
 from ..runtime.schedule import grads_to_host, kept, step_schedule
 from .flops import attention_span, flops_per_token
 from .profile import COMPILED_SPEEDUP, MOE_DEFAULT_SHARE, Profile
@@ -38,6 +51,9 @@ ADAMW_IN_STEP = 0.62
 # fp32 streaming computes in fp32 without TF32: H100/H200 datasheet dense bf16 989 TFLOP/s against fp32 67 TFLOP/s.
 # Not measured by the probe (a run in fp32 mode is for exactness, not speed); the plan says so in its rate source.
 FP32_SLOWDOWN = 989.0 / 67.0
+# Without clipping, the CPU optimizer sets the step when, having made the GPU wait, it was busy (updating or waiting
+# for a gradient's copy) this share of the time from the first gradient queued to the embedding's update.
+SATURATED = 0.9
 
 
 def _use_tokens(w: Workload) -> list[int]:
@@ -103,15 +119,19 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
 
         def layer_s(P: int, forward: bool, tokens: int) -> float:
             return bf16_layer_s(P, forward, tokens) * FP32_SLOWDOWN
-    out = {"executed_flops": total, "rate_source": how}
-    if w.device == "cpu":
+    out = {"executed_flops": total, "rate_source": how, "clipping": w.clipping}
+    if w.device == "cpu":  # the updates run inline, on the cores that compute, in either mode
         compute = total / prof.cpu_flops
         opt = sum(u.numel for u in units) / prof.adamw_params_per_s
         step = compute + opt
         out.update(step_s=step, compute_s=compute, h2d_s=0.0, d2h_s=0.0, optimizer_s=opt,
-                   bound="CPU compute" if compute >= opt else "CPU optimizer")
+                   bound="CPU compute" if compute >= opt else "CPU optimizer", optimizer_wait_s=opt,
+                   optimizer_window_s=0.0)
     else:
-        out.update(_simulate(adapter, units, w, prof, layer_s, head_s))
+        out.update(_simulate(adapter, units, w, prof, layer_s, head_s, w.clipping))
+        # the other mode, for the report: what turning clipping off (or on) would change
+        other = _simulate(adapter, units, w, prof, layer_s, head_s, not w.clipping)
+        out["other_mode"] = {k: other[k] for k in ("step_s", "gpu_idle_s", "optimizer_wait_s", "bound")}
     step = out["step_s"]
     out["tokens_per_s"] = tokens / step
     out["executed_tflops"] = total / step / 1e12
@@ -122,21 +142,52 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
     return out
 
 
-def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float) -> dict[str, float]:
-    """One steady-state step: the last step's gradients start to leave at t=0 (its end)."""
-    e = w.elem
+def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float, clipping: bool) -> dict:
+    """One steady-state step (t = 0: the end of the last step's GPU work), and what the optimizer costs it: the
+    same step with instantaneous updates gives the GPU's wait for them."""
     n = len(units)
-    pl = w.placement
-    H = adapter.hidden_size
-    toks = _use_tokens(w)
-    groups = len(toks)
-    to_host = set(grads_to_host(n, pl))
-    parks = groups > 1 and pl.group_grads == "host"
-
-    # the CPU optimizer of the last step, in forward order (OptimizerPipeline.order), piece by piece
-    piece = landing_piece(max(u.numel for u in units))
     d2h_rate = prof.bidir_bps
     adam = prof.adamw_params_per_s * ADAMW_IN_STEP
+    piece = landing_piece(max(u.numel for u in units))
+    free = _walk(adapter, units, w, prof, layer_s, head_s, [0.0] * n, None, clipping)
+    if clipping:  # the last step's updates, in forward order, overlap this step's first forward wave
+        ready, chain, opt_busy, d2h_busy = _updates_in_forward_order(units, w, piece, d2h_rate, adam)
+        step = _walk(adapter, units, w, prof, layer_s, head_s, ready, chain, clipping)
+        window = free["first_forward_s"]
+        worker = None
+    else:  # updates start during this step's backward; the next forward waits for those not done at its end
+        first = _UpdatesInBackward(piece, d2h_rate, adam)
+        ends = _walk(adapter, units, w, prof, layer_s, head_s, [0.0] * n, None, clipping, first)["gpu_end"]
+        worker = _UpdatesInBackward(piece, d2h_rate, adam)
+        ready = [max(0.0, first.done[i] - ends) for i in range(n)]
+        step = _walk(adapter, units, w, prof, layer_s, head_s, ready, None, clipping, worker)
+        opt_busy, d2h_busy = worker.busy, worker.d2h_busy
+        window = step["gpu_end"] - worker.first
+    d2h_busy += step["side_d2h"]
+    total = max(step["gpu_end"], step["side_d2h"])
+    shares = {"compute": step["compute"], "H2D (weights)": step["h2d"], "D2H (gradients)": d2h_busy,
+              "CPU AdamW": opt_busy}
+    bound = max(shares, key=shares.get)
+    wait = max(0.0, total - max(free["gpu_end"], free["side_d2h"]))
+    if clipping:
+        paced, paced_by = step["paced"], step["paced_by"]
+        if paced > total - paced:  # the GPU waited for the last step's update until past the middle of the step
+            bound = "D2H (gradients)" if paced_by[0] > paced_by[1] else "CPU AdamW"
+    elif wait > 0 and worker.busy + worker.copy_wait >= SATURATED * (worker.done[0] - worker.first):
+        # the worker never idled from the head's gradient on: its chain, not the GPU, ends the step
+        bound = "D2H (gradients)" if worker.copy_wait > worker.busy else "CPU AdamW"
+    bound_name = {"compute": "GPU compute", "H2D (weights)": "PCIe (weights in)", "D2H (gradients)":
+                  "PCIe (gradients out)", "CPU AdamW": "CPU optimizer"}[bound]
+    return {"step_s": total, "compute_s": step["compute"], "h2d_s": step["h2d"], "d2h_s": d2h_busy,
+            "optimizer_s": opt_busy, "gpu_idle_s": total - step["compute"], "bound": bound_name,
+            "optimizer_wait_s": wait, "optimizer_window_s": window}
+
+
+def _updates_in_forward_order(units, w: Workload, piece: int, d2h_rate: float, adam: float):
+    """A clipped step's updates (OptimizerPipeline.finish_step), in forward order, piece by piece: when each unit is
+    ready, the (copy-out, AdamW) seconds spent until then, and the worker's AdamW and copy seconds."""
+    n = len(units)
+    to_host = set(grads_to_host(n, w.placement))
     ready = [0.0] * n
     chain = [(0.0, 0.0)] * n  # (copy-out, AdamW) seconds spent until unit i is ready
     d2h_end, upd_end, prev_upd_end = 0.0, 0.0, 0.0
@@ -155,15 +206,73 @@ def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float
             opt_busy += k / adam
         ready[i] = upd_end
         chain[i] = (copied, opt_busy)
+    return ready, chain, opt_busy, d2h_busy
 
-    # the step's uses, as the engine executes them; the slot ring advances on uses that stream weights
+
+class _UpdatesInBackward:
+    """The OptimizerPipeline's worker without clipping, in time: units queued as their gradients are complete (`put`),
+    piece by piece through the landing buffers; a piece's copy issued when the worker begins the piece before if it
+    is queued by then, else once it is; the engine's `put` held until the gradient DEVICE_GRADS before it landed."""
+
+    def __init__(self, piece: int, d2h_rate: float, adam: float):
+        self.piece, self.d2h_rate, self.adam = piece, d2h_rate, adam
+        self.began = self.ended = self.d2h_end = 0.0  # the worker's last piece: began handling it, update ended
+        self.landed: list[float] = []  # when each gradient held on the device left it, in put order
+        self.done: dict[int, float] = {}  # unit -> its update written
+        self.first: float | None = None  # the first gradient queued
+        self.busy = self.d2h_busy = self.copy_wait = 0.0
+
+    def put(self, unit: int, numel: int, at: float, host_copy_s: float | None) -> float:
+        """The unit's gradient is complete at `at` (host_copy_s: the seconds of its copy to host, for a unit sent
+        there). Returns when the engine's put returns: no compute is queued before then."""
+        held = host_copy_s is None
+        gate = self.landed[-DEVICE_GRADS] if held and len(self.landed) >= DEVICE_GRADS else 0.0
+        queued = max(at, gate)
+        self.first = queued if self.first is None else self.first
+        landed = queued
+        for a in range(0, numel, self.piece):
+            k = min(self.piece, numel - a)
+            issue = self.began if queued <= self.began else max(self.ended, queued)
+            if held:
+                copy = 4.0 * k / self.d2h_rate
+                copied = max(issue, self.d2h_end) + copy
+                self.d2h_end = copied
+                self.d2h_busy += copy
+            else:
+                copied = at + host_copy_s
+            began = max(self.ended, issue)
+            landed = max(began, copied)
+            self.copy_wait += landed - began
+            self.began, self.ended = began, landed + k / self.adam
+            self.busy += k / self.adam
+        if held:
+            self.landed.append(landed)
+        self.done[unit] = self.ended
+        return gate
+
+
+def _walk(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float, ready: list[float], chain,
+          clipping: bool, worker: _UpdatesInBackward | None = None) -> dict:
+    """The step's uses, as the engine executes them (t = 0: the last step's end); the slot ring advances on uses
+    that stream weights. ready: when each unit's last update is written (its forward in the first group waits).
+    chain: the (copy-out, AdamW) seconds behind each ready time (clipping), to name the bound. worker: without
+    clipping, the updates this step queues as its gradients are complete."""
+    e = w.elem
+    n = len(units)
+    pl = w.placement
+    H = adapter.hidden_size
+    toks = _use_tokens(w)
+    groups = len(toks)
+    parks = groups > 1 and pl.group_grads == "host"
+    d2h_rate = prof.bidir_bps
     h2d_end = 0.0
     comp_end: list[float] = []
     ring: list[float] = []  # compute end of each weight use, in ring order
     holds: list[tuple[int, ...] | None] = [None] * w.num_slots
-    h2d_busy = comp_busy = side_d2h = 0.0
+    h2d_busy = comp_busy = side_d2h = first_forward = 0.0
     paced, paced_by = 0.0, (0.0, 0.0)  # when the GPU last resumed after waiting for an update; that chain's work
     back_early: set = set()  # (group, layer) of spilled inputs already on their way back
+    host = 0.0  # the engine's thread, held by a put (no clipping): nothing is queued before
     for use in step_schedule(n, adapter.tied, pl, groups):
         C = toks[use.group] * H * e  # one layer boundary of the group
         first = use.group == 0
@@ -174,7 +283,10 @@ def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float
             slot = len(ring) % w.num_slots
             free = ring[len(ring) - w.num_slots] if len(ring) >= w.num_slots else 0.0
             fetched = holds[slot] != use.units  # the engine skips the copy when the slot still holds these
-            rate = d2h_rate if use.forward and first else prof.h2d_bps  # the first forward shares the bus
+            # the bus is shared with the gradients' copy-out: in the first forward (clipping), in the last
+            # group's backward (no clipping)
+            shared = (use.forward and first) if clipping else (use.group == groups - 1 and not use.forward)
+            rate = d2h_rate if shared else prof.h2d_bps
             if fetched:
                 t_in += sum(units[i].numel for i in use.units) * w.stream_elem / rate
             holds[slot] = use.units
@@ -201,8 +313,9 @@ def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float
         # copies out that overlap the compute: spilled inputs, finished gradients to host, parked accumulators
         if use.keep == "host":
             side_d2h += C / d2h_rate
-        if use.grad in ("host", "group-host"):
-            side_d2h += 4.0 * units[0 if use.kind == "embed_backward" else use.units[0]].numel / d2h_rate
+        out_s = 4.0 * units[0 if use.kind == "embed_backward" else use.units[0]].numel / d2h_rate \
+            if use.grad in ("host", "group-host") else 0.0
+        side_d2h += out_s
         if use.kind == "embed":
             dt = 0.0  # the lookup
         elif use.kind == "head":
@@ -212,21 +325,17 @@ def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float
         else:
             dt = layer_s(adapter.active_numel(units[use.units[0]]), use.kind in ("forward", "rebuild"), toks[use.group])
         prev = comp_end[-1] if comp_end else 0.0
-        begin = max(prev, h2d_end if t_in else 0.0)
-        if waits is not None and fetched and ready[waits] > others and begin > prev:
+        begin = max(prev, h2d_end if t_in else 0.0, host)
+        if chain is not None and waits is not None and fetched and ready[waits] > others and begin > prev:
             paced, paced_by = begin, chain[waits]
         comp_end.append(begin + dt)
         if use.units:
             ring.append(begin + dt)
         comp_busy += dt
-    d2h_busy += side_d2h
-    step = max(comp_end[-1], side_d2h)
-    shares = {"compute": comp_busy, "H2D (weights)": h2d_busy, "D2H (gradients)": d2h_busy,
-              "CPU AdamW": opt_busy}
-    bound = max(shares, key=shares.get)
-    if paced > step - paced:  # the GPU waited for the last step's update until past the middle of the step
-        bound = "D2H (gradients)" if paced_by[0] > paced_by[1] else "CPU AdamW"
-    bound_name = {"compute": "GPU compute", "H2D (weights)": "PCIe (weights in)", "D2H (gradients)":
-                  "PCIe (gradients out)", "CPU AdamW": "CPU optimizer"}[bound]
-    return {"step_s": step, "compute_s": comp_busy, "h2d_s": h2d_busy, "d2h_s": d2h_busy, "optimizer_s": opt_busy,
-            "gpu_idle_s": step - comp_busy, "bound": bound_name}
+        if use.forward and first:
+            first_forward += dt
+        if worker is not None and use.grad in ("gpu", "host"):  # complete: its update is queued now
+            unit = 0 if use.kind == "embed_backward" else use.units[0]
+            host = max(host, worker.put(unit, units[unit].numel, begin + dt, out_s if use.grad == "host" else None))
+    return {"gpu_end": comp_end[-1], "compute": comp_busy, "h2d": h2d_busy, "side_d2h": side_d2h,
+            "paced": paced, "paced_by": paced_by, "first_forward_s": first_forward}

@@ -32,6 +32,8 @@ class Workload:
     placement: Placement = field(default_factory=Placement)  # EngineOptions.placement (runtime/schedule.py)
     head_kernels: bool = True  # CUDA: the fused cross-entropy kernel and the in-GEMM accumulation of the head
     #                            (False: the eager head of the first H200 runs, for bench/plan_vs_measured.py)
+    clipping: bool = True  # train.max_grad_norm set: the updates wait for the step's global norm (False: they
+    #                        start during backward; OptimizerPipeline.begin_step)
 
     @property
     def tokens_per_step(self) -> int:
@@ -82,7 +84,7 @@ def workload_from_config(cfg, device: str) -> Workload:
         micro_batches=(t.micro_batch_size,) * t.grad_accum_steps, seq_len=cfg.data.max_seq_len, device=device,
         precision=t.precision, loss_chunk_tokens=eng.loss_chunk_tokens, num_slots=eng.num_slots,
         compile=eng.compile == "on" or (eng.compile == "auto" and device == "cuda"), packed=cfg.data.packing,
-        placement=Placement(**fixed_placement(cfg)))
+        placement=Placement(**fixed_placement(cfg)), clipping=t.clipping)
 
 
 def checkpoint_copies(cfg) -> int:

@@ -1,9 +1,9 @@
 """What the user sees of a run: a live progress bar on a terminal (plain lines otherwise), metrics.jsonl,
 TensorBoard and wandb when enabled.
 
-Each step's record carries what the trainer measured (loss, grad norm, lr, tokens/s) and what `stats`, when
-set (megatrain.run.stepstats.StepStats), adds: TFLOP/s, MFU, GPU and host memory, the busy shares of the compute,
-H2D and D2H streams; the logger adds the ETA."""
+Each step's record carries what the trainer measured (loss, grad norm, `clipping` and, when on, `clip_coef`, lr,
+tokens/s) and what `stats`, when set (megatrain.run.stepstats.StepStats), adds: TFLOP/s, MFU, GPU and host memory,
+the busy shares of the compute, H2D and D2H streams; the logger adds the ETA."""
 
 from __future__ import annotations
 
@@ -95,7 +95,8 @@ class MetricsLogger:
 
 def _headline(r: dict) -> dict[str, str]:
     """The numbers shown each step: training, throughput, memory, where the time goes."""
-    out = {"loss": _fmt(r["loss"]), "gnorm": _fmt(r["grad_norm"]), "lr": f"{r['lr']:.3g}",
+    gnorm = _fmt(r["grad_norm"]) + (" (no clip)" if r.get("clipping") is False else "")
+    out = {"loss": _fmt(r["loss"]), "gnorm": gnorm, "lr": f"{r['lr']:.3g}",
            "tok/s": _fmt(r["tokens_per_s"])}
     if "tflops_6n" in r:
         out["TFLOP/s"] = f"{r['tflops_6n']:.0f}" if r["tflops_6n"] >= 10 else f"{r['tflops_6n']:.3g}"

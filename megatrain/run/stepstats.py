@@ -80,7 +80,8 @@ def start_summary(run) -> str:
     t = cfg.train
     tokens = t.micro_batch_size * t.grad_accum_steps * cfg.data.max_seq_len
     lines = [f"tokens per step: up to {tokens:,} ({t.grad_accum_steps} micro-batch"
-             f"{'es' if t.grad_accum_steps > 1 else ''} of {t.micro_batch_size} rows x {cfg.data.max_seq_len} tokens)"]
+             f"{'es' if t.grad_accum_steps > 1 else ''} of {t.micro_batch_size} rows x {cfg.data.max_seq_len} tokens)",
+             optimizer_summary(cfg, plan)]
     if plan is None:
         lines.append("plan: not available")
         return "\n".join(lines)
@@ -96,3 +97,17 @@ def start_summary(run) -> str:
     if plan.workload.device == "cuda":
         lines.append(f"placement: {plan.placement_keys} ({plan.why})")
     return "\n".join(lines)
+
+
+def optimizer_summary(cfg, plan) -> str:
+    """The optimizer's mode, and the plan's figure for what it costs the step."""
+    t = cfg.train
+    if t.clipping:
+        line = (f"optimizer: AdamW, gradient clipping at global norm {t.max_grad_norm}: the updates wait for the "
+                f"step's norm and overlap the next step's forward")
+    else:
+        line = ("optimizer: AdamW, gradient clipping off (train.max_grad_norm: null): each unit's update starts as "
+                "soon as its gradient is complete, during backward; the grad norm is still computed and logged")
+    if plan is not None and plan.workload.device == "cuda":
+        line += f" (plan: the GPU waits {plan.time['optimizer_wait_s']:.2f} s a step for it)"
+    return line

@@ -100,13 +100,19 @@ def start(run: Run) -> Session:
 
 
 def train_step(run: Run, step: int, data: PreparedStep, stats: StepStats | None = None) -> dict:
-    """One optimizer step: the engine's waves, then the CPU update handed to the pipeline, which overlaps it with
-    the next step's forward. Returns the step's metrics record."""
+    """One optimizer step: the engine's waves and the CPU updates of the pipeline. With clipping the updates are
+    handed over after the step's global norm and overlap the next step's forward; without (train.max_grad_norm:
+    null) each unit's update starts as soon as its gradient is complete, during this step's backward, and the norm
+    is only reported. Returns the step's metrics record."""
     t = run.cfg.train
+    clipping = t.clipping
+    lr = lr_at(step, lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, schedule=t.lr_schedule,
+               min_lr_ratio=t.min_lr_ratio)
     t0 = time.perf_counter()
     if stats is not None:
         stats.begin()
     try:
+        run.pipeline.begin_step(lr=None if clipping else lr)
         out = run.engine.train_step(data.microbatches)
         if stats is not None:
             stats.end()  # the step's GPU work is queued: the end marker follows it
@@ -118,18 +124,22 @@ def train_step(run: Run, step: int, data: PreparedStep, stats: StepStats | None 
     loss = out.loss_sum.item()
     t_done = time.perf_counter()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        raise MegatrainError(f"step {step + 1}: loss {loss}, grad norm {grad_norm}; the update was not applied. "
-                             f"Lower train.lr or check the data.")
-    lr = lr_at(step, lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, schedule=t.lr_schedule,
-               min_lr_ratio=t.min_lr_ratio)
-    run.pipeline.finish_step(lr=lr, clip_coef=clip_coefficient(grad_norm, t.max_grad_norm))
+        applied = "the update was not applied" if clipping else \
+            "without clipping (train.max_grad_norm: null) updates start during backward, so it was already " \
+            "applied; resume from the last checkpoint"
+        raise MegatrainError(f"step {step + 1}: loss {loss}, grad norm {grad_norm}; {applied}. Lower train.lr or "
+                             f"check the data.")
+    coef = clip_coefficient(grad_norm, t.max_grad_norm)
+    run.pipeline.finish_step(lr=lr, clip_coef=coef)
     dt = time.perf_counter() - t0 + data.wait_s
     tokens = data.tokens
     # where the host thread's time went: waiting for data, queueing the step (waits for the optimizer's updates
     # included), waiting for the GPU to finish it
-    record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-              "tokens_per_s": tokens / dt, "step_time_s": dt, "data_wait_s": data.wait_s,
+    record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "clipping": clipping,
+              "tokens": tokens, "tokens_per_s": tokens / dt, "step_time_s": dt, "data_wait_s": data.wait_s,
               "queue_s": t_queued - t0, "gpu_wait_s": t_done - t_queued}
+    if clipping:
+        record["clip_coef"] = coef
     if out.aux_loss is not None:  # MoE: the router loss (inside `loss`) and how evenly tokens went to experts
         record["router_loss"] = out.aux_loss.item()
         record.update(expert_load(out.expert_counts.cpu()))

@@ -13,7 +13,8 @@ Stream/event protocol (CUDA; on CPU the slots are the host tiles themselves and 
     h2d stream      copies unit u's streaming tile into a slot after waiting on that slot's `free` event,
                     then records the slot's `ready` event. Before it issues the copy, the host thread calls the
                     sink's `wait_for_update(u)`, which returns once the CPU optimizer has written unit u's new
-                    weights (the optimizer of step t overlaps the forward of step t+1).
+                    weights (with clipping the optimizer of step t overlaps the forward of step t+1; without, a
+                    unit's update starts when the sink is handed its gradient, during step t's backward).
     compute stream  waits on `ready` before the first kernel that reads the slot, records `free` after the
                     last one. Gradients are accumulated here.
     spill streams   checkpoints of spilled layers go to pinned host memory and come back one layer ahead of their
@@ -59,12 +60,20 @@ def squared_norm(flat: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     return torch.stack([torch.dot(part, part) for part in flat.split(chunk)]).sum()
 
 
+def own_version(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s memory under an autograd version counter of its own (CPU: the host tiles share one, and an update of
+    another tile during backward, no clipping, must not look like a write to the weights a backward saved)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
+                                                              t.stride())
+
+
 class GradientSink(Protocol):
     """Where finished gradients go (the optimizer pipeline; CollectGrads in tests), and whose updates the next
     forward waits for."""
 
     def put(self, unit_index: int, grad: torch.Tensor, to_host: bool) -> None: ...  # on the compute stream's
-    #   timeline; to_host: the schedule sends this gradient to pinned host memory at once
+    #   timeline; to_host: the schedule sends this gradient to pinned host memory at once. It may start the update
+    #   (no clipping), holding the caller while earlier gradients still wait on the device
 
     def wait_for_update(self, unit_index: int) -> None: ...  # before unit u's weights are streamed for a forward
 
@@ -198,7 +207,8 @@ class Engine:
         if not self.cuda:
             for i in unit_indices:
                 self.sink.wait_for_update(i)
-            return _Loaded([t.views(t.stream.to(self.dtype) if self.cast_on_device else t.stream) for t in tiles])
+            return _Loaded([t.views(t.stream.to(self.dtype) if self.cast_on_device else own_version(t.stream))
+                            for t in tiles])
         key = (unit_indices, self.weights_version)
         # Slots are used strictly in ring order, so the slot taken here is the one released longest ago. If it
         # still holds these very weights (the last layer, around the head), the copy is skipped.
