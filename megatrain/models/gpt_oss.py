@@ -19,7 +19,7 @@ the loader to dequantize them, layer by layer and expert by expert, with transfo
 `convert_moe_packed_tensors`. Exports hold the dequantized weights (bf16 or fp32).
 
 Refused, by config.json key: a quantization_config other than mxfp4, rope types whose frequencies change with the
-sequence length, attention_dropout, swiglu_limit unset, layer_types other than full/sliding attention.
+sequence length, attention_dropout, layer_types other than full/sliding attention.
 """
 
 from __future__ import annotations
@@ -234,5 +234,3 @@ def _refuse_unsupported(c) -> None:
     if float(getattr(c, "attention_dropout", 0.0) or 0.0) > 0:
         raise MegatrainError(f"config.json: attention_dropout {c.attention_dropout} is not supported for gpt_oss "
                              "(megatrain has no dropout; set it to 0.0)")
-    if getattr(c, "swiglu_limit", None) is None:
-        raise MegatrainError("config.json: swiglu_limit is not set; gpt_oss's experts clamp at it (gpt-oss uses 7.0)")
