@@ -102,11 +102,15 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: A
     both. CUDA: FlexAttention with `ctx`'s block mask (its backward takes the log-sum-exp's gradient). The meta device
     (the planner's memory simulation) stands in the fused kernel's allocations: the output and an fp32 [B, heads, T]."""
     if ctx.block_mask is not None:
-        from torch.nn.attention.flex_attention import AuxRequest
+        try:
+            from torch.nn.attention.flex_attention import AuxRequest
 
-        o, aux = flex_attention()(q, k, v, block_mask=ctx.block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1],
-                                  return_aux=AuxRequest(lse=True))
-        return o, aux.lse
+            want = {"return_aux": AuxRequest(lse=True)}
+        except ImportError:  # torch before AuxRequest: the older keyword
+            want = {"return_lse": True}
+        gqa = k.shape[1] != q.shape[1]
+        o, aux = flex_attention()(q, k, v, block_mask=ctx.block_mask, scale=scale, enable_gqa=gqa, **want)
+        return o, getattr(aux, "lse", aux)
     if q.is_meta:
         return causal_attention(q, k, v, ctx, scale), q.new_empty(q.shape[:-1], dtype=torch.float32)
     raise ValueError("attention with its log-sum-exp needs a FlexAttention block mask (a CUDA context built with "

@@ -130,7 +130,8 @@ class GptOssAdapter(MoEAdapter):
                                  "experts (num_local_experts)")
         types = getattr(c, "layer_types", None) or []
         if "sliding_attention" in types and self.sliding_window is None:
-            raise MegatrainError("config.json: layer_types names sliding_attention layers but sliding_window is not set")
+            raise MegatrainError("config.json: layer_types names sliding_attention layers, but sliding_window is "
+                                 "not set")
 
     def _init_rope(self, c) -> None:
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
