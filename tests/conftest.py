@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral", "olmoe"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral", "olmoe", "gpt_oss"]
 
 
 def tiny_hf_config(family: str, tied: bool = False, layers: int = 3, vocab: int = 97):
@@ -47,13 +47,27 @@ def tiny_hf_config(family: str, tied: bool = False, layers: int = 3, vocab: int 
             kw.update(moe_intermediate_size=48, head_dim=16, norm_topk_prob=True)
         if family == "mixtral":
             kw["sliding_window"] = None
+    if family == "gpt_oss":
+        # 8 experts, top 2, the router loss on; attention sinks; sliding windows of 8 (shorter than the test rows) on
+        # every other layer; yarn rope that scales (factor 8 over 32 positions: inv_freq and attention scaling both
+        # change); a SwiGLU limit of 2.0 that ~1% of the tiny model's activations cross (7.0 never would at this
+        # scale; with 1.0 so many sit near the kink that an fp32 rounding flips one: seen at step 18, 3.6e-7 from the
+        # limit, 6e-5 on layer 0's gradients). 8 experts, not 4: the router-bias and sink gradients are sums that
+        # cancel, and with 4 experts transformers fp32 itself strays 2.5e-5 from transformers float64 on them over
+        # the 20 steps (so a 1e-5 comparison of two fp32 implementations measures rounding); with 8, 5.7e-6.
+        # intermediate 64: MXFP4 packs the expert matrices' columns in groups of 32
+        kw.update(head_dim=16, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+                  output_router_logits=True, router_aux_loss_coef=0.05, sliding_window=8, swiglu_limit=2.0,
+                  layer_types=(["sliding_attention", "full_attention"] * layers)[:layers],
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                                   "beta_slow": 1.0, "original_max_position_embeddings": 32, "truncate": False})
     return AutoConfig.for_model(family, **kw)
 
 
 def reference_attention(family: str) -> str:
     """transformers' attention for a reference model: SDPA, but eager for gemma2, whose SDPA path skips the score
-    cap (megatrain's CPU path computes capped attention the eager way)."""
-    return "eager" if family == "gemma2" else "sdpa"
+    cap (megatrain's CPU path computes capped attention the eager way), and for gpt_oss (no SDPA path: its sinks)."""
+    return "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
 
 
 def make_model_dir(path, family: str, tied: bool = False, seed: int = 0, layers: int = 3, vocab: int = 97):

@@ -15,9 +15,13 @@ LR, WD, MAX_NORM, EPS = 1e-3, 0.1, 1.0, 1e-6
 
 
 def reference_optimizer(model) -> torch.optim.AdamW:
-    """Weight decay on matrices and embeddings, none on norms and biases (megatrain's default split)."""
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+    """Weight decay on matrices and embeddings, none on norms and biases (megatrain's default split; gpt_oss's expert
+    biases are [experts, width] and still biases)."""
+    def decayed(n, p):
+        return p.ndim >= 2 and not n.endswith("bias")
+
+    decay = [p for n, p in model.named_parameters() if decayed(n, p)]
+    rest = [p for n, p in model.named_parameters() if not decayed(n, p)]
     return torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
                              lr=LR, betas=(0.9, 0.999), eps=EPS, fused=True)
 

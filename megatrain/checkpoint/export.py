@@ -164,6 +164,7 @@ def _numel(shape) -> int:
 def _write_configs(ckpt: Path, manifest: dict, out: Path, hf_config, dtype_name: str) -> None:
     raw = json.loads((ckpt / "config.json").read_text())  # verified above; kept as written, unknown keys too
     raw.pop("torch_dtype", None)
+    raw.pop("quantization_config", None)  # the export holds full-precision weights (MXFP4 experts dequantized)
     raw["dtype"] = dtype_name
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     if "generation_config.json" in manifest["files"]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import MegatrainError, load_json
-from .base import ModelAdapter, TensorSpec, Unit
+from .base import ModelAdapter, PackedTensor, TensorSpec, Unit
 from .decoder import DecoderAdapter
 from .gemma import GemmaAdapter
+from .gpt_oss import GptOssAdapter
 from .moe import MoEAdapter
 from .olmo2 import Olmo2Adapter
 from .phi3 import Phi3Adapter
@@ -23,6 +24,7 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {
     "qwen3_moe": MoEAdapter,
     "mixtral": MoEAdapter,
     "olmoe": MoEAdapter,
+    "gpt_oss": GptOssAdapter,
     "phi3": Phi3Adapter,
     "olmo2": Olmo2Adapter,
 }
@@ -58,4 +60,4 @@ def get_adapter(hf_config) -> ModelAdapter:
     return ADAPTERS[model_type](hf_config)
 
 
-__all__ = ["ADAPTERS", "ModelAdapter", "TensorSpec", "Unit", "get_adapter", "load_hf_config"]
+__all__ = ["ADAPTERS", "ModelAdapter", "PackedTensor", "TensorSpec", "Unit", "get_adapter", "load_hf_config"]

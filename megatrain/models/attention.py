@@ -83,3 +83,65 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Att
     if ctx.mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, scale=scale, enable_gqa=gqa)
+
+
+# ---- attention sinks (gpt_oss) -------------------------------------------------------------------------------------
+# A sink is a learned logit s per head that joins every query's softmax denominator but has no value:
+# o' = Σ_j exp(x_j) v_j / (Σ_j exp(x_j) + exp(s)). With o the plain attention output and lse = log Σ_j exp(x_j),
+# o' = o · Z / (Z + e^s) = o · σ(lse − s). So a kernel that returns its log-sum-exp computes sink attention without
+# any T x T tensor, and autograd through o, lse and s gives the exact gradient (d lse/d x_j is the softmax row).
+
+def apply_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """o [B, heads, T, d] and its fp32 log-sum-exp lse [B, heads, T] -> o · σ(lse − sinks) (fp32 factor)."""
+    return o * torch.sigmoid(lse - sinks.float()[:, None]).unsqueeze(-1).to(o.dtype)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(q·kᵀ·scale + mask)·v, log-sum-exp of the masked scaled scores [B, heads, T] fp32), differentiable in
+    both. CUDA: FlexAttention with `ctx`'s block mask (its backward takes the log-sum-exp's gradient). The meta device
+    (the planner's memory simulation) stands in the fused kernel's allocations: the output and an fp32 [B, heads, T]."""
+    if ctx.block_mask is not None:
+        try:
+            from torch.nn.attention.flex_attention import AuxRequest
+
+            want = {"return_aux": AuxRequest(lse=True)}
+        except ImportError:  # torch before AuxRequest: the older keyword
+            want = {"return_lse": True}
+        gqa = k.shape[1] != q.shape[1]
+        o, aux = flex_attention()(q, k, v, block_mask=ctx.block_mask, scale=scale, enable_gqa=gqa, **want)
+        return o, getattr(aux, "lse", aux)
+    if q.is_meta:
+        return causal_attention(q, k, v, ctx, scale), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    raise ValueError("attention with its log-sum-exp needs a FlexAttention block mask (a CUDA context built with "
+                     "force_mask); on CPU use sink_attention_explicit")
+
+
+def sink_attention_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                            mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Sink attention as transformers' gpt_oss eager_attention_forward computes it (exact, T x T: CPU): scores,
+    mask, the sink logit appended as a last column, minus the row max, softmax in the scores' dtype, sink column
+    dropped, times v. mask: bool [B, 1, T, T] (True = may attend), or None for plain causal."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    T = q.shape[2]
+    if mask is None:
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    B, H = q.shape[:2]
+    logits = torch.cat([scores, sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(B, H, T, 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, ctx: AttnContext,
+                   scale: float) -> torch.Tensor:
+    """Causal attention whose softmax denominators also hold exp(sinks[h]) (gpt_oss), within `ctx`'s documents and
+    window: on CUDA (and the meta device) from the kernel's log-sum-exp (`apply_sinks`), never a T x T tensor; on
+    CPU explicitly, as transformers."""
+    if ctx.block_mask is not None or q.is_meta:
+        o, lse = attention_with_lse(q, k, v, ctx, scale)
+        return apply_sinks(o, lse, sinks)
+    return sink_attention_explicit(q, k, v, sinks, ctx.mask, scale)

@@ -7,7 +7,7 @@ Templates are stateless functions called with a dict of weight views; they know 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Container, Literal
 
 import torch
 
@@ -51,6 +51,17 @@ class TensorSpec:
         """(checkpoint name, view) for each checkpoint tensor of `t`, a tensor of this spec's shape."""
         names = self.checkpoint_names
         return list(zip(names, t.reshape(len(names), *self.part_shape).unbind(0)))
+
+
+@dataclass(frozen=True)
+class PackedTensor:
+    """A tensor that a checkpoint stores as other tensors the loader converts (gpt_oss's MXFP4 experts: `*_blocks`
+    and `*_scales`): the checkpoint tensors to read, and `build(destination, tensors)`, which writes the tensor into
+    `destination` (the host store's view, of the spec's shape) from them, in `names` order; it raises ValueError
+    when their shapes do not fit."""
+
+    names: tuple[str, ...]
+    build: Callable[[torch.Tensor, list[torch.Tensor]], None]
 
 
 @dataclass(frozen=True)
@@ -126,6 +137,11 @@ class ModelAdapter:
         """Each layer's attention kind ("full", "sliding", ...): the engine runs layer i with
         `ctx.for_kind(layer_kinds[i])`. All "full" unless a family says otherwise."""
         return ["full"] * self.num_layers
+
+    def packed_source(self, spec: TensorSpec, available: Container[str]) -> PackedTensor | None:
+        """How to load `spec` from a checkpoint holding the tensor names `available` when it stores the tensor
+        otherwise than under `spec.checkpoint_names` (quantized); None when it stores it plainly."""
+        return None
 
     def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         raise NotImplementedError

@@ -115,19 +115,27 @@ class MoEAdapter(DecoderAdapter):
         top_w = top_p.to(logits.dtype)
         gate_up = w["mlp.experts.gate_up_proj"].flatten(1, 2)  # [E, 2I, H]: gate rows, then up rows
         y = expert_ffn(flat, top_i, top_w, gate_up, w["mlp.experts.down_proj"])
-        # router statistics for the load-balancing loss, as load_balancing_loss_func computes them
-        aux_probs = torch.softmax(logits, dim=-1).float()
-        E = self.num_experts
-        if token_mask is None:
-            prob_sum = aux_probs.sum(0)
-            counts = torch.zeros(E, dtype=torch.float32, device=x.device).scatter_add_(
-                0, top_i.reshape(-1), torch.ones(top_i.numel(), dtype=torch.float32, device=x.device))
-        else:
-            m = token_mask.reshape(-1).to(torch.float32)
-            prob_sum = (aux_probs * m[:, None]).sum(0)
-            counts = torch.zeros(E, dtype=torch.float32, device=x.device).scatter_add_(
-                0, top_i.reshape(-1), m.repeat_interleave(self.top_k))
-        return y.reshape(B, T, H), prob_sum, counts.detach()
+        prob_sum, counts = router_statistics(logits, top_i, token_mask, self.num_experts)
+        return y.reshape(B, T, H), prob_sum, counts
+
+
+def router_statistics(logits: torch.Tensor, top_i: torch.Tensor, token_mask: torch.Tensor | None, num_experts: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's router statistics for the load-balancing loss, as load_balancing_loss_func computes them from the
+    router logits [N, E]: (sum over real tokens of softmax(logits) in the logits' dtype, then fp32 [E],
+    differentiable; top-k counts over real tokens [E] fp32, detached). top_i [N, k]: the routed experts."""
+    aux_probs = torch.softmax(logits, dim=-1).float()
+    E, k = num_experts, top_i.shape[1]
+    if token_mask is None:
+        prob_sum = aux_probs.sum(0)
+        counts = torch.zeros(E, dtype=torch.float32, device=logits.device).scatter_add_(
+            0, top_i.reshape(-1), torch.ones(top_i.numel(), dtype=torch.float32, device=logits.device))
+    else:
+        m = token_mask.reshape(-1).to(torch.float32)
+        prob_sum = (aux_probs * m[:, None]).sum(0)
+        counts = torch.zeros(E, dtype=torch.float32, device=logits.device).scatter_add_(
+            0, top_i.reshape(-1), m.repeat_interleave(k))
+    return prob_sum, counts.detach()
 
 
 def expert_ffn(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
@@ -153,25 +161,29 @@ def _looped_ffn(x, top_i, top_w, gate_up, down):
     return out
 
 
-def _grouped_ffn(x, top_i, top_w, gate_up, down):
-    """Two grouped GEMMs over the (token, slot) pairs sorted by expert; group offsets from a device-side count."""
-    N, k = top_i.shape
-    E = gate_up.shape[0]
+def sort_by_expert(top_i: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs of top_i [N, k] sorted by expert, on the device (no host synchronisation): (order:
+    positions in top_i.reshape(-1), their tokens, cumulative group ends [E] int32 for `grouped_mm`)."""
+    k = top_i.shape[1]
     flat_e = top_i.reshape(-1)
     order = torch.argsort(flat_e, stable=True)
-    token = order // k
-    counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=top_i.device).scatter_add_(
         0, flat_e, torch.ones_like(flat_e, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    return order, order // k, torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+def _grouped_ffn(x, top_i, top_w, gate_up, down):
+    """Two grouped GEMMs over the (token, slot) pairs sorted by expert; group offsets from a device-side count."""
+    order, token, offs = sort_by_expert(top_i, gate_up.shape[0])
     xs = x.index_select(0, token)
-    h = _grouped_mm(xs, gate_up.transpose(-2, -1), offs)  # [N·k, 2I]
+    h = grouped_mm(xs, gate_up.transpose(-2, -1), offs)  # [N·k, 2I]
     g, u = h.chunk(2, dim=-1)
-    y = _grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs)  # [N·k, H]
+    y = grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs)  # [N·k, H]
     y = y * top_w.reshape(-1).index_select(0, order)[:, None]
     return torch.zeros_like(x).index_add_(0, token, y)
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows a[offs[e-1]:offs[e]] times b[e], for every expert e, in one kernel. On the meta device in fp32 (which
     the grouped kernel does not take) a product of the same shapes stands in, for the planner's byte count."""
     if a.is_meta and a.dtype != torch.bfloat16:

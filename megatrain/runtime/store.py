@@ -119,7 +119,14 @@ class HostStore:
 
         model_dir = Path(model_dir)
         weight_map = _weight_map(model_dir)
-        expected = {n for u in self.units for s in u.specs for n in s.checkpoint_names}
+        # a tensor the checkpoint stores otherwise (quantized) is built from other tensors: the adapter says how
+        packed = {s.hf_name: p for u in self.units for s in u.specs
+                  if (p := self.adapter.packed_source(s, weight_map)) is not None}
+
+        def names(s):
+            return packed[s.hf_name].names if s.hf_name in packed else s.checkpoint_names
+
+        expected = {n for u in self.units for s in u.specs for n in names(s)}
         ignorable = {"lm_head.weight"} if self.adapter.tied else set()
         unexpected = sorted(
             n for n in weight_map
@@ -132,13 +139,20 @@ class HostStore:
                 f"{self.adapter.model_type} model with this config.json{more}: {', '.join(unexpected[:3])}"
             )
         for t in self.tiles:
-            missing = [n for s in t.unit.specs for n in s.checkpoint_names if n not in weight_map]
+            missing = [n for s in t.unit.specs for n in names(s) if n not in weight_map]
             if missing:
                 raise MegatrainError(f"{model_dir}: tensor '{missing[0]}' ({t.unit.name}) is missing from the checkpoint")
-            files = sorted({weight_map[n] for s in t.unit.specs for n in s.checkpoint_names})
+            files = sorted({weight_map[n] for s in t.unit.specs for n in names(s)})
             handles = {f: safe_open(str(model_dir / f), framework="pt") for f in files}
             try:
                 for s, view in zip(t.unit.specs, t.views(t.master).values()):
+                    if s.hf_name in packed:
+                        p = packed[s.hf_name]
+                        try:
+                            p.build(view, [handles[weight_map[n]].get_tensor(n) for n in p.names])
+                        except ValueError as e:
+                            raise MegatrainError(f"{model_dir}: tensors {', '.join(p.names)}: {e}") from None
+                        continue
                     for name, part in s.split(view):
                         fname = weight_map[name]
                         shape = tuple(handles[fname].get_slice(name).get_shape())
