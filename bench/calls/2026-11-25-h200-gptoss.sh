@@ -9,10 +9,9 @@
 #   2. gpt-oss-120b at real width truncated to 2 layers (sliding + full; 7.58B parameters, 1.41B active of which
 #      1.16B are the 201k-row embedding and LM head), 256 x 4096 = 1,048,576 tokens per step, micro-batches of 16,
 #      `megatrain train` via bench_cli.py with --compile, 1 warm-up + 2 measured steps, no memory keys. Planned on
-#      CPU (branch gptoss at this script's commit, the H200 profile's default rates, no MoE rate factor, host budget
-#      124.4 GiB as the last H200 call found free): the default placement fits, 15.56 s/step, 67,386 tokens/s,
-#      570.6 TFLOP/s by 6*N_active (3,066 by 6*N), GPU 91.1 GiB needed, host 104.3 GiB (14.77 B/param). With the
-#      MoE layer rate of main's d01b525 (0.81 of the default rate) the plan will be slower; compare with that.
+#      CPU at main's merge of gptoss (the H200 profile, MoE layers at 0.81 of the default rate, host budget 124.4
+#      GiB as the last H200 call found free): the default placement fits, 16.39 s/step, 542 TFLOP/s by 6*N_active
+#      (2,911 by 6*N), GPU 91.1 GiB needed, host 104.3 GiB (14.77 B/param).
 mkdir -p "$OUT/gpu"
 TAIL=12 run_logged gpu_gptoss 220 env MEGATRAIN_GPU_RESULTS="$OUT/gpu" python3 -m pytest -q -m gpu \
   tests/gpu/test_gpt_oss_cuda.py
