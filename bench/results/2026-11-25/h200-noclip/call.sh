@@ -1,4 +1,4 @@
-# Issue 16 item 2 on one nvidia-h200: an optimizer that has the whole step. Llama-3.1-8B, one 32,768-token sequence
+# Issue 16 item 2 on one nvidia-h200 (2026-11-25, revision 9862936, run right after h200-gptoss/ on the same machine): an optimizer that has the whole step. Llama-3.1-8B, one 32,768-token sequence
 # per step (the issue's row: GPU idle 25% today, target <= 8%), `megatrain train` through bench/bench_cli.py, the same
 # call twice, compiled, 1 warm-up + 3 measured steps, no memory keys (the plan keeps the default placement):
 #   1. default clipping (train.max_grad_norm 1.0): the updates wait for the step's global norm, then overlap the
