@@ -8,6 +8,7 @@ standard library is imported here (the probe runs where pydantic is not installe
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -80,6 +81,13 @@ def layer_shape(adapter) -> tuple[int, ...]:
             adapter.head_dim, *moe)
 
 
+# The attention rate against the row length, as a multiple of Profile.attention_flops (the 1k-4k fit). 32k: fitted
+# to Llama-3.1-8B with one 32,768-token row per step on an H200 (bench/results/2026-11-25/h200-noclip: 5.3-5.5 s of
+# busy compute, which the layer matmuls at the default rate leave to attention at 390 TFLOP/s, x COMPILED_SPEEDUP
+# compiled). 128k and 256k: that, times the decline of SDPA's causal GQA forward rate from 32k measured on the same
+# GPU (674 -> 564 -> 526 TFLOP/s, DESIGN.md). Flat beyond 256k (not measured).
+ATTENTION_BY_SEQ = ((4096, 1.0), (32768, 390 / 170), (131072, 390 / 170 * 564 / 674), (262144, 390 / 170 * 526 / 674))
+
 # A MoE layer with no measured rate runs at this share of the default (dense) layer rate: routing, the token
 # permutation and grouped GEMMs over a few thousand tokens per expert are slower than one dense GEMM. Fitted to
 # the one MoE run measured (Qwen3-30B-A3B, 12 layers, 256 x 4096 per step, compiled, one H200,
@@ -131,6 +139,18 @@ class Profile:
             f"measured at {best.micro}x{best.seq} tokens{' compiled' if best.compile else ''}"
         return best, how
 
+
+    def attention_rate(self, seq: int) -> float:
+        """The causal attention rate at `seq` tokens per row: `attention_flops` (fitted on rows of 1k-4k tokens)
+        scaled by ATTENTION_BY_SEQ (flash attention runs far faster on long rows), log-linear between anchors."""
+        pts = ATTENTION_BY_SEQ
+        if seq <= pts[0][0]:
+            return self.attention_flops * pts[0][1]
+        for (t0, r0), (t1, r1) in zip(pts, pts[1:]):
+            if seq <= t1:
+                f = math.log2(seq / t0) / math.log2(t1 / t0)
+                return self.attention_flops * (r0 + f * (r1 - r0))
+        return self.attention_flops * pts[-1][1]
 
 DEFAULTS = Profile(source="defaults", measured=False)
 

@@ -99,7 +99,7 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
             return (6.0 * P + 3 * attn_tok) * tokens / (rate.backward_flops * mode)
     else:
         speed = COMPILED_SPEEDUP if w.compile else 1.0
-        r_mm, r_attn = prof.layer_flops * speed, prof.attention_flops * speed
+        r_mm, r_attn = prof.layer_flops * speed, prof.attention_rate(w.seq_len) * speed
         how = ("the profile's largest probed layer's rate" if prof.layer_rates else "default rate") + \
             (" (compiled)" if w.compile else "")
         if adapter.moe:
