@@ -152,12 +152,33 @@ class DecoderAdapter(ModelAdapter):
             ctx.variants["sliding"] = attention_context(position_ids, cos, sin, packed, self.sliding_window)
         return ctx
 
-    def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        h = h + self.attention_block(w, h, ctx)
+    def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext):
+        """The layer: `attention_part`, then `mlp_part` over its output. runtime/layer.py may run the second over
+        tiles of tokens (memory.seq_tile). Families override the parts, not this: one that overrides it runs whole
+        (`splits_layer`)."""
+        return self.mlp_reduce(self.mlp_part(w, self.attention_part(w, h, ctx), ctx.token_mask))
+
+    @property
+    def splits_layer(self) -> bool:
+        """Whether layer_forward is attention_part then mlp_part, so the MLP part may run over token tiles."""
+        return type(self).layer_forward is DecoderAdapter.layer_forward
+
+    def attention_part(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        """The part of the layer that mixes tokens: h plus the attention branch, [B, T, H]."""
+        return h + self.attention_block(w, h, ctx)
+
+    def mlp_part(self, w: dict[str, torch.Tensor], h: torch.Tensor, token_mask: torch.Tensor | None):
+        """The rest of the layer, token by token: for h [..., H] (a [B, T, H] row, or a [n, H] tile of its tokens),
+        the layer's output for those tokens. `token_mask` (real tokens, h's leading shape, or None) is for MoE
+        router statistics. Every op is per token, so a tile's rows equal the same rows of the whole."""
         x = rms_norm(h, w["post_attention_layernorm.weight"], self.eps)
         gate = F.linear(x, w["mlp.gate_proj.weight"], w.get("mlp.gate_proj.bias"))
         up = F.linear(x, w["mlp.up_proj.weight"], w.get("mlp.up_proj.bias"))
         return h + F.linear(F.silu(gate) * up, w["mlp.down_proj.weight"], w.get("mlp.down_proj.bias"))
+
+    def mlp_reduce(self, out):
+        """layer_forward's result from mlp_part's over all tokens (MoE: the router statistics summed)."""
+        return out
 
     def attention_block(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         """The attention branch of a layer (input norm through o_proj), before its residual add."""

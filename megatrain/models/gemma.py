@@ -152,7 +152,7 @@ class GemmaAdapter(DecoderAdapter):
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, v)
 
-    def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+    def attention_part(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         B, T, _ = h.shape
         x = gemma_norm(h, w["input_layernorm.weight"], self.eps)
         q = F.linear(x, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
@@ -169,7 +169,9 @@ class GemmaAdapter(DecoderAdapter):
         k = k * cos + rotate_half(k) * sin
         o = self.attend(q, k, v, ctx).transpose(1, 2).reshape(B, T, -1)
         o = F.linear(o, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
-        h = h + gemma_norm(o, w["post_attention_layernorm.weight"], self.eps)
+        return h + gemma_norm(o, w["post_attention_layernorm.weight"], self.eps)
+
+    def mlp_part(self, w: dict[str, torch.Tensor], h: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
         x = gemma_norm(h, w["pre_feedforward_layernorm.weight"], self.eps)
         m = F.gelu(F.linear(x, w["mlp.gate_proj.weight"]), approximate="tanh") * F.linear(x, w["mlp.up_proj.weight"])
         return h + gemma_norm(F.linear(m, w["mlp.down_proj.weight"]), w["post_feedforward_layernorm.weight"], self.eps)

@@ -81,7 +81,7 @@ class Olmo2Adapter(DecoderAdapter):
         """cos/sin stay fp32, as Olmo2RotaryEmbedding returns them (the rotation casts back to q's dtype)."""
         return super().make_context(position_ids, torch.float32, packed)
 
-    def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+    def attention_part(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         B, T, _ = h.shape
         q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
         k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
@@ -94,7 +94,9 @@ class Olmo2Adapter(DecoderAdapter):
         k = (k * cos + rotate_half(k) * sin).to(v.dtype)
         o = self.attend(q, k, v, ctx).transpose(1, 2).reshape(B, T, -1)
         o = F.linear(o, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
-        h = h + olmo2_norm(o, w["post_attention_layernorm.weight"], self.eps)
+        return h + olmo2_norm(o, w["post_attention_layernorm.weight"], self.eps)
+
+    def mlp_part(self, w: dict[str, torch.Tensor], h: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
         x = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])
         m = F.linear(x, w["mlp.down_proj.weight"])
         return h + olmo2_norm(m, w["post_feedforward_layernorm.weight"], self.eps)

@@ -98,8 +98,7 @@ class Phi3Adapter(DecoderAdapter):
         o = self.attend(q, k, v, ctx).transpose(1, 2).reshape(B, T, -1)
         return F.linear(o, w["self_attn.o_proj.weight"])
 
-    def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        h = h + self.attention_block(w, h, ctx)
+    def mlp_part(self, w: dict[str, torch.Tensor], h: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
         x = rms_norm(h, w["post_attention_layernorm.weight"], self.eps)
         gate, up = F.linear(x, w["mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
         return h + F.linear(up * F.silu(gate), w["mlp.down_proj.weight"])

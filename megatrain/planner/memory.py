@@ -140,7 +140,8 @@ _ACTIVATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _measured_activations(adapter, w: Workload, prof: Profile | None, b: int) -> float | None:
     """The probe's measured recompute+backward peak for this layer shape, micro-batch and compile mode."""
-    if prof is None or w.device != "cuda" or w.packed or w.precision != "bf16":
+    if prof is None or w.device != "cuda" or w.packed or w.precision != "bf16" or \
+            0 < w.placement.seq_tile < b * w.seq_len:  # the probe runs the layer whole
         return None
     shape = (adapter.hidden_size, adapter.intermediate_size, adapter.num_heads, adapter.num_kv_heads, adapter.head_dim)
     for r in prof.layer_rates:
@@ -158,9 +159,11 @@ def _activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | No
     out = {}
     cache = _ACTIVATIONS.setdefault(adapter, {})
     for b in sorted(set(w.micro_batches)):
-        key = (b, w.seq_len, dtype, w.packed, w.device, chunk, targets, w.head_kernels)
+        tile = w.placement.seq_tile if w.placement.seq_tile < b * w.seq_len else 0  # one tile: the whole layer
+        key = (b, w.seq_len, dtype, w.packed, w.device, chunk, targets, w.head_kernels, tile)
         if key not in cache:
-            layer = actsim.layer_memory(adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda")
+            layer = actsim.layer_memory(adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda",
+                                        seq_tile=tile)
             cache[key] = {"forward": layer["forward_peak"], "backward": layer["backward_peak"],
                           "head": actsim.head_memory(adapter, b, w.seq_len, b * targets, chunk, dtype,
                                                      cuda=w.device == "cuda" and w.head_kernels)}
