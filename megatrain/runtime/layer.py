@@ -3,19 +3,28 @@ backward (recompute from the layer's input checkpoint, local autograd, fp32 grad
 and one small class, so the engine, the probe (which times them) and the planner (which measures their memory on
 the meta device) all run the same code.
 
-Sequence tiling (`memory.seq_tile`, Placement.seq_tile): a layer is `attention_part` (what mixes tokens: norm,
-q/k/v, attention, o_proj, residual) then `mlp_part` (token by token: norm, MLP or routed experts, residual). With a
-tile of t tokens, the MLP part runs over the micro-batch's B·T tokens t at a time, in the forward and in backward
-(recompute the tile's MLP, backpropagate it, add its weight gradients, free it, next tile), so the layer's working
-set holds one tile's [t, intermediate] tensors, never [B·T, intermediate]. The attention part runs whole.
+Sequence tiling (`memory.seq_tile`, Placement.seq_tile): a layer is attention over the whole row plus work done
+token by token. The adapter splits it (models/decoder.py): `qkv` (norm, q/k/v projections, q/k norms, rope), `attend`
+(the attention over the row), `attn_out` (o_proj, post-norms, residual), then `mlp_part` (norm, MLP or routed
+experts, residual). With a tile of t tokens every per-token piece runs over the micro-batch's B·T tokens t at a time:
+the forward computes q, k, v tile by tile into [B·T, heads, head_dim] buffers, attends, then runs attn_out and the
+MLP tile by tile into the output. The backward (TiledLayer.backward) recomputes q, k, v without autograd, runs the
+attention with autograd over them, then per tile recomputes attn_out + MLP and backpropagates it (d(attention
+output), and d(input) through the residual), runs the attention's backward, and per tile recomputes q, k, v and
+backpropagates them. The layer's working set is the attention's q, k, v, output and their gradients plus one tile:
+never [B·T, intermediate], nor the norms' fp32 copies of [B·T, hidden]. d(input) is written over d(output), which
+is spent tile by tile.
 
-What is exactly the same as the whole layer, in fp32 on CPU: the output, d(input) and the attention part's weight
-gradients, bit for bit (each tile's rows are the same rows of the whole GEMMs: CPU BLAS computes a row of a product
-independently of the other rows once a product has more than a few rows; `token_tiles` never makes a tile of fewer
-than half a tile). The MLP part's weight gradients are sums over tokens, reduced tile by tile instead of in one
-GEMM: the same sum in another order (relative difference ~1e-7 in fp32; tests/test_tiling.py measures it). A MoE
-layer's experts run over the tokens routed to them: a tile gives an expert fewer rows, and CPU BLAS computes a product
-of a few rows with another kernel, so there the tiled output can differ from the whole one in the last bit.
+What is exactly the same as the whole layer, in fp32 on CPU: the output and d(input), bit for bit. Each tile's rows
+are the same rows of the whole GEMMs (CPU BLAS computes a row of a product independently of the other rows once a
+product has more than a few rows; `token_tiles` never makes a tile of fewer than half a tile), and d(input) sums the
+residual's gradient and q, k, v's in the order the whole layer's autograd does (the residual enters through a node
+made last, which autograd runs first). The weight gradients are sums over tokens, reduced tile by tile instead of in
+one GEMM: the same sums in another order (relative difference ~2e-7 in fp32; tests/test_tiling.py measures it). A
+MoE layer's experts run over the tokens routed to them: a tile gives an expert fewer rows, and CPU BLAS computes a
+product of a few rows with another kernel, so there the tiled output can differ from the whole one in the last bit.
+An adapter whose attention does not split (it overrides attention_part or attention_block) runs its attention part
+whole and only the MLP part over tiles.
 """
 
 from __future__ import annotations
