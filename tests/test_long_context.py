@@ -33,7 +33,7 @@ def long_batch(T: int, vocab: int, seed: int) -> dict:
     ("qwen2", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024, "rope_theta": 1e4}),
 ], ids=["llama3-rope", "qwen2-yarn"])
 def test_an_8k_sequence_trains_like_transformers(tmp_path, family, rope):
-    """One 8,192-token row per step, 2 steps, the MLP over tiles of 1,024 tokens and checkpoints every 2 layers:
+    """One 8,192-token row per step, 2 steps, the layer over tiles of 1,024 tokens and checkpoints every 2 layers:
     loss, every gradient and every updated weight within 1e-5 of transformers (SDPA) + torch AdamW."""
     model = make_model_dir(tmp_path, family, seed=7, layers=2)
     if rope is not None:  # the same weights under another rope scaling
@@ -199,7 +199,7 @@ def test_llama_8b_longest_runs_say_what_they_need(seq, gpu_gib):
     needs the optimizer that does not wait for the norm (issue 16), or more host RAM."""
     p = long_plan("llama-3.1-8b", seq, gpu_gib)
     assert not p.fits and p.problems and p.problems[0].startswith("GPU memory: needs")
-    assert p.placement.seq_tile > 0 and "with the MLP over tiles of 8192 tokens" in p.why
+    assert p.placement.seq_tile > 0 and "with the layer over tiles of 8192 tokens" in p.why
 
 
 @pytest.mark.parametrize("model,layers,sizes,seq,placement", [

@@ -14,9 +14,10 @@ The knobs, cheapest first in step time (DESIGN.md rules 9-11):
     stream_dtype fp32   bf16 runs stream the fp32 master and cast it on the GPU: no bf16 copy on the host (12 B/param
                         instead of 14) for twice the bus traffic; chosen when it fits where the copy does not, or
                         is more than NEAR_FASTEST faster (room for kept checkpoints and gradients)
-    seq_tile t          each layer's MLP part over tiles of t tokens (runtime/layer.py): the same FLOPs and bus
-                        traffic, a working set of one tile's [t, intermediate] tensors instead of the micro-batch's;
-                        the first knob tried when the default placement does not fit (SEQ_TILE tokens)
+    seq_tile t          each layer's per-token work (q/k/v, o_proj, MLP) over tiles of t tokens (runtime/layer.py):
+                        the same FLOPs and bus traffic, a working set of the attention's q, k, v and output plus one
+                        tile instead of the micro-batch's [tokens, intermediate] tensors; the first knob tried when
+                        the default placement does not fit (SEQ_TILE tokens)
 
 `choose` keeps every key the config sets and, when the default placement does not fit, searches the others: for
 each (G, where accumulators wait) the smallest K that fits, each with the fewest gradients sent to host and then
@@ -195,7 +196,7 @@ def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None,
         w = replace(w, placement=replace(w.placement, seq_tile=seq_tile_for(w)))
         free = free - {"seq_tile"}
         s = _Search(adapter, units, w, prof, host_limit, gpu_limit, free)
-        tiled = (f"; with the MLP over tiles of {w.placement.seq_tile} tokens it needs "
+        tiled = (f"; with the layer over tiles of {w.placement.seq_tile} tokens it needs "
                  f"{s.memory(w.placement)[1] / GiB:.1f} GiB")
         if s.gpu_ok(w.placement) and s.host_ok(w.placement):
             return w, f"the default placement needs {default_gpu / GiB:.1f} GiB of GPU memory{tiled} and fits"

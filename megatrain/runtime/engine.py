@@ -146,7 +146,7 @@ class Engine:
         self.sink, self.timeline, self.options = sink, timeline, options
         # The layer template, optionally compiled: fusing RMSNorm, rope, SwiGLU and the residual adds around
         # the matmuls. One graph per (grad mode, micro-batch shape); weights are graph inputs, so every layer
-        # shares the graphs. With a sequence tile its MLP part runs over tiles of tokens (layer.py).
+        # shares the graphs. With a sequence tile its per-token work runs over tiles of tokens (layer.py).
         self.kinds = adapter.layer_kinds  # each layer's attention kind: which of a micro-batch's contexts it uses
         self.layer = layer_template(adapter, options.placement.seq_tile, options.compile_layers)
         self.dtype = store.compute_dtype
