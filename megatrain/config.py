@@ -96,6 +96,10 @@ class MemoryConfig(_Strict):
     stream_dtype: Literal["bf16", "fp32"] | None = Field(
         None, description="bf16 training: stream a bf16 copy kept on the host (14 B/param), or the fp32 master, "
                           "cast on the GPU (12 B/param, the same numbers; default: bf16, fp32 when only that fits)")
+    seq_tile: int | None = Field(None, ge=0, description="run each layer's per-token work (q/k/v, o_proj, MLP) over "
+                                                         "tiles of this many tokens, so its working set stops "
+                                                         "growing with intermediate x sequence (0: whole; default: "
+                                                         "chosen)")
 
 
 class OutputConfig(_Strict):

@@ -45,12 +45,14 @@ def _token(tok, i: int) -> str:
     return repr(tok.decode([i]))
 
 
-def show_example(tok, ex: Examples, k: int, n_total: int) -> list[str]:
-    ids, labels = ex.get(k)
-    trained = labels != IGNORE
-    head = (f"--- example {k + 1} of {_n(n_total)}: {ex.where(k)} ({ex.sources[ex.source[k]].format}) -- "
-            f"{len(ids)} tokens, {int(trained.sum())} with loss")
-    lines = [head, "text (no loss inside \u27e6 \u27e7):"]
+# An example longer than SHOWN_TOKENS shows its first tokens and its last SHOWN_TAIL (text and table): a 512k-token
+# document is previewed in a screen, not in half a million lines
+SHOWN_TOKENS = 512
+SHOWN_TAIL = 64
+
+
+def _text(tok, ids: np.ndarray, trained: np.ndarray) -> str:
+    """The decoded tokens, the runs without loss inside ⟦ ⟧."""
     text, run = [], []
     for i, t in zip(ids.tolist(), trained.tolist()):
         if run and run[-1][1] != t:
@@ -59,13 +61,29 @@ def show_example(tok, ex: Examples, k: int, n_total: int) -> list[str]:
         run.append((i, t))
     if run:
         text.append(run)
-    lines.append("  " + "".join(tok.decode([i for i, _ in r]) if r[0][1] else
-                                "\u27e6" + tok.decode([i for i, _ in r]) + "\u27e7" for r in text)
-                 .replace("\n", "\n  "))
+    return "".join(tok.decode([i for i, _ in r]) if r[0][1] else "⟦" + tok.decode([i for i, _ in r]) + "⟧"
+                   for r in text).replace("\n", "\n  ")
+
+
+def show_example(tok, ex: Examples, k: int, n_total: int) -> list[str]:
+    ids, labels = ex.get(k)
+    trained = labels != IGNORE
+    n = len(ids)
+    spans = [(0, n)] if n <= SHOWN_TOKENS else [(0, SHOWN_TOKENS - SHOWN_TAIL), (n - SHOWN_TAIL, n)]
+    gap = [] if len(spans) == 1 else [f"  ... tokens {spans[0][1]}-{spans[1][0] - 1} not shown "
+                                      f"({_n(spans[1][0] - spans[0][1])} tokens, "
+                                      f"{_n(int(trained[spans[0][1]: spans[1][0]].sum()))} with loss) ..."]
+    lines = [f"--- example {k + 1} of {_n(n_total)}: {ex.where(k)} ({ex.sources[ex.source[k]].format}) -- "
+             f"{n} tokens, {int(trained.sum())} with loss", "text (no loss inside ⟦ ⟧):"]
+    for j, (a, b) in enumerate(spans):
+        lines += (gap if j else []) + ["  " + _text(tok, ids[a:b], trained[a:b])]
     lines.append(f"  {'pos':>5} {'id':>7}  {'token':<28} label")
-    for p, (i, lab) in enumerate(zip(ids.tolist(), labels.tolist())):
-        shown = f"{lab:>5}  loss" if lab != IGNORE else " ---  masked"
-        lines.append(f"  {p:>5} {i:>7}  {_token(tok, i):<28} {shown}")
+    for j, (a, b) in enumerate(spans):
+        lines += gap if j else []
+        for p in range(a, b):
+            lab = int(labels[p])
+            shown = f"{lab:>5}  loss" if lab != IGNORE else " ---  masked"
+            lines.append(f"  {p:>5} {int(ids[p]):>7}  {_token(tok, int(ids[p])):<28} {shown}")
     return lines
 
 

@@ -152,16 +152,39 @@ class DecoderAdapter(ModelAdapter):
             ctx.variants["sliding"] = attention_context(position_ids, cos, sin, packed, self.sliding_window)
         return ctx
 
-    def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        h = h + self.attention_block(w, h, ctx)
-        x = rms_norm(h, w["post_attention_layernorm.weight"], self.eps)
-        gate = F.linear(x, w["mlp.gate_proj.weight"], w.get("mlp.gate_proj.bias"))
-        up = F.linear(x, w["mlp.up_proj.weight"], w.get("mlp.up_proj.bias"))
-        return h + F.linear(F.silu(gate) * up, w["mlp.down_proj.weight"], w.get("mlp.down_proj.bias"))
+    def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext):
+        """The layer: `attention_part`, then `mlp_part` over its output. runtime/layer.py may run both over tiles of
+        tokens (memory.seq_tile): the attention part's per-token pieces (`qkv` before the attention, `attn_out` after
+        it) and the MLP part. Families override those pieces, not this: one that overrides this, attention_part or
+        attention_block runs them whole (`splits_layer`, `splits_attention`)."""
+        return self.mlp_reduce(self.mlp_part(w, self.attention_part(w, h, ctx), ctx.token_mask))
+
+    @property
+    def splits_layer(self) -> bool:
+        """Whether layer_forward is attention_part then mlp_part, so the MLP part may run over token tiles."""
+        return type(self).layer_forward is DecoderAdapter.layer_forward
+
+    @property
+    def splits_attention(self) -> bool:
+        """Whether attention_part is qkv, attend and attn_out, so the first and last may run over token tiles."""
+        return self.splits_layer and type(self).attention_part is DecoderAdapter.attention_part and \
+            type(self).attention_block is DecoderAdapter.attention_block
+
+    def attention_part(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        """The part of the layer that mixes tokens: h plus the attention branch, [B, T, H]."""
+        return h + self.attention_block(w, h, ctx)
 
     def attention_block(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        """The attention branch of a layer (input norm through o_proj), before its residual add."""
+        """The attention branch of a layer (input norm through o_proj), before its residual add: `qkv` token by
+        token, `attend` over the rows, `attn_output` token by token."""
         B, T, _ = h.shape
+        q, k, v = self.qkv(w, h, ctx.cos, ctx.sin)
+        o = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx)
+        return self.attn_output(w, o.transpose(1, 2).reshape(B, T, -1))
+
+    def qkv(self, w: dict[str, torch.Tensor], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [..., heads, head_dim], k and v [..., kv_heads, head_dim] of h [..., H]'s tokens (a [B, T, H] row or a
+        [n, H] tile), rope applied with cos, sin [..., rotary dims] of the same tokens. Per token."""
         x = rms_norm(h, w["input_layernorm.weight"], self.eps)
         q = F.linear(x, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
         k = F.linear(x, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
@@ -169,16 +192,35 @@ class DecoderAdapter(ModelAdapter):
         if self.qk_norm == "full":  # olmoe: RMSNorm over all heads' q (and k) at once, before the head split
             q = rms_norm(q, w["self_attn.q_norm.weight"], self.eps)
             k = rms_norm(k, w["self_attn.k_norm.weight"], self.eps)
-        q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
+        lead = h.shape[:-1]
+        q, k, v = (t.view(*lead, -1, self.head_dim) for t in (q, k, v))
         if self.qk_norm == "head":  # qwen3: per head
             q = rms_norm(q, w["self_attn.q_norm.weight"], self.eps)
             k = rms_norm(k, w["self_attn.k_norm.weight"], self.eps)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = ctx.cos[:, None], ctx.sin[:, None]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        o = self.attend(q, k, v, ctx).transpose(1, 2).reshape(B, T, -1)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # shared by the heads
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def attn_output(self, w: dict[str, torch.Tensor], o: torch.Tensor) -> torch.Tensor:
+        """The attention branch's output for o [..., heads · head_dim] (the heads' outputs of some tokens): o_proj.
+        Per token."""
         return F.linear(o, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+
+    def attn_out(self, w: dict[str, torch.Tensor], h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """attention_part's output for some tokens, from their inputs h and their heads' outputs o."""
+        return h + self.attn_output(w, o)
+
+    def mlp_part(self, w: dict[str, torch.Tensor], h: torch.Tensor, token_mask: torch.Tensor | None):
+        """The rest of the layer, token by token: for h [..., H] (a [B, T, H] row, or a [n, H] tile of its tokens),
+        the layer's output for those tokens. `token_mask` (real tokens, h's leading shape, or None) is for MoE
+        router statistics. Every op is per token, so a tile's rows equal the same rows of the whole."""
+        x = rms_norm(h, w["post_attention_layernorm.weight"], self.eps)
+        gate = F.linear(x, w["mlp.gate_proj.weight"], w.get("mlp.gate_proj.bias"))
+        up = F.linear(x, w["mlp.up_proj.weight"], w.get("mlp.up_proj.bias"))
+        return h + F.linear(F.silu(gate) * up, w["mlp.down_proj.weight"], w.get("mlp.down_proj.bias"))
+
+    def mlp_reduce(self, out):
+        """layer_forward's result from mlp_part's over all tokens (MoE: the router statistics summed)."""
+        return out
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         """Causal attention of q [B, heads, T, d] over k, v [B, kv_heads, T, d] (rope applied), within documents

@@ -152,24 +152,25 @@ class GemmaAdapter(DecoderAdapter):
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, v)
 
-    def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        B, T, _ = h.shape
+    def qkv(self, w: dict[str, torch.Tensor], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         x = gemma_norm(h, w["input_layernorm.weight"], self.eps)
         q = F.linear(x, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
         k = F.linear(x, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
         v = F.linear(x, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
-        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
+        lead = h.shape[:-1]
+        q, k, v = (t.view(*lead, -1, self.head_dim) for t in (q, k, v))
         if self.qk_norm:
             q = gemma_norm(q, w["self_attn.q_norm.weight"], self.eps)
             k = gemma_norm(k, w["self_attn.k_norm.weight"], self.eps)
-        cos, sin = ctx.cos[:, None], ctx.sin[:, None]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        o = self.attend(q, k, v, ctx).transpose(1, 2).reshape(B, T, -1)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def attn_output(self, w: dict[str, torch.Tensor], o: torch.Tensor) -> torch.Tensor:
+        """o_proj, then the sandwich norm of the attention's output (post_attention_layernorm)."""
         o = F.linear(o, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
-        h = h + gemma_norm(o, w["post_attention_layernorm.weight"], self.eps)
+        return gemma_norm(o, w["post_attention_layernorm.weight"], self.eps)
+
+    def mlp_part(self, w: dict[str, torch.Tensor], h: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
         x = gemma_norm(h, w["pre_feedforward_layernorm.weight"], self.eps)
         m = F.gelu(F.linear(x, w["mlp.gate_proj.weight"]), approximate="tanh") * F.linear(x, w["mlp.up_proj.weight"])
         return h + gemma_norm(F.linear(m, w["mlp.down_proj.weight"]), w["post_feedforward_layernorm.weight"], self.eps)

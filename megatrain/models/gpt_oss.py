@@ -205,22 +205,21 @@ class GptOssAdapter(MoEAdapter):
         o = o.transpose(1, 2).reshape(B, T, -1)
         return F.linear(o, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
 
-    def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext):
-        """(output, router probability sum over real tokens [E] fp32, top-k counts over real tokens [E] fp32)."""
-        h = h + self.attention_block(w, h, ctx)
+    def mlp_part(self, w: dict[str, torch.Tensor], h: torch.Tensor, token_mask: torch.Tensor | None):
+        """MoEAdapter's, with gpt-oss's norm: (output, router probabilities per token [n, E] fp32, zero on padding,
+        top-k counts over real tokens [E] fp32) for h [..., H]; per token, so runtime/layer.py may tile it."""
         x = gpt_oss_norm(h, w["post_attention_layernorm.weight"], self.eps)
-        y, prob_sum, counts = self.moe_block(w, x, ctx.token_mask)
-        return h + y, prob_sum, counts
+        y, token_probs, counts = self.moe_block(w, x, token_mask)
+        return h + y, token_probs, counts
 
     def moe_block(self, w: dict[str, torch.Tensor], x: torch.Tensor, token_mask: torch.Tensor | None):
-        B, T, H = x.shape
-        flat = x.reshape(-1, H)
+        flat = x.reshape(-1, x.shape[-1])
         logits = F.linear(flat, w["mlp.router.weight"], w["mlp.router.bias"])  # [N, E], the model dtype
         top_v, top_i = torch.topk(logits, self.top_k, dim=-1)  # top-k of the logits, then softmax over those k
         top_w = torch.softmax(top_v, dim=1, dtype=top_v.dtype)
         y = clamped_expert_ffn(flat, top_i, top_w, w, self.alpha, self.limit)
-        prob_sum, counts = router_statistics(logits, top_i, token_mask, self.num_experts)
-        return y.reshape(B, T, H), prob_sum, counts
+        token_probs, counts = router_statistics(logits, top_i, token_mask, self.num_experts)
+        return y.reshape(x.shape), token_probs, counts
 
     def final_norm(self, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return gpt_oss_norm(h, w, self.eps)

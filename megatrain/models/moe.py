@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import MegatrainError
-from .base import AttnContext, TensorSpec, Unit
+from .base import TensorSpec, Unit
 from .decoder import DecoderAdapter, rms_norm
 
 # model_type -> (config key for the number of experts, module prefix in the checkpoint, router name,
@@ -97,15 +97,22 @@ class MoEAdapter(DecoderAdapter):
         return out
 
     # ---- computation -------------------------------------------------------------------------------------
-    def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext):
-        """(output, router probability sum over real tokens [E] fp32, top-k counts over real tokens [E] fp32)."""
-        h = h + self.attention_block(w, h, ctx)
+    # layer_forward (DecoderAdapter's): (output, router probability sum over real tokens [E] fp32, top-k counts
+    # over real tokens [E] fp32). mlp_part gives the router probabilities per token, so that runtime/layer.py can
+    # run it over token tiles and sum them once, in the same order as the whole layer (mlp_reduce).
+    def mlp_part(self, w: dict[str, torch.Tensor], h: torch.Tensor, token_mask: torch.Tensor | None):
+        """(output [..., H], router probabilities of h's tokens [n, E] fp32, zero on padding, top-k counts over real
+        tokens [E] fp32) for h [..., H]."""
         x = rms_norm(h, w["post_attention_layernorm.weight"], self.eps)
-        y, prob_sum, counts = self.moe_block(w, x, ctx.token_mask)
-        return h + y, prob_sum, counts
+        y, token_probs, counts = self.moe_block(w, x, token_mask)
+        return h + y, token_probs, counts
+
+    def mlp_reduce(self, out):
+        y, token_probs, counts = out
+        return y, token_probs.sum(0), counts
 
     def moe_block(self, w: dict[str, torch.Tensor], x: torch.Tensor, token_mask: torch.Tensor | None):
-        B, T, H = x.shape
+        H = x.shape[-1]
         flat = x.reshape(-1, H)
         logits = F.linear(flat, w["mlp.gate.weight"])  # [N, E] in the model dtype
         probs = torch.softmax(logits.float(), dim=-1)
@@ -115,27 +122,27 @@ class MoEAdapter(DecoderAdapter):
         top_w = top_p.to(logits.dtype)
         gate_up = w["mlp.experts.gate_up_proj"].flatten(1, 2)  # [E, 2I, H]: gate rows, then up rows
         y = expert_ffn(flat, top_i, top_w, gate_up, w["mlp.experts.down_proj"])
-        prob_sum, counts = router_statistics(logits, top_i, token_mask, self.num_experts)
-        return y.reshape(B, T, H), prob_sum, counts
+        token_probs, counts = router_statistics(logits, top_i, token_mask, self.num_experts)
+        return y.reshape(x.shape), token_probs, counts
 
 
 def router_statistics(logits: torch.Tensor, top_i: torch.Tensor, token_mask: torch.Tensor | None, num_experts: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's router statistics for the load-balancing loss, as load_balancing_loss_func computes them from the
-    router logits [N, E]: (sum over real tokens of softmax(logits) in the logits' dtype, then fp32 [E],
-    differentiable; top-k counts over real tokens [E] fp32, detached). top_i [N, k]: the routed experts."""
+    router logits [N, E]: (softmax(logits) in the logits' dtype, then fp32, per token [N, E], zero on padding,
+    differentiable: the layer's probability sum is their sum over tokens; top-k counts over real tokens [E] fp32,
+    detached). top_i [N, k]: the routed experts."""
     aux_probs = torch.softmax(logits, dim=-1).float()
     E, k = num_experts, top_i.shape[1]
     if token_mask is None:
-        prob_sum = aux_probs.sum(0)
         counts = torch.zeros(E, dtype=torch.float32, device=logits.device).scatter_add_(
             0, top_i.reshape(-1), torch.ones(top_i.numel(), dtype=torch.float32, device=logits.device))
     else:
         m = token_mask.reshape(-1).to(torch.float32)
-        prob_sum = (aux_probs * m[:, None]).sum(0)
+        aux_probs = aux_probs * m[:, None]
         counts = torch.zeros(E, dtype=torch.float32, device=logits.device).scatter_add_(
             0, top_i.reshape(-1), m.repeat_interleave(k))
-    return prob_sum, counts.detach()
+    return aux_probs, counts.detach()
 
 
 def expert_ffn(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,

@@ -81,20 +81,25 @@ class Olmo2Adapter(DecoderAdapter):
         """cos/sin stay fp32, as Olmo2RotaryEmbedding returns them (the rotation casts back to q's dtype)."""
         return super().make_context(position_ids, torch.float32, packed)
 
-    def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        B, T, _ = h.shape
+    def qkv(self, w: dict[str, torch.Tensor], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """No input norm: q, k, v of the residual stream itself, q/k normalised over all heads, rotated in fp32
+        (the fp32 cos/sin) and cast back."""
         q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
         k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
         v = F.linear(h, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
         q = olmo2_norm(q, w["self_attn.q_norm.weight"], self.eps)
         k = olmo2_norm(k, w["self_attn.k_norm.weight"], self.eps)
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        cos, sin = ctx.cos[:, None], ctx.sin[:, None]
-        q = (q * cos + rotate_half(q) * sin).to(v.dtype)
-        k = (k * cos + rotate_half(k) * sin).to(v.dtype)
-        o = self.attend(q, k, v, ctx).transpose(1, 2).reshape(B, T, -1)
+        lead = h.shape[:-1]
+        q, k, v = (t.view(*lead, -1, self.head_dim) for t in (q, k, v))
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return (q * cos + rotate_half(q) * sin).to(v.dtype), (k * cos + rotate_half(k) * sin).to(v.dtype), v
+
+    def attn_output(self, w: dict[str, torch.Tensor], o: torch.Tensor) -> torch.Tensor:
+        """o_proj, then the post-norm of the attention's output (post_attention_layernorm)."""
         o = F.linear(o, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
-        h = h + olmo2_norm(o, w["post_attention_layernorm.weight"], self.eps)
+        return olmo2_norm(o, w["post_attention_layernorm.weight"], self.eps)
+
+    def mlp_part(self, w: dict[str, torch.Tensor], h: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
         x = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])
         m = F.linear(x, w["mlp.down_proj.weight"])
         return h + olmo2_norm(m, w["post_feedforward_layernorm.weight"], self.eps)

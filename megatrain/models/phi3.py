@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import MegatrainError
-from .base import AttnContext, TensorSpec, Unit
+from .base import TensorSpec, Unit
 from .decoder import STATIC_ROPE_TYPES, DecoderAdapter, rms_norm, rotate_half
 
 DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attention_dropout")
@@ -84,22 +84,19 @@ class Phi3Adapter(DecoderAdapter):
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
         return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
 
-    def attention_block(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        B, T, _ = h.shape
+    def qkv(self, w: dict[str, torch.Tensor], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         x = rms_norm(h, w["input_layernorm.weight"], self.eps)
         qkv = F.linear(x, w["self_attn.qkv_proj.weight"])
         q = qkv[..., :q_rows]
         k = qkv[..., q_rows: q_rows + kv_rows]
         v = qkv[..., q_rows + kv_rows:]
-        q, k, v = (t.reshape(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        cos, sin = ctx.cos[:, None], ctx.sin[:, None]
-        q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
-        o = self.attend(q, k, v, ctx).transpose(1, 2).reshape(B, T, -1)
-        return F.linear(o, w["self_attn.o_proj.weight"])
+        lead = h.shape[:-1]
+        q, k, v = (t.reshape(*lead, -1, self.head_dim) for t in (q, k, v))
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin), v
 
-    def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        h = h + self.attention_block(w, h, ctx)
+    def mlp_part(self, w: dict[str, torch.Tensor], h: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
         x = rms_norm(h, w["post_attention_layernorm.weight"], self.eps)
         gate, up = F.linear(x, w["mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
         return h + F.linear(up * F.silu(gate), w["mlp.down_proj.weight"])

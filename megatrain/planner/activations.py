@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..runtime.layer import layer_backward
+from ..runtime.layer import layer_backward, layer_template
 from ..runtime.lmhead import HeadKernels, head_loss
 
 
@@ -119,8 +119,9 @@ def _meta_layer_inputs(adapter, batch: int, seq: int, dtype: torch.dtype, packed
 
 
 def layer_memory(adapter, batch: int, seq: int, dtype: torch.dtype = torch.bfloat16, packed: bool = False,
-                 cuda_attention: bool = True) -> dict[str, int]:
-    """Bytes of one layer for one micro-batch of `batch` x `seq` tokens:
+                 cuda_attention: bool = True, seq_tile: int = 0) -> dict[str, int]:
+    """Bytes of one layer for one micro-batch of `batch` x `seq` tokens, its MLP part over tiles of `seq_tile`
+    tokens (0: whole), as runtime.layer.layer_template builds the engine's layer:
 
     forward_peak   no-grad forward (the forward wave), output included
     backward_peak  recompute + local backward + fp32 accumulation (runtime.layer.layer_backward, the engine's
@@ -129,19 +130,20 @@ def layer_memory(adapter, batch: int, seq: int, dtype: torch.dtype = torch.bfloa
     w, ctx, x = _meta_layer_inputs(adapter, batch, seq, dtype, packed)
     grad_acc = {k: torch.empty(v.shape, dtype=torch.float32, device="meta") for k, v in w.items()}
     dh = torch.empty_like(x)
+    layer = layer_template(adapter, seq_tile)
     out = {}
     with _cuda_attention(cuda_attention):
         mode = LiveBytes()
         mode.ignore(*w.values(), x, dh, ctx.cos, ctx.sin, ctx.mask)
         with mode, torch.no_grad():
-            y = adapter.layer_forward(w, x, ctx)
+            y = layer(w, x, ctx)
             del y
         out["forward_peak"] = mode.peak
 
         mode = LiveBytes()
         mode.ignore(*w.values(), x, dh, ctx.cos, ctx.sin, ctx.mask, *grad_acc.values())
         with mode:
-            dx = layer_backward(adapter.layer_forward, w, x, ctx, dh, list(grad_acc.values()))
+            dx = layer_backward(layer, w, x, ctx, dh, list(grad_acc.values()))
             del dx
         out["backward_peak"] = mode.peak
     return out

@@ -141,7 +141,8 @@ _ACTIVATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _measured_activations(adapter, w: Workload, prof: Profile | None, b: int) -> float | None:
     """The probe's measured recompute+backward peak for this layer shape, micro-batch and compile mode."""
-    if prof is None or w.device != "cuda" or w.packed or w.precision != "bf16":
+    if prof is None or w.device != "cuda" or w.packed or w.precision != "bf16" or \
+            0 < w.placement.seq_tile < b * w.seq_len:  # the probe runs the layer whole
         return None
     shape = layer_shape(adapter)
     for r in prof.layer_rates:
@@ -158,21 +159,30 @@ def _activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | No
     targets = w.seq_len - 1 if w.targets_per_row is None else w.targets_per_row
     out = {}
     cache = _ACTIVATIONS.setdefault(adapter, {})
+    tiled = False
     for b in sorted(set(w.micro_batches)):
-        key = (b, w.seq_len, dtype, w.packed, w.device, chunk, targets, w.head_kernels)
+        tile = w.placement.seq_tile if w.placement.seq_tile < b * w.seq_len else 0  # one tile: the whole layer
+        tiled |= bool(tile)
+        key = (b, w.seq_len, dtype, w.packed, w.device, chunk, targets, w.head_kernels, tile)
         if key not in cache:
-            layer = actsim.layer_memory(adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda")
+            layer = actsim.layer_memory(adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda",
+                                        seq_tile=tile)
             cache[key] = {"forward": layer["forward_peak"], "backward": layer["backward_peak"],
                           "head": actsim.head_memory(adapter, b, w.seq_len, b * targets, chunk, dtype,
                                                      cuda=w.device == "cuda" and w.head_kernels)}
         out[b] = dict(cache[key])
-        out[b]["backward"] *= COMPILED_ACTIVATIONS if w.compile else 1.0
+        # compiling fuses a whole layer's elementwise work; a tiled layer's peak is its full-length buffers (q, k, v,
+        # the attention's output and gradients), which compiling does not shrink: no discount
+        out[b]["backward"] *= COMPILED_ACTIVATIONS if w.compile and not tile else 1.0
     measured = {b: _measured_activations(adapter, w, prof, b) for b in out}
     for b, m in measured.items():
         if m is not None:
             out[b]["backward"] = m
     if any(m is not None for m in measured.values()):
         notes.append("layer activations: measured by the probe at this shape")
+    elif tiled:
+        notes.append(f"layer activations: the layer over tiles of {w.placement.seq_tile} tokens, measured on the meta "
+                     f"device as it runs eagerly (compiling shrinks only the per-tile work)")
     elif w.compile:
         notes.append(f"compiled template: layer activations taken as {COMPILED_ACTIVATIONS:.2f} x the eager "
                      f"template's (fitted to the H200 runs); a probe at this shape measures them")

@@ -14,6 +14,10 @@ The knobs, cheapest first in step time (DESIGN.md rules 9-11):
     stream_dtype fp32   bf16 runs stream the fp32 master and cast it on the GPU: no bf16 copy on the host (12 B/param
                         instead of 14) for twice the bus traffic; chosen when it fits where the copy does not, or
                         is more than NEAR_FASTEST faster (room for kept checkpoints and gradients)
+    seq_tile t          each layer's per-token work (q/k/v, o_proj, MLP) over tiles of t tokens (runtime/layer.py):
+                        the same FLOPs and bus traffic, a working set of the attention's q, k, v and output plus one
+                        tile instead of the micro-batch's [tokens, intermediate] tensors; the first knob tried when
+                        the default placement does not fit (SEQ_TILE tokens)
 
 `choose` keeps every key the config sets and, when the default placement does not fit, searches the others: for
 each (G, where accumulators wait) the smallest K that fits, each with the fewest gradients sent to host and then
@@ -37,6 +41,10 @@ from .workload import PLACEMENT_KEYS, Workload
 
 FREE_ALL = frozenset(PLACEMENT_KEYS)
 CHECKPOINT_INTERVALS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+# Tokens per MLP tile when the planner tiles: GEMMs of 8192 rows run at the dense rate on an H100/H200 (DESIGN.md:
+# 686-741 TFLOP/s at 16k tokens; the 8B's 4096-token micro-batches ran at 467 TFLOP/s 6N), and one tile's MLP work
+# of a 7-8B layer is 1-2 GiB, small beside the attention part's at the lengths that need tiling.
+SEQ_TILE = 8192
 NEAR_FASTEST = 0.05  # placements predicted this close to the fastest count as fast: the least host RAM wins
 GROUP_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -52,7 +60,15 @@ def describe(pl: Placement, groups: int) -> str:
         parts.append(f"memory.group_grads={pl.group_grads}")
     if pl.stream_dtype == "fp32":
         parts.append("memory.stream_dtype=fp32")
+    if pl.seq_tile:
+        parts.append(f"memory.seq_tile={pl.seq_tile}")
     return " ".join(parts)
+
+
+def seq_tile_for(w: Workload) -> int:
+    """The planner's MLP tile for this workload: SEQ_TILE tokens when its largest micro-batch makes at least two
+    tiles of them, else 0 (runtime/layer.token_tiles would run it whole)."""
+    return SEQ_TILE if max(w.micro_batches) * w.seq_len >= 2 * SEQ_TILE else 0
 
 
 class _Search:
@@ -175,6 +191,15 @@ def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None,
     s = _Search(adapter, units, w, prof, host_limit, gpu_limit, free)
     if s.gpu_ok(w.placement) and s.host_ok(w.placement):
         return w, "the default placement fits" if free == FREE_ALL else "the placement the config sets fits"
+    default_gpu, tiled = s.memory(w.placement)[1], ""
+    if "seq_tile" in free and seq_tile_for(w):  # the cheapest knob: tile the MLP, then search the others
+        w = replace(w, placement=replace(w.placement, seq_tile=seq_tile_for(w)))
+        free = free - {"seq_tile"}
+        s = _Search(adapter, units, w, prof, host_limit, gpu_limit, free)
+        tiled = (f"; with the layer over tiles of {w.placement.seq_tile} tokens it needs "
+                 f"{s.memory(w.placement)[1] / GiB:.1f} GiB")
+        if s.gpu_ok(w.placement) and s.host_ok(w.placement):
+            return w, f"the default placement needs {default_gpu / GiB:.1f} GiB of GPU memory{tiled} and fits"
     candidates, tried = _candidates(s, w), s.tried
     if "stream_dtype" in free and w.precision == "bf16":  # also without the bf16 copy (12 B/param): more room
         w32 = replace(w, placement=replace(w.placement, stream_dtype="fp32"))  # for checkpoints and gradients
@@ -184,16 +209,15 @@ def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None,
         candidates += _candidates(s32, w32)
         tried += s32.tried
     if not candidates:
-        return w, (f"no placement fits (tried {tried}): the default needs {s.memory(w.placement)[1] / GiB:.1f} "
-                   f"GiB of GPU memory and {s.memory(w.placement)[0] / GiB:.1f} GiB of host RAM")
+        return w, (f"no placement fits (tried {tried}): the default needs {default_gpu / GiB:.1f} GiB of GPU "
+                   f"memory{tiled}, and {s.memory(w.placement)[0] / GiB:.1f} GiB of host RAM")
     fastest = min(c[0] for c in candidates)  # host RAM is the scarce resource (DESIGN.md rule 11): of the
     #   placements within NEAR_FASTEST of the fastest, the one using least; but the bf16 copy is kept when that is
     #   as fast (fp32 streaming doubles the bus traffic for 2 B/param)
     step, groups, host, pl = min((c for c in candidates if c[0] <= fastest * (1 + NEAR_FASTEST)),
                                  key=lambda c: (c[3].stream_dtype != "bf16", c[2], c[1], c[0]))
-    default_gpu = s.memory(w.placement)[1]
-    why = (f"the default placement needs {default_gpu / GiB:.1f} GiB of GPU memory; {len(candidates)} placements "
-           f"fit (of {tried} planned); this one is predicted within {NEAR_FASTEST:.0%} of the fastest "
+    why = (f"the default placement needs {default_gpu / GiB:.1f} GiB of GPU memory{tiled}; {len(candidates)} "
+           f"placements fit (of {tried} planned); this one is predicted within {NEAR_FASTEST:.0%} of the fastest "
            f"({fastest:.1f} s/step) with the least host RAM of those" +
            (", the fp32 master streamed" if pl.stream_dtype == "fp32" else ""))
     return replace(w, placement=pl), why

@@ -5,7 +5,8 @@ and a CPU optimizer that overlaps the GPU. Modules, one job each:
                            checkpoints are kept, spilled or rebuilt, where each gradient goes); the planner simulates it
     accumulators.py        gradient accumulators kept across wave groups, on the GPU or parked in host memory
     engine.py              executes the schedule: slots, streams, events, waves (its docstring: the protocol)
-    layer.py               one layer's recompute + backward for one micro-batch
+    layer.py               one layer's forward and recompute + backward for one micro-batch, its per-token parts
+                           over tiles of tokens with a sequence tile (Placement.seq_tile)
     lmhead.py, ce_triton.py  the chunked LM-head loss with its backward; the fused cross-entropy kernel (CUDA)
     microbatch.py          a micro-batch's tensors in, a step's loss and norm out
     store.py               HostStore: per-unit tiles of fp32 master, Adam m and v, the streaming copy

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from ..models import ModelAdapter
 from .accumulators import GroupAccumulators
 from .activation_spill import ActivationSpill
-from .layer import layer_backward
+from .layer import layer_backward, layer_template
 from .lmhead import HeadKernels, default_chunk, head_loss, softcap_logits
 from .router_loss import RouterStats, aux_loss_and_grad
 from .microbatch import MicroBatch, StepOutput
@@ -155,10 +155,9 @@ class Engine:
         self.sink, self.timeline, self.options = sink, timeline, options
         # The layer template, optionally compiled: fusing RMSNorm, rope, SwiGLU and the residual adds around
         # the matmuls. One graph per (grad mode, micro-batch shape); weights are graph inputs, so every layer
-        # shares the graphs.
+        # shares the graphs. With a sequence tile its per-token work runs over tiles of tokens (layer.py).
         self.kinds = adapter.layer_kinds  # each layer's attention kind: which of a micro-batch's contexts it uses
-        self.layer = torch.compile(adapter.layer_forward, dynamic=False) if options.compile_layers \
-            else adapter.layer_forward
+        self.layer = layer_template(adapter, options.placement.seq_tile, options.compile_layers)
         self.dtype = store.compute_dtype
         self.cast_on_device = store.stream_dtype != self.dtype  # fp32 streamed, cast into the slots
         if self.dtype == torch.bfloat16 and self.cast_on_device != (options.placement.stream_dtype == "fp32"):

@@ -117,28 +117,31 @@ def head_loss(final_norm: Callable, h: torch.Tensor, target_index: torch.Tensor,
     fp32 gradients into `norm_grad` and `lm_grad`. With `softcap` (gemma2's final_logit_softcapping) the logits
     are capped as softcap·tanh(logits/softcap) before the loss, and the gradient goes back through the tanh."""
     H = h.shape[-1]
-    x = h.reshape(-1, H).index_select(0, target_index).detach().requires_grad_(True)
+    rows = h.reshape(-1, H)
     nw = norm_w.detach().requires_grad_(True)
-    with torch.enable_grad():
-        xn = final_norm(nw, x)
-    d_xn = torch.empty_like(xn)
+    dh = torch.zeros_like(h)
+    d_rows = dh.view(-1, H)
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
-    xn_d = xn.detach()
     scale_t = torch.full((), scale, dtype=torch.float32, device=h.device)  # a fill kernel: no host sync
-    fused = kernels.fused_accumulate and fusable_dtypes(lm_grad, xn_d)
-    for a in range(0, xn_d.shape[0], chunk):
-        xc, y = xn_d[a: a + chunk], targets[a: a + chunk]
+    fused = kernels.fused_accumulate and fusable_dtypes(lm_grad, h)
+    for a in range(0, target_index.shape[0], chunk):  # the final norm too, chunk by chunk: nothing of [targets, H]
+        index, y = target_index[a: a + chunk], targets[a: a + chunk]  # beyond d(hidden) is ever held
+        x = rows.index_select(0, index).detach().requires_grad_(True)
+        with torch.enable_grad():
+            xn = final_norm(nw, x)
+        xc = xn.detach()
         logits, tanh = softcap_logits(xc @ lm_w.t(), softcap)
         chunk_loss, dlogits = ce_loss_and_grad(logits, y, scale_t, kernel=kernels.fused_ce)
         if tanh is not None:  # d(c·tanh(z/c))/dz = 1 - tanh²
             dlogits = dlogits * (1 - tanh * tanh)
         del logits, tanh
         loss += chunk_loss
-        torch.mm(dlogits, lm_w, out=d_xn[a: a + chunk])
+        d_xn = dlogits @ lm_w
         accumulate_matmul(lm_grad, dlogits.t(), xc, fused)
-        del dlogits
-    dx, dnw = torch.autograd.grad(xn, [x, nw], d_xn)
-    norm_grad.add_(dnw)
-    dh = torch.zeros_like(h)
-    dh.reshape(-1, H).index_copy_(0, target_index, dx)
+        del dlogits, xc
+        dx, dnw = torch.autograd.grad(xn, [x, nw], d_xn)
+        del xn, x, d_xn
+        norm_grad.add_(dnw)
+        d_rows.index_copy_(0, index, dx)
+        del dx, dnw
     return loss * scale, dh

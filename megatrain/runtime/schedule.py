@@ -18,6 +18,8 @@ decides, before the step, where everything lives:
     wave_groups G        the step's micro-batches run in G consecutive groups, each a whole forward and backward
                          wave; gradients accumulate across groups (on the GPU, or parked in pinned host memory
                          between groups: `group_grads`), the optimizer runs once per step: the same step
+    seq_tile t           inside each layer use, the per-token work (q/k/v, o_proj, MLP) runs over tiles of t
+                         tokens (runtime/layer.py): it changes a use's working set, not the step's order
 
 Per group g, the uses are:
 
@@ -54,9 +56,10 @@ class Placement:
     group_grads: Literal["gpu", "host"] = "gpu"  # where accumulators wait between wave groups (G > 1)
     stream_dtype: Literal["bf16", "fp32"] = "bf16"  # bf16 compute: stream a host bf16 copy (14 B/param), or the fp32
     #                                                 master itself, cast on the device (12 B/param, twice the bus)
+    seq_tile: int = 0  # a layer's per-token work runs over tiles of this many tokens (runtime/layer.py; 0: whole)
 
     def __post_init__(self):
-        counts = (self.spill_layers, self.grads_to_host, self.keep_top_layers)
+        counts = (self.spill_layers, self.grads_to_host, self.keep_top_layers, self.seq_tile)
         if self.checkpoint_every < 1 or self.wave_groups < 1 or min(counts) < 0 or \
                 self.stream_dtype not in ("bf16", "fp32") or self.group_grads not in ("gpu", "host"):
             raise ValueError(f"invalid placement {self}")
