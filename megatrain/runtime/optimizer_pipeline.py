@@ -207,9 +207,10 @@ class OptimizerPipeline:
                 ev.set()
 
     def _update_from_device(self, grads: dict, lr: float, coef: float) -> None:
-        # The work list: (unit, offset, length) pieces no larger than a landing buffer, in forward order.
+        # The work list: (unit, offset, length) pieces no larger than a landing buffer, in forward order (an empty
+        # tile, a rank's empty shard of a small unit, is one empty piece: its step count still advances).
         pieces = [(i, a, min(self.piece, self.store.tiles[i].numel - a))
-                  for i in self.order for a in range(0, self.store.tiles[i].numel, self.piece)]
+                  for i in self.order for a in range(0, max(self.store.tiles[i].numel, 1), self.piece)]
         done_events: list = [None] * len(self.landing)
 
         def issue(k: int) -> None:
