@@ -94,6 +94,20 @@ def test_two_nodes_of_two_ranks_train_what_one_process_trains(two_by_two):
     assert manifest["world"] == {"world_size": 4, "nodes": 2, "ranks_per_node": 2}
 
 
+def test_resume_on_another_world_size_continues_the_same_data(two_by_two, tmp_path, capsys):
+    """A 4-rank checkpoint resumed by one process with the same global batch: the same next micro-batches, so the
+    same losses and parameters as the 4 ranks' own continuation, within the order of the sums."""
+    ref_tmp, cfg = two_by_two
+    out = tmp_path / "one"
+    run(cfg, f"output.dir={out}", f"resume={ref_tmp / 'run' / 'checkpoints' / 'step-2'}", "train.grad_accum_steps=4")
+    assert "world size 4 -> 1: the data continues at the next micro-batch" in capsys.readouterr().err
+    a, b = losses(out), losses(ref_tmp / "run")
+    assert sorted(a) == list(range(3, STEPS + 1))
+    assert all(abs(a[s] - b[s]) <= TOL * abs(b[s]) for s in a), (a, b)
+    ma, mb = masters(out / "checkpoints" / f"step-{STEPS}"), masters(ref_tmp / "run" / "checkpoints" / f"step-{STEPS}")
+    assert max(rel(ma[k], mb[k]) for k in mb) <= TOL
+
+
 def test_a_killed_rank_ends_every_rank_and_resume_is_exact(two_by_two, tmp_path):
     ref_tmp, ref_cfg = two_by_two
     cfg = setup_run(tmp_path, train={"steps": STEPS, "grad_accum_steps": 1}, checkpoint={"every": 2, "keep": 0})
