@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,21 +59,57 @@ def run_ok(cfg: Path, *overrides: str, nproc: int = 2, nnodes: int = 1) -> str:
     return results[0][1]
 
 
-def workers(procs: list[subprocess.Popen]) -> dict[int, psutil.Process]:
+class Worker:
+    """A torchrun worker (not our child: signals and /proc, no exit status)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    def terminate(self) -> None:
+        os.kill(self.pid, signal.SIGTERM)
+
+    def suspend(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+
+    def wait(self, timeout: float) -> None:
+        t0 = time.monotonic()
+        while self.alive():
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"process {self.pid} still running after {timeout} s")
+            time.sleep(0.05)
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
+
+
+def workers(procs: list[subprocess.Popen]) -> dict[int, Worker]:
     """Global rank -> worker process of these torchruns (their children running megatrain)."""
     found = {}
     for p in procs:
-        try:
-            children = psutil.Process(p.pid).children()
-        except psutil.NoSuchProcess:
-            continue
-        for c in children:
+        for c in children(p.pid):
             try:
-                rank = c.environ().get("RANK")
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                env = dict(kv.split("=", 1) for kv in Path(f"/proc/{c}/environ").read_text().split("\0") if "=" in kv)
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
                 continue
-            if rank is not None:
-                found[int(rank)] = c
+            if "RANK" in env:
+                found[int(env["RANK"])] = Worker(c)
     return found
 
 
@@ -91,10 +126,10 @@ def wait_for(cond, procs, timeout: float = 120.0, what: str = "") -> None:
 def kill_all(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
-            try:
-                for c in psutil.Process(p.pid).children(recursive=True):
-                    c.kill()
-            except psutil.NoSuchProcess:
-                pass
+            for c in children(p.pid):
+                try:
+                    os.kill(c, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             p.kill()
             p.wait()

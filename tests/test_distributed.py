@@ -52,9 +52,13 @@ def single_process(tmp_path: Path, cfg: Path, grad_accum: int) -> Path:
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_two_ranks_train_what_one_process_trains(tmp_path, family):
-    cfg = setup_run(tmp_path, family, train={"steps": STEPS, "grad_accum_steps": 2},
+PLACED = {"grads_to_host": 2, "wave_groups": 2, "group_grads": "host"}  # shards sent to host, accumulators parked
+
+
+@pytest.mark.parametrize("family,tied,memory", [("llama", False, {}), ("qwen3_moe", False, {}),
+                                                ("qwen3", True, PLACED)], ids=["llama", "qwen3_moe", "qwen3-tied-placed"])
+def test_two_ranks_train_what_one_process_trains(tmp_path, family, tied, memory):
+    cfg = setup_run(tmp_path, family, tied, train={"steps": STEPS, "grad_accum_steps": 2}, memory=memory,
                     checkpoint={"every": 3, "keep": 0}, export={"at_end": True, "dtype": "fp32"})
     text = run_ok(cfg)
     out = tmp_path / "run"
@@ -167,7 +171,7 @@ def test_a_hung_rank_is_named_and_ends_the_others(tmp_path):
         w = workers(procs)
         w[1].suspend()  # SIGSTOP: alive, silent; the collectives it owes never come
         t0 = time.monotonic()
-        w[0].wait(timeout=40)  # (psutil cannot tell a non-child's exit status: torchrun's report below does)
+        w[0].wait(timeout=40)  # (a non-child: no exit status here; torchrun's report below has it)
         elapsed = time.monotonic() - t0
         w[1].kill()  # (torchrun would wait 30 s for the stopped rank to obey its SIGTERM)
         procs[0].wait(timeout=60)

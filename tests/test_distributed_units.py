@@ -173,9 +173,9 @@ def test_plan_of_several_ranks_is_per_node(tmp_path):
     assert one["world"] == {"nodes": 1, "ranks_per_node": 1, "world_size": 1,
                             "global_tokens_per_step": one["tokens_per_step"]}
     # the store once per node, what each rank allocates for itself twice
-    store = [k for k in two["host"] if "(one, shared by the node's ranks)" in k]
+    store = [k for k in two["host"] if k.endswith(", one per node")]
     assert len(store) == 4 and sum(two["host"][k] for k in store) == pytest.approx(
-        sum(one["host"][k.split(" (one")[0]] for k in store))
+        sum(one["host"][k[: -len(", one per node")]] for k in store))
     per_rank = [k for k in two["host"] if k.endswith(" x 2 ranks")]
     assert per_rank and all(two["host"][k] == pytest.approx(2 * one["host"][k[: -len(" x 2 ranks")]])
                             for k in per_rank)

@@ -55,9 +55,9 @@ def node_host(host: dict[str, float], world: World) -> dict[str, float]:
     out = {}
     for k, v in host.items():
         if k.startswith(STORE_PARTS):
-            out[k + " (one, shared by the node's ranks)"] = v
+            out[k + ", one per node"] = v
         elif k.startswith(SHARDED_PARTS):
-            out[k + " (a shard per rank)"] = v
+            out[k + ", a shard per rank"] = v
         else:
             out[f"{k} x {L} ranks"] = v * L
     return out
