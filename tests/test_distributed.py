@@ -206,3 +206,13 @@ def test_a_rank_that_raises_is_named_on_every_rank(tmp_path):
     assert "[rank1]: RuntimeError: injected optimizer failure" in text  # rank 1's own report
     assert "megatrain: error: stopping: rank 1 (node 0, local rank 1): OptimizerThreadError: the optimizer thread " \
            "failed: RuntimeError: injected optimizer failure" in text, text[-3000:]  # rank 0's
+
+
+def test_bad_input_is_one_line_from_one_rank(tmp_path):
+    cfg = setup_run(tmp_path, train={"steps": 2})
+    (tmp_path / "bad.jsonl").write_text('{"text": "abc"}\n{"text": 5\n')
+    ((rc, text),) = finish(torchrun(cfg, f"data.path={tmp_path / 'bad.jsonl'}"), timeout=120)
+    errors = [line for line in text.splitlines() if "megatrain: error:" in line]
+    assert rc != 0 and len(errors) == 1, text[-3000:]
+    assert "bad.jsonl:2" in errors[0] and "]: Traceback" not in text  # (torchrun's own report follows)
+    assert not (tmp_path / "run").exists()  # nothing written

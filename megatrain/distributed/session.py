@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..errors import MegatrainError
 from .shared import NodeFlags, NodeMemory
-from .watchdog import Watchdog, heartbeat_timeout, publish_failure, read_failure
+from .watchdog import Failure, Watchdog, heartbeat_timeout, publish_failure, read_failure
 from .world import World
 
 STOP_SIGNALS = ("SIGTERM", "SIGINT")
@@ -62,8 +62,12 @@ def _connect(world: World, timeout: float):
     if not host or not port:
         raise MegatrainError("torchrun: MASTER_ADDR and MASTER_PORT are not set; launch with torchrun")
     master = world.rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    store = dist.TCPStore(host, int(port), world.size if master else None, master, timedelta(seconds=timeout),
-                          wait_for_workers=False)
+    try:
+        store = dist.TCPStore(host, int(port), world.size if master else None, master, timedelta(seconds=timeout),
+                              wait_for_workers=False)
+    except (RuntimeError, ValueError, OSError) as e:
+        raise MegatrainError(f"torchrun: {world.describe()} cannot reach the rendezvous store at {host}:{port} "
+                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     prefix = f"megatrain/{env.get('TORCHELASTIC_RUN_ID', 'run')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     return dist.PrefixStore(prefix, store)
 
@@ -76,7 +80,7 @@ class Distributed:
         self.threads = max(1, len(os.sched_getaffinity(0)) // world.local_size)
         self.timeout = dist_timeout()
         self._phases: dict[str, int] = {}
-        self._first: tuple[int, str] | None = None  # the run's first failure, once this rank has seen one
+        self._first: Failure | None = None  # the run's first failure, once this rank has seen one
 
     @classmethod
     def start(cls, world: World, device: torch.device) -> "Distributed":
@@ -145,37 +149,36 @@ class Distributed:
         self.memory.release_files()
 
     # ---- the end --------------------------------------------------------------------------------------
-    def publish(self, exc: BaseException) -> tuple[int, str]:
+    def publish(self, exc: BaseException) -> Failure:
         """Record this rank's failure for every rank to see, unless another rank's failure came first (or caused
         this one: a collective that broke because a peer died waits a moment for that peer's message). Returns the
-        run's first failure (rank, message). Called once, as early as possible (the other ranks stop at once)."""
+        run's first failure. Called once, as early as possible (the other ranks stop at once)."""
         if self._first is None:
             if threading.current_thread() is threading.main_thread():  # torchrun SIGTERMs the survivors of a failed
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)          # rank: say what happened first, then exit
             first = self._first_failure(exc)
             if first is None:
-                rank, _, msg = publish_failure(self.store, self.world.rank,
-                                               f"{self.world.describe()}: {_describe(exc)}").partition("|")
-                first = (int(rank), msg)
+                first = publish_failure(self.store, self.world.rank, f"{self.world.describe()}: {_describe(exc)}",
+                                        input_error=isinstance(exc, MegatrainError))
             self._first = first
         return self._first
 
     def failed(self, exc: BaseException) -> BaseException:
         """This rank is failing with `exc`: publish it (`publish`) and return what to raise: `exc` when it is this
         rank's own failure (the command line reports it as usual), else a SystemExit once the first failure's
-        message is printed (once: an error every rank hit alike, bad input, is reported by the first only)."""
+        message is printed (not for bad input, which its rank reports: every rank would say the same)."""
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             return exc
-        rank, msg = self.publish(exc)
-        if rank == self.world.rank:
+        first = self.publish(exc)
+        if first.rank == self.world.rank:
             return exc
         self.watchdog.stop()  # it would print the same message
-        if msg.endswith(f": {_describe(exc)}"):
-            return SystemExit(2 if isinstance(exc, MegatrainError) else 1)
-        print(f"megatrain: error: stopping: {msg}", flush=True, file=sys.stderr)
+        if first.input_error:
+            return SystemExit(2)
+        print(f"megatrain: error: stopping: {first.message}", flush=True, file=sys.stderr)
         return SystemExit(1)
 
-    def _first_failure(self, exc: BaseException) -> tuple[int, str] | None:
+    def _first_failure(self, exc: BaseException) -> Failure | None:
         """The failure another rank published, waiting a moment for it when `exc` looks like its consequence."""
         deadline = time.monotonic() + (PEER_GRACE_S if _communication_error(exc) else 0.0)
         while True:

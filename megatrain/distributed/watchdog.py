@@ -5,7 +5,8 @@ Every rank runs a `Watchdog` thread with its own connection to the rendezvous st
     - bumps its heartbeat counter (hb/<rank>);
     - reads `failed`: the first failure any rank published (`publish_failure`, first writer wins). Another rank's
       failure ends this process at once: one line `megatrain: error: stopping: <that rank's message>` on stderr and
-      exit status 1, whatever the main thread is blocked in (a collective, a wait for a shared-memory flag);
+      exit status 1 (bad input, which its rank reported already: no line, exit status 2), whatever the main thread
+      is blocked in (a collective, a wait for a shared-memory flag);
     - checks the processes of the ranks on its own node: one whose process is gone (kill -9, the OOM killer, a
       crash in native code) without having said it finished is published as dead, and this rank stops;
     - checks every rank's heartbeat: one that has not moved for `timeout` seconds (a stopped or hung process, a
@@ -25,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 from .world import World
 
@@ -44,26 +46,38 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def publish_failure(store, rank: int, message: str) -> str:
-    """Record `message` as the run's failure unless one is already recorded; returns the recorded one
-    ("<rank>|<message>")."""
-    return store.compare_set("failed", "", f"{rank}|{message}").decode(errors="replace")
+class Failure(NamedTuple):
+    rank: int
+    message: str  # "<rank description>: <what happened>"
+    input_error: bool  # bad input (a MegatrainError): its rank printed it; the others leave without repeating it
 
 
-def read_failure(store) -> tuple[int, str] | None:
-    """(rank, message) of the run's recorded failure, or None."""
+def publish_failure(store, rank: int, message: str, input_error: bool = False) -> Failure:
+    """Record this failure unless one is already recorded (first writer wins); returns the recorded one."""
+    value = store.compare_set("failed", "", f"{rank}|{int(input_error)}|{message}").decode(errors="replace")
+    return _parse(value)
+
+
+def read_failure(store) -> Failure | None:
+    """The run's recorded failure, or None."""
     if not store.check(["failed"]):
         return None
-    rank, _, msg = store.get("failed").decode(errors="replace").partition("|")
-    return int(rank), msg
+    return _parse(store.get("failed").decode(errors="replace"))
 
 
-def stop_process(message: str) -> None:
-    """Leave now, from any thread: the main thread may be blocked in a collective that will never return."""
+def _parse(value: str) -> Failure:
+    rank, input_error, message = value.split("|", 2)
+    return Failure(int(rank), message, input_error == "1")
+
+
+def stop_process(message: str, quiet: bool = False) -> None:
+    """Leave now, from any thread: the main thread may be blocked in a collective that will never return. quiet: a
+    bad input that its rank has reported (exit status 2, as for bad input)."""
     try:
-        os.write(2, f"megatrain: error: stopping: {message}\n".encode(errors="replace"))
+        if not quiet:
+            os.write(2, f"megatrain: error: stopping: {message}\n".encode(errors="replace"))
     finally:
-        os._exit(1)
+        os._exit(2 if quiet else 1)
 
 
 class Watchdog:
@@ -115,8 +129,8 @@ class Watchdog:
                 continue
             if self._stop.is_set():
                 return
-            if failure is not None and failure[0] != self.world.rank:
-                stop_process(failure[1])
+            if failure is not None and failure.rank != self.world.rank:
+                stop_process(failure.message, quiet=failure.input_error)
             self._check_peers(beats)
             self._check_beats(beats)
 
@@ -143,7 +157,7 @@ class Watchdog:
 
     def _fail(self, message: str) -> None:
         first = publish_failure(self.store, self.world.rank, message)
-        stop_process(first.partition("|")[2])
+        stop_process(first.message, quiet=first.input_error)
 
 
 def heartbeat_timeout() -> float:
