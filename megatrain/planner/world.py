@@ -10,6 +10,8 @@ micro-batches: train.micro_batch_size and grad_accum_steps are per rank):
             node. Each node keeps a full replica of the state (no state is sharded across nodes).
     GPU     per rank as for one GPU (an upper bound: the finished gradients a rank keeps for the optimizer are
             reduced shards, 1/ranks_per_node of the one-GPU figure).
+    PCIe    per GPU as for one GPU: each streams the whole store's weights over its own link (GPUs behind one PCIe
+            switch share its uplink: not modelled).
     network per rank and step: the reduce-scatter of every fp32 gradient within the node, 4·(L-1)/L bytes per
             parameter sent (NVLink, or PCIe without it), and across nodes the all-reduce of the rank's shard,
             2·4·(N-1)/N/L bytes per parameter (8·(N-1)/N per node, on the nodes' network).

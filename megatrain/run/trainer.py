@@ -20,10 +20,10 @@ from ..runtime.adamw import clip_coefficient, lr_at
 from ..runtime.router_loss import expert_load
 from .evaluate import evaluate
 from .metrics import MetricsLogger
-from .roles import open_log, open_saver
 from .oom import raise_if_out_of_memory
 from .prefetch import PreparedStep, StepPrefetcher
 from .prepare import Run, prepare
+from .roles import open_log, open_saver
 from .stepstats import StepStats, attach
 
 
