@@ -23,6 +23,11 @@ step: engine.train_step to the optimizer's hand-off) and the wall time per step,
 `elapsed_s` (wall time since the metrics logger opened: data, logging and the saver's turn included). Reports their
 means over the steps after --warmup (`step_s`, `wall_step_s`), prints a table last and writes JSON (--json).
 `--device cpu` sets train.device=cpu (a check of the script, with a tiny config.json).
+
+`--nproc-per-node N` runs it as N ranks of one node (`torchrun --standalone --nproc-per-node N -m megatrain train`):
+--seqs and --micro stay per rank (the step is N times larger), and the node's host memory is sampled every 0.5 s
+while it runs: the sum of the processes' proportional set sizes (PSS: the shared store counted once) and the
+machine's used memory above what it was before the launch (`host_node_pss_gib`, `host_node_used_gib`, peaks).
 """
 
 from __future__ import annotations
@@ -123,10 +128,74 @@ def write_config(path: Path, args, model_dir: Path, tokenizer: Path, data: Path,
     return cfg
 
 
-def run_cli(config: Path, overrides: list[str], log: Path) -> tuple[int, float, list[str]]:
-    """`python3 -m megatrain.cli train CONFIG [overrides]` from the repository root, its output shown and logged.
-    Returns (exit status, wall seconds, the command)."""
+class NodeMemory:
+    """Peaks of a process tree's summed PSS and of the machine's used memory above a baseline, sampled on a thread
+    from /proc (no psutil on the device images)."""
+
+    def __init__(self):
+        self.base = self._used()
+        self.pss = self.used = 0.0
+        self._stop = None
+
+    @staticmethod
+    def _used() -> float:
+        info = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            k, v = line.split(":", 1)
+            info[k] = int(v.split()[0]) * 1024
+        return float(info["MemTotal"] - info["MemAvailable"])
+
+    @staticmethod
+    def _tree(pid: int) -> list[int]:
+        out, todo = [], [pid]
+        while todo:
+            p = todo.pop()
+            out.append(p)
+            for task in Path(f"/proc/{p}/task").glob("*"):
+                try:
+                    todo += [int(c) for c in (task / "children").read_text().split()]
+                except OSError:
+                    pass
+        return out
+
+    @staticmethod
+    def _pss(pid: int) -> float:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024.0
+        except OSError:
+            pass
+        return 0.0
+
+    def start(self, pid: int) -> None:
+        import threading
+
+        self._stop = threading.Event()
+
+        def sample():
+            while not self._stop.wait(0.5):
+                self.pss = max(self.pss, sum(self._pss(p) for p in self._tree(pid)))
+                self.used = max(self.used, self._used() - self.base)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> dict:
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join(timeout=5)
+        return {"host_node_pss_gib": self.pss / 2**30, "host_node_used_gib": self.used / 2**30}
+
+
+def run_cli(config: Path, overrides: list[str], log: Path, nproc: int = 1,
+            memory: NodeMemory | None = None) -> tuple[int, float, list[str]]:
+    """`python3 -m megatrain.cli train CONFIG [overrides]` from the repository root (under torchrun with nproc > 1),
+    its output shown and logged. Returns (exit status, wall seconds, the command)."""
     cmd = [sys.executable, "-m", "megatrain.cli", "train", str(config), *overrides]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
+               "megatrain", "train", str(config), *overrides]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -135,6 +204,8 @@ def run_cli(config: Path, overrides: list[str], log: Path) -> tuple[int, float, 
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1)
+        if memory is not None:
+            memory.start(proc.pid)
         for line in proc.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
@@ -177,6 +248,7 @@ def summarise(args, steps: list[dict], params: int) -> dict:
     busy = mean("busy_compute")
     return {
         "label": args.label, "device": args.device, "compile": args.compile, "model": Path(args.model).name,
+        "nproc_per_node": args.nproc_per_node,
         "layers": args.layers, "params": params, "seq": args.seq, "seqs_per_step": args.seqs, "micro": args.micro,
         "tokens_per_step": measured[0]["tokens"] if measured else None, "precision": args.precision,
         "steps_measured": len(measured),
@@ -211,6 +283,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="train.device (cpu: check the script)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra config override passed to megatrain train (repeatable), e.g. plan.check=false")
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                   help="ranks on this node, under torchrun (--seqs and --micro are per rank)")
     p.add_argument("--workdir", default=None, help="where the model dir, data, config and run go (kept); "
                                                    "default a temporary folder, removed afterwards")
     p.add_argument("--json", default=None)
@@ -230,7 +304,8 @@ def main() -> int:
         t0 = time.perf_counter()
         write_model_dir(work / "model", cfg)
         n_words = write_tokenizer(work / "tokenizer", cfg)
-        write_data(work / "data.jsonl", rows=args.seqs * (args.warmup + args.steps), words_per_row=args.seq + 16,
+        write_data(work / "data.jsonl", rows=args.seqs * args.nproc_per_node * (args.warmup + args.steps),
+                   words_per_row=args.seq + 16,
                    n_words=n_words)
         out_dir = work / "run"
         if out_dir.exists():
@@ -238,13 +313,14 @@ def main() -> int:
         out_dir.mkdir(parents=True)
         write_config(work / "run.yaml", args, work / "model", work / "tokenizer", work / "data.jsonl", out_dir)
         prep_s = time.perf_counter() - t0
-        rc, total_s, cmd = run_cli(work / "run.yaml", args.set, work / "cli.log")
+        memory = NodeMemory()
+        rc, total_s, cmd = run_cli(work / "run.yaml", args.set, work / "cli.log", args.nproc_per_node, memory)
         metrics = out_dir / "metrics.jsonl"
         steps = step_records(metrics) if metrics.is_file() else []
         res = summarise(args, steps, num_params(work / "model"))
         res.update(cli_exit_status=rc, cli_total_s=total_s, inputs_s=prep_s, cli_command=shlex.join(cmd),
-                   overrides=args.set, workdir=str(work) if args.workdir else None)
-        full = args.seqs * args.seq
+                   overrides=args.set, workdir=str(work) if args.workdir else None, **memory.stop())
+        full = args.seqs * args.seq * args.nproc_per_node
         short = [r["step"] for r in steps if r.get("tokens") != full]
         ok = rc == 0 and res["steps_measured"] == args.steps and not short
         if rc:
@@ -256,7 +332,8 @@ def main() -> int:
         write_json(args.json, {"command": " ".join(sys.argv), "result": res})
         print(table([res], ["label", "params", "tokens_per_step", "step_s", "wall_step_s", "tokens_per_s",
                             "tflops_6n", "tflops_6n_active", "mfu", "gpu_idle", "busy_h2d", "busy_d2h", "gpu_peak_gib",
-                            "host_peak_rss_gib", "host_bytes_per_param"]))
+                            "host_peak_rss_gib", "host_node_pss_gib", "host_node_used_gib",
+                            "host_bytes_per_param"]))
         if not ok:
             print(f"bench_cli: {res['error']}", file=sys.stderr)
         return 0 if ok else 1

@@ -1,5 +1,8 @@
 """`megatrain train | data | plan | probe | export`: parse, validate, call.
 
+`megatrain train` under torchrun (`torchrun --nproc-per-node=N -m megatrain train CONFIG`) is one rank of a
+distributed run (megatrain/run/launch.py); `megatrain plan --nproc-per-node N --nnodes M` plans one node of it.
+
 Every user error, of every subcommand and of the arguments themselves, is one line `megatrain: error: <message>`
 on stderr and exit status 2 (errors.report, errors.ArgumentParser); `megatrain plan` exits 1 when the run will not
 fit. `train`, `plan` and `data` without a config file: no arguments run the embedded demo; overrides alone start
@@ -31,6 +34,10 @@ def _parser() -> ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the plan as one JSON object (fits, gpu_peak_gib, "
                                                         "host_peak_gib, host_bytes_per_param, step_time_s, "
                                                         "tflops_6n, placement, ...) for scripts")
+    pl.add_argument("--nproc-per-node", type=_positive, default=1, metavar="N",
+                    help="ranks (GPUs) per node, as torchrun's --nproc-per-node: host RAM is then planned per node "
+                         "(one shared store), with the gradients' network traffic")
+    pl.add_argument("--nnodes", type=_positive, default=1, metavar="M", help="nodes, as torchrun's --nnodes")
     sub.add_parser("probe", help="measure this machine for the planner (see megatrain probe --help)", add_help=False)
     e = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
     e.add_argument("source", metavar="CHECKPOINT_OR_RUN_DIR",
@@ -39,6 +46,18 @@ def _parser() -> ArgumentParser:
     e.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="dtype of the weights (default bf16)")
     e.add_argument("--max-shard-mb", type=float, default=5000.0, help="largest shard in MB (default 5000)")
     return p
+
+
+def _positive(text: str) -> int:
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got '{text}'")
+    return n
 
 
 def _split(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
@@ -98,7 +117,9 @@ def _run(args) -> int:
         from .planner.profile import default_profile_path
 
         check_paths(cfg, outputs=False, default_profile=default_profile_path())
-        return plan_command(cfg, as_json=args.json)
+        from .planner import World
+
+        return plan_command(cfg, as_json=args.json, world=World(args.nnodes, args.nproc_per_node))
     elif args.command == "data":
         from . import data as data_lib
 

@@ -104,9 +104,17 @@ def load_store(r: Resumed, store) -> None:
         store.refresh_stream_copy(tile)
 
 
-def config_notes(r: Resumed, config_now: dict) -> list[str]:
-    """Human-readable differences between the checkpoint's run and this one (allowed, but worth saying)."""
+def config_notes(r: Resumed, config_now: dict, world: dict | None = None) -> list[str]:
+    """Human-readable differences between the checkpoint's run and this one (allowed, but worth saying).
+    world: this run's ranks (as the manifest's "world": world_size, nodes, ranks_per_node)."""
     notes = []
+    was = r.manifest.get("world", {"world_size": 1})
+    now = world or {"world_size": 1}
+    if was.get("world_size") != now.get("world_size"):
+        notes.append(f"world size {was.get('world_size')} -> {now.get('world_size')}: the data continues at the "
+                     f"next micro-batch, each step now takes train.grad_accum_steps per rank from every rank (the "
+                     f"global batch changes unless grad_accum_steps does), and the reductions' order differs (not "
+                     f"bit-identical to continuing on {was.get('world_size')})")
     for key, (a, b) in sorted(_diff(r.state["config"], config_now).items()):
         if not key.startswith(IGNORED_RUN_KEYS):
             notes.append(f"{key}: {a!r} -> {b!r}")

@@ -59,11 +59,16 @@ class CheckpointSaver:
     keeps the newest `keep` (0: all)."""
 
     def __init__(self, root: Path, store, pipeline=None, keep: int = 0, every: int = 0,
-                 final_step: int | None = None):
+                 final_step: int | None = None, world: dict | None = None, listener=None):
         """every: save every N steps (0: never periodically); final_step: also save when that step is done
-        (the run's last, when checkpoint.at_end or export.at_end asks for it)."""
+        (the run's last, when checkpoint.at_end or export.at_end asks for it). world: the ranks of the run, named in
+        the manifest (default one process). listener: told `begin_save(step)` before a save's writer starts and
+        `unit_written(step, unit)` as each unit is written (or abandoned): the other ranks of a distributed run
+        sharing this store wait on it before they update a unit (megatrain/distributed/saves.py)."""
         self.root, self.store, self.pipeline, self.keep = Path(root), store, pipeline, keep
         self.every, self.final_step = every, final_step
+        self.world = world or {"world_size": 1, "nodes": 1, "ranks_per_node": 1}
+        self.listener = listener
         self._job: _Job | None = None
         self._thread: threading.Thread | None = None
         self.last: Path | None = None  # the newest checkpoint this saver completed
@@ -106,6 +111,8 @@ class CheckpointSaver:
             write_files(tmp)
         job = _Job(step, tmp, self.root / f"step-{step}", [threading.Event() for _ in self.store.tiles])
         self._job = job
+        if self.listener is not None:
+            self.listener.begin_save(step)
         self._thread = threading.Thread(target=self._write, args=(job,), name="megatrain-checkpoint", daemon=True)
         self._thread.start()
 
@@ -133,8 +140,7 @@ class CheckpointSaver:
         job = self._job
         if job is not None:
             job.cancelled = True  # the writer stops at the next unit and removes its .tmp directory
-            for e in job.written:
-                e.set()
+            self._all_written(job)
         self._job = self._thread = None
 
     # ---- the writer thread ---------------------------------------------------------------------------
@@ -160,6 +166,8 @@ class CheckpointSaver:
                 files[name] = {"sha256": sha, "bytes": size}
                 units.append({"file": name, "name": tile.unit.name, "numel": tile.numel})
                 job.written[i].set()  # the optimizer may now update this unit
+                if self.listener is not None:
+                    self.listener.unit_written(job.step, i)
                 if delay:
                     time.sleep(delay)
             for p in sorted(job.tmp.rglob("*")):
@@ -168,7 +176,8 @@ class CheckpointSaver:
                     sha, size = sha256_file(p)
                     files[rel] = {"sha256": sha, "bytes": size}
                     _fsync(p)
-            manifest = {"format": FORMAT, "format_version": 1, "step": job.step, "units": units, "files": files}
+            manifest = {"format": FORMAT, "format_version": 1, "step": job.step, "world": self.world, "units": units,
+                        "files": files}
             with open(job.tmp / MANIFEST, "w") as f:
                 json.dump(manifest, f, indent=1)
                 f.flush()
@@ -188,8 +197,13 @@ class CheckpointSaver:
             shutil.rmtree(job.tmp, ignore_errors=True)
         finally:
             job.seconds = time.perf_counter() - job.started
-            for e in job.written:
-                e.set()  # never leave the optimizer waiting on a dead writer
+            self._all_written(job)  # never leave the optimizer waiting on a dead writer
+
+    def _all_written(self, job: _Job) -> None:
+        for i, e in enumerate(job.written):
+            e.set()
+            if self.listener is not None:
+                self.listener.unit_written(job.step, i)
 
     def _prune(self, newest: Path) -> None:
         if self.keep <= 0:

@@ -18,7 +18,8 @@ Modules, one job each:
 Interface used by the trainer and the command line (and nothing else of this package):
     load_tokenizer(path) -> PreTrainedTokenizerBase     AutoTokenizer, MegatrainError if missing or unreadable
     validate_inputs(cfg)                                cheap checks before anything is written
-    build_train_loader(cfg, tokenizer, seed=, micro_batch_size=, grad_accum_steps=) -> StepLoader
+    build_train_loader(cfg, tokenizer, seed=, micro_batch_size=, grad_accum_steps=, rank=0, world=1) -> StepLoader
+        (rank, world: this process's share of every step, for data-parallel ranks)
         .next_step() -> list[Batch] (grad_accum_steps micro-batches), .state_dict(), .load_state_dict(state),
         .summary() -> str, .epoch
     build_eval_batches(cfg, tokenizer, micro_batch_size=) -> list[Batch] | None

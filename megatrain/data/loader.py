@@ -7,7 +7,7 @@ from .config import DataConfig
 from .examples import Examples, build_examples
 from .packing import collate
 from .preview import count_lines, efficiency_line, render_preview
-from .sampler import BatchShape, EpochPlanner, ResumableSampler
+from .sampler import BatchShape, EpochPlanner, ResumableSampler, rank_share
 from .sources import resolve_sources, source_files
 from .tokenizer import apply_chat_template_override, pad_id, read_chat_template
 
@@ -33,9 +33,11 @@ class StepLoader:
     """Yields the micro-batches of one optimizer step at a time, in a seeded order that resumes exactly."""
 
     def __init__(self, cfg: DataConfig, examples: Examples, sampler: ResumableSampler, grad_accum_steps: int,
-                 pad: int):
+                 pad: int, rank: int = 0, world: int = 1):
+        """rank, world: this process's share of each step (sampler.rank_share); grad_accum_steps is per rank."""
         self.cfg, self.examples, self.sampler = cfg, examples, sampler
         self.grad_accum_steps, self.pad_id = grad_accum_steps, pad
+        self.rank, self.world = rank, world
 
     @property
     def epoch(self) -> int:
@@ -45,10 +47,11 @@ class StepLoader:
         return collate([[self.examples.get(k) for k in row] for row in rows], self.pad_id)
 
     def next_step(self) -> list[Batch]:
-        return [self._batch(self.sampler.next()) for _ in range(self.grad_accum_steps)]
+        drawn = [self.sampler.next() for _ in range(self.grad_accum_steps * self.world)]  # index lists: cheap
+        return [self._batch(rows) for rows in rank_share(drawn, self.rank, self.world)]
 
     def state_dict(self) -> dict:
-        return self.sampler.state_dict()
+        return {**self.sampler.state_dict(), "world_size": self.world}
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
@@ -60,11 +63,11 @@ class StepLoader:
 
 
 def build_train_loader(cfg: DataConfig, tokenizer, *, seed: int, micro_batch_size: int,
-                       grad_accum_steps: int) -> StepLoader:
+                       grad_accum_steps: int, rank: int = 0, world: int = 1) -> StepLoader:
     apply_chat_template_override(tokenizer, cfg.chat_template)
     ex = build_examples(cfg, tokenizer, "train")
     planner = EpochPlanner(ex.lengths, ex.source, ex.quotas(), seed, _shape(cfg, micro_batch_size))
-    return StepLoader(cfg, ex, ResumableSampler(planner), grad_accum_steps, pad_id(tokenizer))
+    return StepLoader(cfg, ex, ResumableSampler(planner), grad_accum_steps, pad_id(tokenizer), rank, world)
 
 
 def build_eval_batches(cfg: DataConfig, tokenizer, *, micro_batch_size: int) -> list[Batch] | None:

@@ -13,6 +13,12 @@ random subset for the fraction, then shuffles everything. The plan then groups e
   (an out-of-memory shows at the first step, not hours later);
 - otherwise: micro-batches in the shuffled order.
 Only the last micro-batch of an epoch may hold fewer than micro_batch_size rows.
+
+Several ranks (megatrain/distributed): every rank draws the whole step's micro-batches, grad_accum_steps per rank
+in all, and keeps its own contiguous block of them (`rank_share`), so the ranks read disjoint parts of each step
+and together exactly what one process with all of them would. The state stays (epoch, cursor), the same on every
+rank; a different number of ranks continues at the same next micro-batch (the step's micro-batches are cut
+differently, none skipped or repeated).
 """
 
 from __future__ import annotations
@@ -134,3 +140,11 @@ class ResumableSampler:
                 raise MegatrainError(f"data: cannot resume the exact sample order: {k} was {state[k]} in the "
                                      f"checkpoint and is {v} now (the data or batch settings changed)")
         self.epoch, self.cursor, self._plan = int(state["epoch"]), int(state["cursor"]), None
+
+
+def rank_share(step_microbatches: list, rank: int, world: int) -> list:
+    """Rank `rank`'s micro-batches of a step drawn for `world` ranks: the rank-th of `world` equal blocks."""
+    if len(step_microbatches) % world:
+        raise ValueError(f"{len(step_microbatches)} micro-batches do not split between {world} ranks")
+    per = len(step_microbatches) // world
+    return step_microbatches[rank * per: (rank + 1) * per]

@@ -15,6 +15,7 @@ is read; and `megatrain probe`, which measures the machine it plans for. Modules
     probe.py        `megatrain probe`: measures this machine into a profile
     sysmem.py       host RAM free (cgroup-aware), disk free, memlock
     flops.py        FLOP counting for throughput reports
+    world.py        several ranks: the node's host RAM (one shared store), the network's bytes, the world's step
 
 The planner simulates the runtime's schedule (runtime/schedule.py) and sizes what the runtime allocates with the
 runtime's own functions and constants (runtime/store.py, optimizer_pipeline.py, lmhead.py); it never builds an
@@ -22,10 +23,10 @@ Engine nor calls a private name of the runtime. Only the standard library and to
 runs where pydantic is not installed).
 """
 
-from .plan import Plan, check_before_run, make_plan, plan_command, plan_for_config, target_device
+from .plan import Plan, World, check_before_run, make_plan, plan_command, plan_for_config, target_device
 from .report import refusal
 from .suggest import suggestions
 from .workload import Workload
 
-__all__ = ["Plan", "Workload", "check_before_run", "make_plan", "plan_command", "plan_for_config", "refusal",
+__all__ = ["Plan", "World", "Workload", "check_before_run", "make_plan", "plan_command", "plan_for_config", "refusal",
            "suggestions", "target_device"]

@@ -8,6 +8,7 @@ and the config alone, before any weight is read, and whether they fit this machi
     plan_for_config   the same from a validated megatrain.config.Config, with what this machine (or the profiled
                       one, or the config) says is available
     plan_command      `megatrain plan CONFIG` (cli.py): prints the report (report.py), or its figures as JSON
+    World             several ranks (world.py): the plan is then per node, with the network's bytes and time
     check_before_run  `megatrain train`'s check before it loads weights (run/prepare.py): refuses what won't fit
     target_device     the device `megatrain plan` plans for
 
@@ -24,10 +25,12 @@ from .placement import choose, describe
 from .profile import COMPILED_SPEEDUP, GiB, Profile
 from .report import refusal, render
 from .suggest import suggestions
-from .timing import step_time
+from .timing import executed_flops, step_time
 from .workload import PLACEMENT_KEYS, Workload, checkpoint_copies, fixed_placement, workload_from_config
+from .world import World, comm, node_host, node_pinned, world_time
 
-__all__ = ["Plan", "Workload", "check_before_run", "make_plan", "plan_command", "plan_for_config", "target_device"]
+__all__ = ["Plan", "World", "Workload", "check_before_run", "make_plan", "plan_command", "plan_for_config",
+           "target_device"]
 
 
 @dataclass
@@ -57,6 +60,8 @@ class Plan:
     why: str = ""  # how the placement was chosen
     free: frozenset = frozenset()  # the placement keys the planner chose (the config leaves them unset)
     active_params: int = 0  # parameters that multiply each token (a MoE's top-k experts; = params when dense)
+    world: World = field(default_factory=World)  # the ranks: host is then per node, time the world's step
+    comm: dict = field(default_factory=dict)  # world.comm: bytes per rank and step on each link, seconds
 
     @property
     def placement(self):
@@ -101,7 +106,19 @@ class Plan:
                 "clipping": self.workload.clipping, "gpu_idle_s": t.get("gpu_idle_s"),
                 "optimizer_s": t["optimizer_s"], "optimizer_wait_s": t["optimizer_wait_s"],
                 "optimizer_window_s": t["optimizer_window_s"], "other_mode": t.get("other_mode"),
-                "notes": self.notes}
+                "notes": self.notes, "world": self.world_json()}
+
+    def world_json(self) -> dict:
+        w, c = self.world, self.comm
+        out = {"nodes": w.nodes, "ranks_per_node": w.ranks_per_node, "world_size": w.size,
+               "global_tokens_per_step": self.workload.tokens_per_step * w.size}
+        if w.size > 1:
+            out.update(intra_node_gib_per_rank=c["intra_node_bytes_per_rank"] / GiB,
+                       inter_node_gib_per_rank=c["inter_node_bytes_per_rank"] / GiB,
+                       inter_node_gib_per_node=c["inter_node_bytes_per_node"] / GiB,
+                       comm_s=c["comm_s"], exposed_comm_s=self.time["exposed_comm_s"],
+                       rank_step_s=self.time["rank_step_s"])
+        return out
 
     def report(self) -> str:
         return render(self)
@@ -110,10 +127,11 @@ class Plan:
 def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float | None = None,
               host_source: str = "", gpu_limit: float | None = None, gpu_limit_source: str = "",
               disk_free: float | None = None, checkpoint_copies: int = 0, suggest: bool = True,
-              config_keys: frozenset = frozenset(), choose_keys: frozenset = frozenset()) -> Plan:
+              config_keys: frozenset = frozenset(), choose_keys: frozenset = frozenset(),
+              world: World = World()) -> Plan:
     """checkpoint_copies: checkpoints on disk at once at most (0: no saves, the disk is not checked).
     choose_keys: the placement keys (workload.PLACEMENT_KEYS) the planner chooses from the limits (placement.py);
-    the others are the workload's."""
+    the others are the workload's. world: the ranks; `w` is one rank's step, host_available the node's."""
     units = adapter.units()
     params = sum(u.numel for u in units)
     notes = []
@@ -122,7 +140,8 @@ def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float |
                      "run `megatrain probe` on the training machine for its own")
     why = "as given"
     if choose_keys:
-        w, why = choose(adapter, units, w, profile, host_available, gpu_limit, frozenset(choose_keys))
+        w, why = choose(adapter, units, w, profile, _rank_host_limit(host_available, params, world), gpu_limit,
+                        frozenset(choose_keys))
     host = host_memory(units, w, adapter.tied)
     pinned = pinned_bytes(host, w)
     name, comps = peak_phase(gpu_phases(adapter, units, w, notes, profile))
@@ -132,10 +151,12 @@ def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float |
     else:  # the device is the host: its activations and gradients are host RAM
         host[DEVICE_WORK] = peak
         needed, gpu = 0.0, {}
+    pinned, host = node_pinned(pinned, host, world), node_host(host, world)
+    c = comm(params, [u.numel for u in units], world, executed_flops(adapter, units, w)) if world.size > 1 else {}
     plan = Plan(f"{adapter.model_type}", params, w, profile, host, pinned, host_available, host_source, gpu,
                 peak if w.device == "cuda" else 0.0, name, needed, gpu_limit, gpu_limit_source,
-                checkpoint_bytes(params), disk_free, step_time(adapter, units, w, profile), notes,
-                active_params=sum(adapter.active_numel(u) for u in units))
+                checkpoint_bytes(params), disk_free, world_time(step_time(adapter, units, w, profile), c, world),
+                notes, active_params=sum(adapter.active_numel(u) for u in units), world=world, comm=c)
     if " taken as x" in plan.time["rate_source"]:
         notes.append(f"layer rate: the profile has this layer shape {'eager' if w.compile else 'compiled'} only "
                      f"({plan.time['rate_source']}); converted by COMPILED_SPEEDUP={COMPILED_SPEEDUP}, the "
@@ -147,6 +168,15 @@ def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float |
     if suggest and not plan.fits:
         plan.suggestions = suggestions(adapter, plan)
     return plan
+
+
+def _rank_host_limit(available: float | None, params: int, world: World) -> float | None:
+    """The host RAM one rank may plan for when the node's ranks share one store (about 14 B/param) and each adds
+    its own share: a rank's host figure within it keeps the node's within `available`."""
+    if available is None or world.ranks_per_node == 1:
+        return available
+    store = 14.0 * params
+    return store + (available - store) / world.ranks_per_node
 
 
 def _check(plan: Plan) -> None:
@@ -165,8 +195,9 @@ def _check(plan: Plan) -> None:
 
 
 # ---- from a validated Config ------------------------------------------------------------------------------
-def plan_for_config(cfg, adapter, device: str, profile: Profile | None = None) -> Plan:
-    """The plan of `megatrain plan` and of the check `megatrain train` runs before loading weights."""
+def plan_for_config(cfg, adapter, device: str, profile: Profile | None = None, world: World = World()) -> Plan:
+    """The plan of `megatrain plan` and of the check `megatrain train` runs before loading weights (world: the
+    ranks of a distributed run; the plan is then one node's)."""
     from . import sysmem
     from .profile import load_profile, this_host
 
@@ -199,7 +230,7 @@ def plan_for_config(cfg, adapter, device: str, profile: Profile | None = None) -
     plan = make_plan(adapter, w, prof, host_available=host_avail, host_source=host_src, gpu_limit=gpu_limit,
                      gpu_limit_source=gpu_src, disk_free=sysmem.disk_free(cfg.output.dir),
                      checkpoint_copies=checkpoint_copies(cfg), config_keys=keys,
-                     choose_keys=frozenset(PLACEMENT_KEYS) - set(fixed_placement(cfg)))
+                     choose_keys=frozenset(PLACEMENT_KEYS) - set(fixed_placement(cfg)), world=world)
     plan.model = f"{adapter.model_type} ({cfg.model.path})"
     if w.device == "cuda" and not torch_cuda_available():
         plan.notes.append("no GPU on this machine: planned for the profile's GPU (train.device=cpu plans a CPU run)")
@@ -223,9 +254,9 @@ def target_device(cfg, profile: Profile | None = None) -> str:
     return "cuda" if profile is not None and profile.measured and profile.gpu_total_bytes else "cpu"
 
 
-def plan_command(cfg, as_json: bool = False) -> int:
+def plan_command(cfg, as_json: bool = False, world: World = World()) -> int:
     """`megatrain plan CONFIG`: print the plan (as_json: its figures as one JSON object); exit status 1, with the
-    reason, when the run will not fit."""
+    reason, when the run will not fit. world: `--nnodes`, `--nproc-per-node`."""
     import json
     import sys
 
@@ -234,7 +265,7 @@ def plan_command(cfg, as_json: bool = False) -> int:
 
     adapter = get_adapter(load_hf_config(cfg.model.path))
     prof = load_profile(cfg.plan.profile)
-    plan = plan_for_config(cfg, adapter, target_device(cfg, prof), prof)
+    plan = plan_for_config(cfg, adapter, target_device(cfg, prof), prof, world)
     print(json.dumps(plan.as_json(), indent=1) if as_json else plan.report())
     if not plan.fits:
         print("megatrain: the run will not fit: " + "; ".join(plan.problems), file=sys.stderr)
@@ -242,15 +273,16 @@ def plan_command(cfg, as_json: bool = False) -> int:
     return 0
 
 
-def check_before_run(cfg, adapter, device: str) -> Plan | None:
+def check_before_run(cfg, adapter, device: str, world: tuple[int, int] = (1, 1)) -> Plan | None:
     """`megatrain train`'s check, before any weight is loaded: raises MegatrainError when the run cannot fit.
-    Returns the plan (None when it could not be computed: the run goes ahead, with a warning)."""
+    Returns the plan (None when it could not be computed: the run goes ahead, with a warning). world: (nodes,
+    ranks per node) of a distributed run."""
     import warnings
 
     from ..errors import MegatrainError
 
     try:
-        plan = plan_for_config(cfg, adapter, device)
+        plan = plan_for_config(cfg, adapter, device, world=World(*world))
     except MegatrainError:
         raise
     except Exception as e:  # the planner must never be the reason a valid run cannot start

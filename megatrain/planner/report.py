@@ -78,6 +78,7 @@ def render(p: Plan) -> str:
     active = f", {_flops(t['tflops_6n_active'] * 1e12)} (6·N_active)" if "tflops_6n_active" in t else ""
     lines.append(f"  {t['tokens_per_s']:,.0f} tokens/s, {_flops(t['executed_tflops'] * 1e12)} executed, "
                  f"{_flops(t['tflops_6n'] * 1e12)} (6N){active}{mfu}")
+    lines += render_world(p)
     for n in p.notes:
         lines.append(f"note: {n}")
     if p.problems:
@@ -111,6 +112,24 @@ def _optimizer_lines(w, t: dict) -> list[str]:
     return [f"  optimizer: {how}; the GPU waits {t['optimizer_wait_s']:.2f} s for it",
             f"  {other}: {o['step_s']:.2f} s a step, GPU idle {o['gpu_idle_s']:.2f} s, waiting "
             f"{o['optimizer_wait_s']:.2f} s for the optimizer, bound by {o['bound']}"]
+
+
+def render_world(p: Plan) -> list[str]:
+    """Several ranks: the global batch, the node's share of the host figures above, the network (world.py)."""
+    wd = p.world
+    if wd.size == 1:
+        return []
+    c, t, w = p.comm, p.time, p.workload
+    return ["", f"world: {wd.describe()} ranks; {w.tokens_per_step:,} tokens per rank, "
+                f"{w.tokens_per_step * wd.size:,} per step in all (train.micro_batch_size and grad_accum_steps are "
+                f"per rank)",
+            f"  host RAM above is per node: one host store shared by its {wd.ranks_per_node} ranks, the rest per "
+            f"rank; GPU memory is per rank",
+            f"  gradients per rank and step: reduce-scatter within the node {c['intra_node_bytes_per_rank'] / GiB:.2f}"
+            f" GiB, all-reduce across nodes {c['inter_node_bytes_per_rank'] / GiB:.2f} GiB "
+            f"({c['inter_node_bytes_per_node'] / GiB:.2f} GiB per node); {c['comm_s']:.2f} s on the links, "
+            f"{t['exposed_comm_s']:.2f} s beyond the backward",
+            f"  one rank's step {t['rank_step_s']:.2f} s + {t['exposed_comm_s']:.2f} s = {t['step_s']:.2f} s"]
 
 
 def refusal(plan: Plan) -> str:

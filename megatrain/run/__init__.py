@@ -1,5 +1,7 @@
 """The run: everything between the command line and the runtime. Modules:
 
+    launch.py     `megatrain train` in one process, or as one rank of a torchrun launch (megatrain/distributed)
+    roles.py      what each rank writes: rank 0 output.dir, the others nothing
     prepare.py    check every input (config, model, tokenizer, data, checkpoints, output paths, the plan), then
                   fill the host store and build the runtime; nothing is written before that succeeds
     trainer.py    the step loop: start, step, evaluate, save (the saver decides when), stop, finish
@@ -10,6 +12,6 @@
     metrics.py    progress bar or plain lines, metrics.jsonl, TensorBoard, wandb
 """
 
-from .trainer import train
+from .launch import train
 
 __all__ = ["train"]

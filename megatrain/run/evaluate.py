@@ -8,17 +8,24 @@ from ..runtime import Engine, MicroBatch
 
 
 def evaluate(run, step: int, log) -> dict:
-    """Held-out loss (data.eval_*) and exact match (train.exact_match_path) at `step`; logged when any."""
+    """Held-out loss (data.eval_*) and exact match (train.exact_match_path) at `step`; logged when any. In a
+    distributed run each rank evaluates its share of the examples and the sums are all-reduced."""
     record = {"step": step}
+    rank, world = (run.dist.world.rank, run.dist.world.size) if run.dist is not None else (0, 1)
     if run.eval_batches:
         total, count = 0.0, 0
-        for b in run.eval_batches:
+        for b in run.eval_batches[rank::world]:
             loss, n = run.engine.eval_loss([MicroBatch.from_labels(b["input_ids"], b["labels"],
                                                                    b.get("position_ids"))])
             total, count = total + loss * n, count + n
+        if run.dist is not None:
+            total, count = run.dist.all_sum([total, count])
         record["eval_loss"] = total / max(count, 1)
     if run.exact_match:
-        record["eval_exact_match"] = exact_match(run.engine, run.tokenizer, run.exact_match)
+        hits = exact_match_hits(run.engine, run.tokenizer, run.exact_match[rank::world])
+        if run.dist is not None:
+            (hits,) = run.dist.all_sum([hits])
+        record["eval_exact_match"] = hits / len(run.exact_match)
     if len(record) > 1:
         log.log(record)
     return record
@@ -50,8 +57,10 @@ def greedy_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: in
     return outs
 
 
-def exact_match(engine: Engine, tokenizer, examples: list[tuple[str, str]], max_new_tokens: int = 32) -> float:
-    """Share of (prompt, expected answer) pairs whose greedy answer equals the expected one, after strip()."""
+def exact_match_hits(engine: Engine, tokenizer, examples: list[tuple[str, str]], max_new_tokens: int = 32) -> int:
+    """How many (prompt, expected answer) pairs' greedy answer equals the expected one, after strip()."""
+    if not examples:
+        return 0
     prompts = []
     for prompt, _ in examples:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
@@ -59,6 +68,10 @@ def exact_match(engine: Engine, tokenizer, examples: list[tuple[str, str]], max_
         prompts.append(ids["input_ids"] if hasattr(ids, "keys") else ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     outs = greedy_generate(engine, prompts, max_new_tokens, tokenizer.eos_token_id, pad)
-    hits = sum(tokenizer.decode(o, skip_special_tokens=True).strip() == want.strip()
+    return sum(tokenizer.decode(o, skip_special_tokens=True).strip() == want.strip()
                for o, (_, want) in zip(outs, examples))
-    return hits / max(1, len(examples))
+
+
+def exact_match(engine: Engine, tokenizer, examples: list[tuple[str, str]], max_new_tokens: int = 32) -> float:
+    """Share of (prompt, expected answer) pairs whose greedy answer equals the expected one, after strip()."""
+    return exact_match_hits(engine, tokenizer, examples, max_new_tokens) / max(1, len(examples))

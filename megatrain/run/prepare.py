@@ -4,6 +4,11 @@
 file and line (config, model directory, tokenizer, data, eval and exact-match files, resume checkpoint, output
 and export directories) and what will not fit (the plan); `prepare` then allocates and loads. Nothing is
 written to output.dir before both have succeeded.
+
+In a distributed run (`dist`, megatrain/distributed) every rank checks its inputs (local rank 0 first: it fills the
+tokenised-data cache the others then read) and none goes on before all have; the host store is allocated in
+memory shared by the node's ranks and filled by local rank 0 alone; the plan is the node's; each rank's loader
+reads its share of every step.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class Run:
     out_dir: Path
     resumed: resume_lib.Resumed | None = None  # the checkpoint this run continues, loaded into the store
     plan: object = None  # megatrain.planner.Plan of this run (None: it could not be computed)
+    dist: object = None  # megatrain.distributed.Distributed of a distributed run (None: one process)
 
     @property
     def store(self) -> HostStore:
@@ -74,14 +80,42 @@ class Run:
     def pipeline(self):
         return self.runtime.pipeline
 
+    @property
+    def writes(self) -> bool:
+        """This process writes output.dir (rank 0 of a distributed run)."""
+        return self.dist is None or self.dist.world.writer
 
-def check_inputs(cfg: Config) -> Inputs:
+    @property
+    def world_size(self) -> int:
+        return 1 if self.dist is None else self.dist.world.size
+
+    @property
+    def world_info(self) -> dict:
+        """The ranks of the run, as checkpoint manifests name them."""
+        w = None if self.dist is None else self.dist.world
+        return {"world_size": self.world_size, "nodes": w.nodes if w else 1, "ranks_per_node": w.local_size if w else 1}
+
+    def tokens_of(self, data) -> int:
+        """Real tokens of the step just trained: every rank's (a PreparedStep holds this rank's)."""
+        return data.tokens if self.dist is None else self.engine.world_tokens
+
+    def failing(self, exc: BaseException) -> None:
+        """This process is failing: a distributed run's other ranks are told at once (Distributed.publish)."""
+        if self.dist is not None:
+            self.dist.publish(exc)
+
+    def agree_stop(self, requested: str | None) -> str | None:
+        """A stop request (signal name) as every rank agrees on it at this step boundary."""
+        return requested if self.dist is None else self.dist.agree_stop(requested)
+
+
+def check_inputs(cfg: Config, dist=None) -> Inputs:
     """Every check that can fail on the user's input, before any large allocation. Writes nothing."""
     from ..planner.profile import default_profile_path
 
     # every path of the right kind, the profile parses; output.dir and export.dir not files nor under one
     check_paths(cfg, default_profile=default_profile_path())
-    device = resolve_device(cfg.train.device)
+    device = dist.device if dist is not None else resolve_device(cfg.train.device)
     hf_config = load_hf_config(cfg.model.path)
     adapter = get_adapter(hf_config)
     if (gen := Path(cfg.model.path) / "generation_config.json").is_file():
@@ -91,7 +125,8 @@ def check_inputs(cfg: Config) -> Inputs:
                              f"({hf_config.max_position_embeddings})")
     from ..planner import check_before_run
 
-    plan = check_before_run(cfg, adapter, device.type)  # refuses a run that cannot fit, before any weight is read
+    world = (dist.world.nodes, dist.world.local_size) if dist is not None else (1, 1)
+    plan = check_before_run(cfg, adapter, device.type, world)  # refuses what cannot fit, before a weight is read
     data_lib.validate_inputs(cfg.data)
     exact = load_exact_match(cfg.train.exact_match_path) if cfg.train.exact_match_path else None
     out_dir = Path(cfg.output.dir)
@@ -113,7 +148,8 @@ def check_inputs(cfg: Config) -> Inputs:
                              f"vocab_size is {adapter.vocab_size}")
     loader = data_lib.build_train_loader(cfg.data, tokenizer, seed=cfg.train.seed,
                                          micro_batch_size=cfg.train.micro_batch_size,
-                                         grad_accum_steps=cfg.train.grad_accum_steps)
+                                         grad_accum_steps=cfg.train.grad_accum_steps,
+                                         rank=dist.world.rank if dist else 0, world=dist.world.size if dist else 1)
     eval_batches = data_lib.build_eval_batches(cfg.data, tokenizer, micro_batch_size=cfg.train.micro_batch_size)
     if exact and not tokenizer.chat_template:  # (the loader has set data.chat_template on it, when given)
         raise MegatrainError("train.exact_match_path: the prompts are rendered with the tokenizer's chat template, "
@@ -121,27 +157,50 @@ def check_inputs(cfg: Config) -> Inputs:
     return Inputs(device, hf_config, adapter, plan, out_dir, resumed, tokenizer, loader, eval_batches, exact)
 
 
-def prepare(cfg: Config) -> Run:
-    """Check every input, then allocate and fill the store and build the runtime. Writes nothing."""
-    inp = check_inputs(cfg)
+def prepare(cfg: Config, dist=None) -> Run:
+    """Check every input, then allocate and fill the store and build the runtime. Writes nothing.
+    dist: the run's megatrain.distributed.Distributed (None: one process)."""
+    if dist is not None and not dist.world.fills_store:
+        dist.node_phase("checked-first")  # local rank 0 checks first: it tokenises the data into the cache
+    inp = check_inputs(cfg, dist)
+    if dist is not None:
+        if dist.world.fills_store:
+            dist.node_phase("checked-first")
+        dist.phase("checked")  # nobody allocates, or writes to output.dir, before every rank has checked
     adapter, plan = inp.adapter, inp.plan
     options = runtime_options(cfg, inp.device, plan)
     stream_dtype, compute_dtype = store_dtypes(cfg.train.precision, options.engine.placement.stream_dtype)
     with host_allocation("host store (fp32 master, Adam m and v, streaming copy)", plan, adapter):
-        store = HostStore(adapter, stream_dtype, compute_dtype)
-    if inp.resumed is not None:  # instead of the model's weights, not after them: the weights are read once
-        resume_lib.load_store(inp.resumed, store)
+        store = HostStore(adapter, stream_dtype, compute_dtype, allocate=dist.memory.allocate if dist else None)
+        if dist is not None:
+            dist.make_flags(len(store.tiles))
+    if dist is None or dist.world.fills_store:
+        fill_store(cfg, inp, store)
+    if inp.resumed is not None:
         inp.loader.load_state_dict(inp.resumed.state["loader"])
+    optimizer = CpuAdamW(cfg.train.betas, cfg.train.eps, cfg.train.weight_decay)
+    with host_allocation("pinned buffers (gradient landing buffers, offloaded gradients)", plan, adapter):
+        if dist is None:
+            runtime = build_runtime(store, inp.device, optimizer, options)
+        else:
+            from ..distributed import build_distributed_runtime
+
+            dist.store_filled(store)
+            runtime = build_distributed_runtime(store, inp.device, optimizer, options, dist)
+    return Run(cfg, adapter, runtime, inp.loader, inp.eval_batches, inp.exact_match, inp.tokenizer, inp.out_dir,
+               inp.resumed, plan, dist)
+
+
+def fill_store(cfg: Config, inp: Inputs, store: HostStore) -> None:
+    """The store's first state: the checkpoint resumed (instead of the model's weights, not after them: the
+    weights are read once), a random init, or the model's weights."""
+    if inp.resumed is not None:
+        resume_lib.load_store(inp.resumed, store)
     elif cfg.model.init == "random":
         std = cfg.train.init_std or getattr(inp.hf_config, "initializer_range", 0.02)
         store.init_random(cfg.train.seed, std)
     else:
         store.load_safetensors(cfg.model.path)
-    with host_allocation("pinned buffers (gradient landing buffers, offloaded gradients)", plan, adapter):
-        runtime = build_runtime(store, inp.device, CpuAdamW(cfg.train.betas, cfg.train.eps, cfg.train.weight_decay),
-                                options)
-    return Run(cfg, adapter, runtime, inp.loader, inp.eval_batches, inp.exact_match, inp.tokenizer, inp.out_dir,
-               inp.resumed, plan)
 
 
 def runtime_options(cfg: Config, device: torch.device, plan=None) -> RuntimeOptions:

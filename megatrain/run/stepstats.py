@@ -67,7 +67,8 @@ def attach(run, log) -> StepStats:
 
         measured = plan.profile.peak_bf16 if plan is not None and plan.profile.measured else None
         peak = measured or peak_bf16_for(torch.cuda.get_device_name(run.engine.device))
-    stats = StepStats(run.adapter, run.cfg.data.max_seq_len, run.runtime.timeline, peak)
+    stats = StepStats(run.adapter, run.cfg.data.max_seq_len, run.runtime.timeline,
+                      peak * run.world_size if peak else None)  # MFU of the world's tokens over its GPUs
     log.stats = stats
     if run.cfg.output.wandb:
         log.enable_wandb(run.cfg.model_dump())
@@ -80,8 +81,14 @@ def start_summary(run) -> str:
     t = cfg.train
     tokens = t.micro_batch_size * t.grad_accum_steps * cfg.data.max_seq_len
     lines = [f"tokens per step: up to {tokens:,} ({t.grad_accum_steps} micro-batch"
-             f"{'es' if t.grad_accum_steps > 1 else ''} of {t.micro_batch_size} rows x {cfg.data.max_seq_len} tokens)",
-             optimizer_summary(cfg, plan)]
+             f"{'es' if t.grad_accum_steps > 1 else ''} of {t.micro_batch_size} rows x {cfg.data.max_seq_len} tokens)"]
+    if run.dist is not None:
+        w = run.dist.world
+        lines = [f"global batch: up to {tokens * w.size:,} tokens per step over {w.layout()}, each rank up to "
+                 f"{tokens:,} ({t.grad_accum_steps} x {t.micro_batch_size} rows x {cfg.data.max_seq_len} tokens: "
+                 f"train.micro_batch_size and grad_accum_steps are per rank); one host store per node, each rank's "
+                 f"CPU AdamW updates its shard with {run.dist.threads} thread(s)"]
+    lines.append(optimizer_summary(cfg, plan))
     if plan is None:
         lines.append("plan: not available")
         return "\n".join(lines)

@@ -11,7 +11,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from ..checkpoint import CheckpointSaver, StopOnSignal
+from ..checkpoint import StopOnSignal
 from ..checkpoint import resume as resume_lib
 from ..checkpoint.state import model_files_writer, restore_rng, run_state
 from ..config import Config
@@ -23,11 +23,13 @@ from .metrics import MetricsLogger
 from .oom import raise_if_out_of_memory
 from .prefetch import PreparedStep, StepPrefetcher
 from .prepare import Run, prepare
+from .roles import open_log, open_saver
 from .stepstats import StepStats, attach
 
 
-def train(cfg: Config) -> dict:
-    run = prepare(cfg)  # every input checked, the store filled, the runtime built: nothing written yet
+def train(cfg: Config, dist=None) -> dict:
+    """dist: this process's megatrain.distributed.Distributed when it is one rank of several (run/launch.py)."""
+    run = prepare(cfg, dist)  # every input checked, the store filled, the runtime built: nothing written yet
     try:
         s = start(run)
     except BaseException:
@@ -43,13 +45,16 @@ def train(cfg: Config) -> dict:
                 done = step + 1
                 if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
                     evaluate(run, done, s.log)
+                requested = run.agree_stop(stop.requested)  # distributed: any rank's signal stops every rank
                 s.saver.step_done(done, lambda: state_at(run, s, done, record["lr"]), s.model_files,
-                                  stopping=stop.requested is not None)
-                if stop.requested:
-                    return stopped(s, done, stop.requested)
+                                  stopping=requested is not None)
+                if requested:
+                    return stopped(s, done, requested)
             return finish(run, s)
-    except KeyboardInterrupt:
-        s.saver.abandon()  # a second signal: leave at once; the partial save never becomes a checkpoint
+    except BaseException as e:
+        run.failing(e)  # distributed: the other ranks stop now, not after this one's cleanup
+        if isinstance(e, KeyboardInterrupt):
+            s.saver.abandon()  # a second signal: leave at once; the partial save never becomes a checkpoint
         raise
     finally:
         close(run, s)
@@ -71,22 +76,22 @@ class Session:
 def start(run: Run) -> Session:
     """Open output.dir (the first write of the run), the metrics and the saver; resume, or evaluate step 0."""
     cfg, t = run.cfg, run.cfg.train
-    run.out_dir.mkdir(parents=True, exist_ok=True)
-    (run.out_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
     first = run.resumed.step if run.resumed else 0
-    resume_lib.trim_metrics(run.out_dir, first if run.resumed else -1)  # continue without duplicate steps
-    log = MetricsLogger(run.out_dir, t.steps, start_step=first, tensorboard=cfg.output.tensorboard)
+    if run.writes:  # one process, or rank 0 of several
+        run.out_dir.mkdir(parents=True, exist_ok=True)
+        (run.out_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+        resume_lib.trim_metrics(run.out_dir, first if run.resumed else -1)  # continue without duplicate steps
+    log = open_log(run, t.steps, first, cfg.output.tensorboard)
     log.info(f"megatrain: {run.adapter.model_type} {run.store.num_params / 1e6:.2f}M params, "
              f"{run.adapter.num_layers} layers, {t.precision} on {run.engine.device}; host store "
              f"{run.store.host_bytes() / 2**30:.2f} GiB; data: {run.loader.summary()}")
     stats = attach(run, log)  # the plan's figures in the start summary; per-step throughput, memory, streams
     final = t.steps if cfg.checkpoint.at_end or cfg.export.at_end else None
-    saver = CheckpointSaver(run.out_dir / "checkpoints", run.store, run.pipeline, keep=cfg.checkpoint.keep,
-                            every=cfg.checkpoint.every, final_step=final)
+    saver = open_saver(run, keep=cfg.checkpoint.keep, every=cfg.checkpoint.every, final_step=final)
     s = Session(first, log, stats, saver, StepPrefetcher(run.loader, pin=run.engine.cuda, steps=t.steps - first),
                 model_files_writer(cfg.model.path, run.tokenizer))
     if run.resumed:
-        notes = resume_lib.config_notes(run.resumed, cfg.model_dump())
+        notes = resume_lib.config_notes(run.resumed, cfg.model_dump(), run.world_info)
         log.info(f"resuming from {run.resumed.path} (step {first})" + "".join(f"\n  changed: {n}" for n in notes))
         restore_rng(run.resumed.state["rng"])
         s.summary.update(run.resumed.state.get("summary", {}))
@@ -132,7 +137,7 @@ def train_step(run: Run, step: int, data: PreparedStep, stats: StepStats | None 
     coef = clip_coefficient(grad_norm, t.max_grad_norm)
     run.pipeline.finish_step(lr=lr, clip_coef=coef)
     dt = time.perf_counter() - t0 + data.wait_s
-    tokens = data.tokens
+    tokens = run.tokens_of(data)  # every rank's
     # where the host thread's time went: waiting for data, queueing the step (waits for the optimizer's updates
     # included), waiting for the GPU to finish it
     record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "clipping": clipping,
@@ -169,7 +174,7 @@ def finish(run: Run, s: Session) -> dict:
         s.summary["checkpoint"] = str(final)
     final = final or (run.resumed.path if run.resumed else None)
     run.pipeline.drain()
-    if cfg.export.at_end:
+    if cfg.export.at_end and run.writes:
         from ..checkpoint.export import export_checkpoint
 
         res = export_checkpoint(final, cfg.export.dir or run.out_dir / "export", dtype=cfg.export.dtype,

@@ -283,8 +283,10 @@ class Engine:
             self.accumulators.park(unit, grad, use.grad.removeprefix("group-"))
 
     # ---- the step ----------------------------------------------------------------------------------
-    def train_step(self, microbatches: list[MicroBatch]) -> StepOutput:
-        num_targets = sum(mb.num_targets for mb in microbatches)
+    def train_step(self, microbatches: list[MicroBatch], totals: tuple[int, int] | None = None) -> StepOutput:
+        """totals: (target tokens, micro-batches) of the whole step when these micro-batches are one rank's share
+        of it (megatrain/distributed): the loss is the step's mean over all of them."""
+        num_targets, num_micro = totals or (sum(mb.num_targets for mb in microbatches), len(microbatches))
         if num_targets == 0:
             raise ValueError("a step without any target token (every label is -100)")
         self.weights_version += 1
@@ -319,7 +321,7 @@ class Engine:
                 g.grads_out = self._head(w, g.mbs, g.hidden, acc[use.units[0]], acc[0], 1.0 / num_targets, loss_sum)
                 g.hidden = None
                 if self.adapter.moe:
-                    self._router_loss(g, len(microbatches), loss_sum, router)
+                    self._router_loss(g, num_micro, loss_sum, router)
             elif use.kind == "rebuild":  # the block's next input, from the one below (kept or rebuilt)
                 self.phase = Phase("forward", use.layer)
                 self._fetch_spilled(g, use)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -56,10 +57,13 @@ def store_dtypes(precision: str, stream: str = "bf16") -> tuple[torch.dtype, tor
 
 
 class HostStore:
-    def __init__(self, adapter: ModelAdapter, stream_dtype: torch.dtype, compute_dtype: torch.dtype | None = None):
+    def __init__(self, adapter: ModelAdapter, stream_dtype: torch.dtype, compute_dtype: torch.dtype | None = None,
+                 allocate: Callable[..., torch.Tensor] | None = None):
         """stream_dtype: what is sent to the device (bf16: a copy the optimizer rewrites; fp32: the master itself).
         compute_dtype: the weights' dtype in the slots (default stream_dtype); bf16 compute from an fp32 stream is
-        cast on the device, with the same rounding as the host copy (memory.stream_dtype=fp32: 12 B/param)."""
+        cast on the device, with the same rounding as the host copy (memory.stream_dtype=fp32: 12 B/param).
+        allocate(numel, dtype, zero, what): the large allocations, page-aligned (default `aligned_empty`; a
+        distributed run passes memory shared by the node's ranks, megatrain/distributed/shared.py)."""
         self.adapter = adapter
         self.units = adapter.units()
         self.stream_dtype = stream_dtype
@@ -71,11 +75,13 @@ class HostStore:
             starts.append(total)
             total += padded_numel(u.numel)
         self.total_elems = total
-        self.master = aligned_empty(total, torch.float32, zero=False)
-        self.exp_avg = aligned_empty(total, torch.float32, zero=True)
-        self.exp_avg_sq = aligned_empty(total, torch.float32, zero=True)
+        alloc = allocate or (lambda numel, dtype, zero, what: aligned_empty(numel, dtype, zero=zero))
+        self.master = alloc(total, torch.float32, False, "fp32 master")
+        self.exp_avg = alloc(total, torch.float32, True, "Adam m")
+        self.exp_avg_sq = alloc(total, torch.float32, True, "Adam v")
         self.separate_stream_copy = stream_dtype != torch.float32
-        self.stream = aligned_empty(total, stream_dtype, zero=False) if self.separate_stream_copy else self.master
+        self.stream = alloc(total, stream_dtype, False, "streaming copy") if self.separate_stream_copy \
+            else self.master
         self.tiles: list[LayerTile] = []
         ends = [s + u.numel for u, s in zip(self.units, starts)]
         for a, b in zip(ends, starts[1:] + [total]):  # alignment padding: zero, so whole buffers are deterministic

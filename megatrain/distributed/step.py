@@ -1,0 +1,80 @@
+"""One optimizer step over every rank: `DistributedEngine`, and `build_runtime` for a distributed run.
+
+Each rank runs the ordinary Engine (runtime/engine.py) over its own micro-batches, with the step's totals: before
+the step, one host-side all-reduce sums the ranks' target tokens, micro-batches and real tokens, and the engine
+divides the loss (and so every gradient) by the step's target tokens and the router loss by its micro-batches,
+as one process running all of them would. The gradients are reduced by the ShardedPipeline as they finish
+(grads.py). After the step, one all-reduce over every rank (NCCL on CUDA: it stays on the device until the trainer
+reads it) sums the ranks' losses, router losses and expert counts, and the squared norms of node 0's reduced
+shards: that is the squared norm of the global gradient, the same number on every rank, so every rank clips
+alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from ..runtime import Engine, PinnedHost, Runtime, RuntimeOptions, Timeline
+from ..runtime.microbatch import MicroBatch, StepOutput
+from ..runtime.schedule import grads_to_host
+from .grads import ShardedPipeline
+from .session import Distributed
+
+
+class DistributedEngine:
+    """The engine of one rank, whose `train_step` is the whole world's step (everything else is the engine's)."""
+
+    def __init__(self, engine: Engine, pipeline: ShardedPipeline, d: Distributed):
+        self.engine, self.pipeline, self.d = engine, pipeline, d
+        self.world_tokens = 0  # real (non-padding) tokens of the last step, every rank's
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def train_step(self, microbatches: list[MicroBatch]) -> StepOutput:
+        local = [sum(mb.num_targets for mb in microbatches), len(microbatches),
+                 sum(mb.real_tokens for mb in microbatches), sum(mb.num_tokens for mb in microbatches)]
+        targets, micro, real, padded = (int(x) for x in self.d.all_sum([float(x) for x in local]))
+        if targets == 0:
+            raise ValueError("a step without any target token (every label is -100) on every rank")
+        self.world_tokens = real
+        out = self.engine.train_step(microbatches, totals=(targets, micro))
+        sq = self.pipeline.shard_sq_norm()
+        node0 = 1.0 if self.d.world.node == 0 else 0.0  # node 0's shards cover every element once
+        aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=sq.device)
+        sums = torch.stack([out.loss_sum.float(), aux.float(), sq * node0])
+        waits = [dist.all_reduce(sums, async_op=True)]
+        counts = out.expert_counts
+        if counts is not None:
+            counts = counts.clone()
+            waits.append(dist.all_reduce(counts, async_op=True))
+        for w in waits:
+            w.wait()
+        return replace(out, loss_sum=sums[0], grad_sq_norm=sums[2], num_targets=targets, num_tokens=padded,
+                       aux_loss=sums[1] if out.aux_loss is not None else None, expert_counts=counts)
+
+
+def build_runtime(store, device: torch.device, optimizer, options: RuntimeOptions, d: Distributed) -> Runtime:
+    """runtime.build_runtime for one rank of a distributed run: the pipeline is a ShardedPipeline over this rank's
+    shards, the engine a DistributedEngine. The node's shared store must be filled (Distributed.store_filled)."""
+    cuda = device.type == "cuda"
+    pinned = PinnedHost(cuda)
+    pipeline = None
+    try:
+        pinned.register(store.stream, "host store's streaming copy (shared by the node's ranks)")
+        timeline = Timeline() if cuda and options.measure_streams else None
+        to_host = grads_to_host(len(store.tiles), options.engine.placement)
+        pipeline = ShardedPipeline(store, optimizer, device, pinned, d.world, d.groups, d.flags,
+                                   threaded=options.threaded_optimizer, to_host=tuple(to_host),
+                                   threads=options.adam_threads or d.threads, timeline=timeline,
+                                   wait_timeout=d.timeout)
+        engine = Engine(store, store.adapter, device, pipeline, options.engine, timeline=timeline, pinned=pinned)
+    except BaseException:
+        if pipeline is not None:
+            pipeline.close()
+        pinned.close()
+        raise
+    return Runtime(store, DistributedEngine(engine, pipeline, d), pipeline, pinned, timeline)
