@@ -10,18 +10,42 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import MegatrainError
 from .base import AttnContext
 
 _COMPILED = None
+# Distinct input shapes (and masks) FlexAttention is compiled for in one process. Past torch's recompile limit (8)
+# dynamo would silently run FlexAttention eagerly, which builds the full T x T score matrix in fp32 (256 GiB at
+# 32k tokens and 64 heads: seen on the H200 on 2026-11-25, after a test file's earlier shapes). Above this many,
+# the run stops with a clear error instead.
+FLEX_SHAPES = 256
+
+
+def _guarded(compiled):
+    def call(*args, **kwargs):
+        from torch._dynamo import config
+
+        try:
+            with config.patch(recompile_limit=FLEX_SHAPES, fail_on_recompile_limit_hit=True):
+                return compiled(*args, **kwargs)
+        except Exception as e:
+            if type(e).__name__ not in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit"):
+                raise
+            raise MegatrainError(
+                f"FlexAttention was compiled for {FLEX_SHAPES} different row shapes in this run and would now run "
+                "uncompiled, building the full T x T score matrix; give the rows fewer distinct lengths "
+                "(data.packing: true, or a fixed data.max_seq_len with packing)") from e
+    return call
 
 
 def flex_attention():
-    """FlexAttention, compiled once: uncompiled it would materialise the full score matrix."""
+    """FlexAttention, compiled once per shape (never run uncompiled: that would materialise the full score
+    matrix)."""
     global _COMPILED
     if _COMPILED is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _COMPILED = torch.compile(flex_attention, dynamic=False)
+        _COMPILED = _guarded(torch.compile(flex_attention, dynamic=False))
     return _COMPILED
 
 

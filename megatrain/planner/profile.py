@@ -81,12 +81,15 @@ def layer_shape(adapter) -> tuple[int, ...]:
             adapter.head_dim, *moe)
 
 
-# The attention rate against the row length, as a multiple of Profile.attention_flops (the 1k-4k fit). 32k: fitted
-# to Llama-3.1-8B with one 32,768-token row per step on an H200 (bench/results/2026-11-25/h200-noclip: 5.3-5.5 s of
-# busy compute, which the layer matmuls at the default rate leave to attention at 390 TFLOP/s, x COMPILED_SPEEDUP
-# compiled). 128k and 256k: that, times the decline of SDPA's causal GQA forward rate from 32k measured on the same
-# GPU (674 -> 564 -> 526 TFLOP/s, DESIGN.md). Flat beyond 256k (not measured).
-ATTENTION_BY_SEQ = ((4096, 1.0), (32768, 390 / 170), (131072, 390 / 170 * 564 / 674), (262144, 390 / 170 * 526 / 674))
+# The attention rate against the row length, as a multiple of Profile.attention_flops (the 1k-4k fit), log-linear
+# between anchors, flat beyond 256k (not measured). 32k: fitted to Llama-3.1-8B with one 32,768-token row per step
+# on an H200 (bench/results/2026-11-25/h200-noclip: 5.3-5.5 s of busy compute, which the layer matmuls at the
+# default rate leave to attention at 390 TFLOP/s, x COMPILED_SPEEDUP compiled). 128k: fitted to the Llama-3.1-8B
+# one-sequence 131,072-token run (nvidia-h200, bench/results/2026-11-25/h200-longctx-128k: 50.8 s; the earlier
+# anchor, SDPA's forward decline 674 -> 564 TFLOP/s from 32k, planned 59.3 s): per FLOP the step's attention runs
+# at 128k as at 32k. 256k: the 128k anchor times SDPA's forward decline from 128k (564 -> 526, measured on the
+# H200), not yet checked against a run.
+ATTENTION_BY_SEQ = ((4096, 1.0), (32768, 390 / 170), (131072, 2.34), (262144, 2.34 * 526 / 564))
 
 # A MoE layer with no measured rate runs at this share of the default (dense) layer rate: routing, the token
 # permutation and grouped GEMMs over a few thousand tokens per expert are slower than one dense GEMM. Fitted to

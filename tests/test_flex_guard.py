@@ -1,0 +1,36 @@
+"""FlexAttention never runs uncompiled: past its shape limit the run stops with a clear error.
+
+Uncompiled, FlexAttention builds the full T x T score matrix in fp32 (on the H200, 2026-11-25: 256 GiB asked for at
+32k tokens after a test file's earlier shapes had used up dynamo's default recompile limit of 8). Here, on CPU with
+the limit set to 2: two shapes compile and equal SDPA, the third raises MegatrainError naming the remedy.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatrain.errors import MegatrainError
+from megatrain.models import attention
+
+
+def test_flex_attention_stops_instead_of_running_uncompiled(monkeypatch):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    monkeypatch.setattr(attention, "FLEX_SHAPES", 2)
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(11)
+
+    def causal(b, h, q, k):
+        return q >= k
+
+    for T in (16, 32, 48):
+        q, k, v = (torch.randn(1, 2, T, 16, generator=gen) for _ in range(3))
+        bm = create_block_mask(causal, None, None, T, T, device="cpu")
+        if T < 48:
+            o = attention.flex_attention()(q, k, v, block_mask=bm)
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-6)
+        else:
+            with pytest.raises(MegatrainError, match="2 different row shapes.*packing"):
+                attention.flex_attention()(q, k, v, block_mask=bm)
+    torch._dynamo.reset()
