@@ -6,7 +6,7 @@
 #      gradients, and training equals clipping at a norm no step reaches, with fewer gradients held on the GPU.
 #   3. bench/moe_forward_diag.py: the gpt-oss-120b layer's compiled no-grad forward was probed at 117 TFLOP/s against
 #      376 for its recompute + backward (first call today); time it compiled/eager x grad/no-grad and list its top
-#      kernels; the same for a Qwen3-30B-A3B layer (8 x 4096) for comparison.
+#      kernels; the same for a Qwen3-30B-A3B layer (16 x 4096, its run's micro-batch) for comparison.
 mkdir -p "$OUT/gpu"
 TAIL=6 run_logged gpu_tiling 130 env MEGATRAIN_GPU_RESULTS="$OUT/gpu" python3 -m pytest -q -m gpu \
   tests/gpu/test_tiling_cuda.py
@@ -14,5 +14,5 @@ TAIL=6 run_logged gpu_noclip 130 env MEGATRAIN_GPU_RESULTS="$OUT/gpu" python3 -m
   tests/gpu/test_noclip_cuda.py
 TAIL=20 run_logged diag_gptoss 130 python3 bench/moe_forward_diag.py $M/gpt-oss-120b:16x4096 \
   --json "$OUT/diag_gptoss.json"
-TAIL=20 run_logged diag_qwen3moe 100 python3 bench/moe_forward_diag.py $M/qwen3-30b-a3b:8x4096 \
+TAIL=20 run_logged diag_qwen3moe 100 python3 bench/moe_forward_diag.py $M/qwen3-30b-a3b:16x4096 \
   --json "$OUT/diag_qwen3moe.json"
