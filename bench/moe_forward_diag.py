@@ -10,12 +10,15 @@ profiles the compiled no-grad forward and prints its ten most expensive CUDA ker
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig
 
-from megatrain.models import get_adapter
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from megatrain.models import get_adapter  # noqa: E402
 
 
 def build(model_dir: str, micro: int, seq: int):

@@ -6,8 +6,8 @@ wait on the GPU. Checked here:
   * exact: every gradient the pipeline is handed is copied to the CPU as it arrives, and the same AdamW updates are
     replayed on a CPU copy of the initial store: the CUDA run's fp32 master, Adam m and v, bf16 streaming copy and
     step counts equal the replay bit for bit (the GPU's own non-determinism does not enter), in backward order;
-  * the same training as the clipping path (coefficient 1) within 1e-5 (two CUDA runs differ in the last bits:
-    the attention backward accumulates with atomics);
+  * the same training as the clipping path (coefficient 1) within 1e-5, with SDPA's math backend (the flash and
+    memory-efficient backward accumulate with atomics: two runs would differ in the last bits);
   * fewer gradients on the GPU: the peak allocated is below the clipping path's, which keeps every finished gradient
     until the norm is known.
 
@@ -124,8 +124,14 @@ def test_updates_during_backward_are_exactly_the_handed_gradients_adamw(setup, s
 
 def test_without_clipping_trains_as_clipping_at_one_with_fewer_gradients_on_the_gpu(setup, small_pieces):
     path, record = setup
-    clip = train(path, Placement(), clipping=True)
-    free = train(path, Placement(), clipping=False)
+    # SDPA's math backend: the flash / memory-efficient backward accumulate with atomics, so two CUDA runs differ in
+    # the last bits and Adam's normalised steps carry that into bf16 roundings of the streamed weights (the first H200
+    # run of this check: losses 1.04e-5 apart, parameters 2.0e-4); without them, compute is repeatable
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        clip = train(path, Placement(), clipping=True)
+        free = train(path, Placement(), clipping=False)
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(free["losses"], clip["losses"]))
     param_rel = ((free["state"][0] - clip["state"][0]).norm() / clip["state"][0].norm()).item()
     record["vs_clipping"] = {"max_rel_loss_diff": loss_rel, "param_rel_diff": param_rel,
