@@ -34,3 +34,28 @@ def test_flex_attention_stops_instead_of_running_uncompiled(monkeypatch):
             with pytest.raises(MegatrainError, match="2 different row shapes.*packing"):
                 attention.flex_attention()(q, k, v, block_mask=bm)
     torch._dynamo.reset()
+
+
+def test_flex_attention_stays_compiled_after_a_compiled_layer_traced_it(monkeypatch):
+    """A compiled layer that calls flex_attention() first, then a direct call (as the probe, the tests and a layer
+    that falls back to eager do): the direct call must compile its own frame. The wrapper made while dynamo traced
+    the layer used to run FlexAttention uncompiled from then on (on the H200: 64 GiB of scores asked for)."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    monkeypatch.setattr(attention, "_COMPILED", None)
+    torch._dynamo.reset()
+    T = 64
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 2, T, 16, generator=gen) for _ in range(3))
+    bm = create_block_mask(lambda b, h, i, j: i >= j, None, None, T, T, device="cpu")
+
+    def layer(q, k, v):
+        return attention.flex_attention()(q, k, v, block_mask=bm)
+
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(torch.compile(layer, dynamic=False)(q, k, v), ref, rtol=1e-5, atol=1e-6)
+    frames = counters["frames"]["ok"]
+    torch.testing.assert_close(attention.flex_attention()(q, k, v, block_mask=bm), ref, rtol=1e-5, atol=1e-6)
+    assert counters["frames"]["ok"] > frames, "the direct call ran FlexAttention uncompiled"
+    torch._dynamo.reset()

@@ -171,3 +171,29 @@ def test_plan_counts_active_flops_and_all_bytes():
     assert active == total - experts // 2  # top 2 of 4 experts
     six_n, model_flops = flops_per_token(ad, 16)
     assert six_n == 6.0 * total and model_flops < 6.0 * active + 1e6
+
+
+def test_grouped_experts_equal_the_loop_on_cpu():
+    """The CUDA bf16 path's logic (pairs sorted by expert, rows gathered into expert order and back through the
+    inverse permutation with gathers both ways, grouped GEMMs, the combine summing the k slots) run on CPU in fp32
+    (torch._grouped_mm has a CPU kernel): equal to transformers' loop, forward and every gradient, with an expert
+    that no token picks."""
+    from megatrain.models.moe import _grouped_ffn, _looped_ffn
+
+    g = torch.Generator().manual_seed(4)
+    N, H, I, E, k = 96, 32, 48, 8, 2
+    x = torch.randn(N, H, generator=g)
+    logits = torch.randn(N, E, generator=g)
+    logits[:, 5] = -1e9  # expert 5 gets no token: an empty group
+    top_p, top_i = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    weights = [top_p / top_p.sum(-1, keepdim=True), torch.randn(E, 2 * I, H, generator=g) * H**-0.5,
+               torch.randn(E, H, I, generator=g) * I**-0.5]
+    out = {}
+    for name, fn in (("grouped", _grouped_ffn), ("looped", _looped_ffn)):
+        ts = [t.clone().requires_grad_(True) for t in (x, *weights)]
+        y = fn(ts[0], top_i, *ts[1:])
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
+        out[name] = [y.detach()] + [t.grad for t in ts]
+    assert (top_i == 5).sum() == 0
+    for label, a, b in zip(("y", "dx", "dtop_w", "dgate_up", "ddown"), out["grouped"], out["looped"]):
+        assert rel(a, b) <= 1e-6, label

@@ -39,13 +39,17 @@ def _guarded(compiled):
 
 
 def flex_attention():
-    """FlexAttention, compiled once per shape (never run uncompiled: that would materialise the full score
-    matrix)."""
+    """FlexAttention, compiled (never run uncompiled: that would materialise the full score matrix). Inside a
+    compiled layer, the plain function: dynamo traces it into the layer's graph. The compiled wrapper is made only
+    outside tracing: made while dynamo traced a layer, it ran uncompiled ever after (seen on CPU and on the H200:
+    a later direct call materialised the T x T scores)."""
     global _COMPILED
-    if _COMPILED is None:
-        from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention as plain
 
-        _COMPILED = _guarded(torch.compile(flex_attention, dynamic=False))
+    if torch.compiler.is_compiling():
+        return plain
+    if _COMPILED is None:
+        _COMPILED = _guarded(torch.compile(plain, dynamic=False))
     return _COMPILED
 
 

@@ -33,7 +33,7 @@ from ..errors import MegatrainError
 from .attention import attention_context, sink_attention
 from .base import AttnContext, PackedTensor, TensorSpec, Unit
 from .decoder import STATIC_ROPE_TYPES, DecoderAdapter, rotate_half
-from .moe import MoEAdapter, grouped_mm, router_statistics, sort_by_expert
+from .moe import MoEAdapter, combine, dispatch, grouped_mm, router_statistics, sort_by_expert
 
 EXPERT_MATRICES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 MXFP4_GROUP = 32  # values per scale (16 bytes of two 4-bit values)
@@ -82,12 +82,11 @@ def _looped_clamped_ffn(x, top_i, top_w, gate_up, gate_up_b, down, down_b, alpha
 def _grouped_clamped_ffn(x, top_i, top_w, gate_up, gate_up_b, down, down_b, alpha, limit):
     """Two grouped GEMMs over the (token, slot) pairs sorted by expert, biases gathered per row (advanced indexing:
     its backward accumulates each expert's bias gradient in fp32 on CUDA), no host synchronisation."""
-    order, token, offs = sort_by_expert(top_i, gate_up.shape[0])
+    order, inverse, offs = sort_by_expert(top_i, gate_up.shape[0])
     expert = top_i.reshape(-1)[order]
-    h = grouped_mm(x.index_select(0, token), gate_up, offs) + gate_up_b[expert]  # [N·k, 2I]
+    h = grouped_mm(dispatch(x, top_i.shape[1], order, inverse), gate_up, offs) + gate_up_b[expert]  # [N·k, 2I]
     y = grouped_mm(clamped_swiglu(h, alpha, limit), down, offs) + down_b[expert]  # [N·k, H]
-    y = y * top_w.reshape(-1).index_select(0, order)[:, None]
-    return torch.zeros_like(x).index_add_(0, token, y)
+    return combine(y, top_w, order, inverse)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

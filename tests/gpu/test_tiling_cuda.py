@@ -6,8 +6,8 @@ meta device.
 
 1. One Llama-3.1-8B-shaped layer (random weights, bf16) over one 65,536-token row, tiles of 8,192: the forward and
    d(input) agree with the whole layer at bf16's rounding (the GEMMs of a tile may pick other cuBLAS kernels than
-   the whole; flash attention's backward accumulates with atomics), the weight gradients too; compiled tiles as
-   eager ones.
+   the whole; flash attention's backward accumulates with atomics), the weight gradients too (eager); the same
+   layer in fp32 (TF32 off), eager and compiled, each against the whole layer run the same way, within 1e-5.
 2. The same layer's recompute + backward: torch.cuda.max_memory_allocated above what was allocated before, tiled
    and whole, against planner.activations.layer_memory (the planner's number, FlashLike attention) within 10%;
    tiled at most 45% of whole (the planner: 4.52 GiB tiled, 16.37 GiB whole at this shape).
@@ -78,8 +78,41 @@ def test_tiled_layer_equals_the_whole_layer_in_bf16():
         out[name] = {"output": rel(got, whole), "d_input": rel(dx, dx_whole),
                      "weights": max(rel(a, b) for a, b in zip(g, g_whole))}
     write_result("tiling_bf16", __file__, out)
-    for name, r in out.items():  # bf16 rounding of different kernels (2^-8 = 3.9e-3 per element)
-        assert r["output"] <= 4e-3 and r["d_input"] <= 2e-2 and r["weights"] <= 2e-2, (name, r)
+    # eager: bf16 rounding of different kernels (2^-8 = 3.9e-3 per element). Compiled, inductor fuses the tile's
+    # graph and the whole layer's differently (where each keeps fp32 intermediates): 6.0e-3 apart on the H200, a
+    # rounding difference, not an error; recorded here, and checked in fp32 below, where rounding cannot hide one
+    r = out["eager"]
+    assert r["output"] <= 4e-3 and r["d_input"] <= 2e-2 and r["weights"] <= 2e-2, ("eager", r)
+
+
+def test_tiled_layer_equals_the_whole_layer_in_fp32():
+    """Eager and compiled, fp32 weights and activations, TF32 off: the tiled layer's output, d(input) and weight
+    gradients equal the whole layer's within 1e-5 (the same kernels on other row counts)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        adapter, unit, w, ctx, x, dh = llama8b_layer(torch.float32)
+        out = {}
+        for name, layer, whole_layer in (
+                ("eager", TiledLayer(adapter, TILE), adapter.layer_forward),
+                ("compiled", TiledLayer(adapter, TILE, compile=True),
+                 torch.compile(adapter.layer_forward, dynamic=False))):
+            with torch.no_grad():
+                whole = whole_layer(w, x, ctx)
+                got = layer(w, x, ctx)
+            g_whole = [torch.zeros(s.shape, device="cuda") for s in unit.specs]
+            dx_whole = layer_backward(whole_layer, w, x, ctx, dh.clone(), g_whole)
+            g = [torch.zeros(s.shape, device="cuda") for s in unit.specs]
+            dx = layer_backward(layer, w, x, ctx, dh.clone(), g)
+            out[name] = {"output": rel(got, whole), "d_input": rel(dx, dx_whole),
+                         "weights": max(rel(a, b) for a, b in zip(g, g_whole))}
+            del whole, got, dx, dx_whole, g, g_whole
+            torch.cuda.empty_cache()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    write_result("tiling_fp32", __file__, out)
+    for name, r in out.items():
+        assert max(r.values()) <= 1e-5, (name, r)
 
 
 def _backward_peak(layer, adapter, unit, w, ctx, x, dh) -> int:
