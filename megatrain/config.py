@@ -100,6 +100,10 @@ class MemoryConfig(_Strict):
                                                          "tiles of this many tokens, so its working set stops "
                                                          "growing with intermediate x sequence (0: whole; default: "
                                                          "chosen)")
+    reuse_attention: int | None = Field(None, ge=0, description="the top N layers (those whose input is kept) keep "
+                                                                "their attention (q, k, v, output) on the GPU from "
+                                                                "the forward to their backward, which then does not "
+                                                                "run it again (0: none; default: chosen at long rows)")
 
 
 class OutputConfig(_Strict):

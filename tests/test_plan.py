@@ -230,6 +230,14 @@ P = Placement
     ("llama-3b-shape", 4, [8, 8, 8], 1024, False, P()),  # tied: the LM-head and input sides of the embedding
     ("llama-3b-shape", 4, [2, 2, 2], 128, False, P(wave_groups=3, group_grads="host", checkpoint_every=2)),
     ("llama-3b-shape", 4, [2, 2, 2], 128, False, P(wave_groups=2, grads_to_host=2, spill_layers=4)),
+    # layers keeping their attention for the backward: every layer; blocks, kept top layers and spill; tiles;
+    # wave groups; packed rows (the attention keeps q, k, v there)
+    ("qwen2.5-7b", 4, [16, 16, 8], 1024, False, P(reuse_attention=4)),
+    ("qwen2.5-7b", 6, [16, 8], 1024, False, P(reuse_attention=3, checkpoint_every=2, keep_top_layers=2,
+                                                spill_layers=2)),
+    ("llama-3.1-8b", 3, [2, 1], 2048, False, P(reuse_attention=3, seq_tile=1024)),
+    ("qwen2.5-7b", 5, [8, 8, 8, 4], 1024, False, P(wave_groups=2, reuse_attention=5)),
+    ("llama-3.1-8b", 3, [4, 3], 512, True, P(reuse_attention=2)),
 ], ids=str)
 def test_gpu_phases_match_the_engine(model, layers, sizes, seq, packed, placement):
     adapter = adapter_of(model, layers)

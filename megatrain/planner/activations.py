@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..runtime.layer import layer_backward, layer_template
+from ..runtime.layer import can_stash, layer_backward, layer_template
 from ..runtime.lmhead import HeadKernels, head_loss
 
 
@@ -119,13 +119,21 @@ def _meta_layer_inputs(adapter, batch: int, seq: int, dtype: torch.dtype, packed
 
 
 def layer_memory(adapter, batch: int, seq: int, dtype: torch.dtype = torch.bfloat16, packed: bool = False,
-                 cuda_attention: bool = True, seq_tile: int = 0) -> dict[str, int]:
+                 cuda_attention: bool = True, seq_tile: int = 0, stash: bool = False) -> dict[str, int]:
     """Bytes of one layer for one micro-batch of `batch` x `seq` tokens, its MLP part over tiles of `seq_tile`
     tokens (0: whole), as runtime.layer.layer_template builds the engine's layer:
 
     forward_peak   no-grad forward (the forward wave), output included
     backward_peak  recompute + local backward + fp32 accumulation (runtime.layer.layer_backward, the engine's
                    own function): saved tensors, backward transients, the bf16 weight gradients and d(input)
+
+    and with `stash` (the layer keeps its attention for the backward: Placement.reuse_attention), when the adapter
+    can (runtime.layer.can_stash):
+
+    stash                the bytes the kept attention holds from the forward to the backward (its q, k, v, output
+                         and what the kernel saves)
+    forward_stash_peak   the forward that keeps it, output and stash included
+    backward_stash_peak  the backward that spends it, the stash included (freed as it goes)
     """
     w, ctx, x = _meta_layer_inputs(adapter, batch, seq, dtype, packed)
     grad_acc = {k: torch.empty(v.shape, dtype=torch.float32, device="meta") for k, v in w.items()}
@@ -146,6 +154,19 @@ def layer_memory(adapter, batch: int, seq: int, dtype: torch.dtype = torch.bfloa
             dx = layer_backward(layer, w, x, ctx, dh, list(grad_acc.values()))
             del dx
         out["backward_peak"] = mode.peak
+        if stash and can_stash(adapter):
+            layer = layer_template(adapter, seq_tile, stash=True)
+            mode = LiveBytes()
+            mode.ignore(*w.values(), x, dh, ctx.cos, ctx.sin, ctx.mask, *grad_acc.values())
+            with mode:
+                with torch.no_grad():
+                    y, kept = layer.forward_stash(w, x, ctx)
+                out["forward_stash_peak"] = mode.peak
+                del y
+                out["stash"] = mode.peak = mode.live  # what stays: the stash; then the backward that spends it
+                dx = layer_backward(layer, w, x, ctx, dh, list(grad_acc.values()), stash=kept)
+                del dx, kept
+            out["backward_stash_peak"] = mode.peak
     return out
 
 

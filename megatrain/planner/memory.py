@@ -163,13 +163,17 @@ def _activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | No
     for b in sorted(set(w.micro_batches)):
         tile = w.placement.seq_tile if w.placement.seq_tile < b * w.seq_len else 0  # one tile: the whole layer
         tiled |= bool(tile)
-        key = (b, w.seq_len, dtype, w.packed, w.device, chunk, targets, w.head_kernels, tile)
+        stash = w.placement.reuse_attention > 0
+        key = (b, w.seq_len, dtype, w.packed, w.device, chunk, targets, w.head_kernels, tile, stash)
         if key not in cache:
             layer = actsim.layer_memory(adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda",
-                                        seq_tile=tile)
+                                        seq_tile=tile, stash=stash)
             cache[key] = {"forward": layer["forward_peak"], "backward": layer["backward_peak"],
                           "head": actsim.head_memory(adapter, b, w.seq_len, b * targets, chunk, dtype,
                                                      cuda=w.device == "cuda" and w.head_kernels)}
+            if "stash" in layer:  # the split template's: not shrunk by compiling (full-length kernel buffers)
+                cache[key].update(stash=layer["stash"], forward_stash=layer["forward_stash_peak"],
+                                  backward_stash=layer["backward_stash_peak"])
         out[b] = dict(cache[key])
         # compiling fuses a whole layer's elementwise work; a tiled layer's peak is its full-length buffers (q, k, v,
         # the attention's output and gradients), which compiling does not shrink: no discount
@@ -191,6 +195,7 @@ def _activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | No
 
 # ---- GPU: the step, use by use ------------------------------------------------------------------------------
 CHECKPOINTS = "layer-boundary checkpoints"
+STASHED = "attention kept for the backward (q, k, v, output)"
 HIDDEN = "hidden states (layer input, outputs so far)"
 DHIDDEN = "d(hidden) buffers"
 ACTIVE = "gradient accumulators (fp32, in use)"
@@ -256,16 +261,28 @@ def gpu_phases(adapter, units, w: Workload, notes: list[str], prof: Profile | No
                 "workspace": float(GPU_WORKSPACE) if cuda else 0.0}
         pre = [sum(c[:m]) for m in range(len(c))]  # outputs (or d(hidden)) of the micro-batches before m
         fwd = _worst([(pre[m], act[b]["forward"]) for m, b in enumerate(mbs)])
+        st = [float(act[b].get("stash", 0.0)) for b in mbs]  # each micro-batch's kept attention (reuse_attention)
+        if any(use.stash for use in uses) and not all("stash" in act[b] for b in mbs):
+            raise ValueError("reuse_attention: this model's layers cannot keep their attention (runtime.layer."
+                             "can_stash)")
+        # a layer that keeps its attention: the earlier micro-batches' stashes of it are alive in its forward; in
+        # its backward, those of the micro-batches after the current one (whose own stash, spent as its backward
+        # goes, is in that backward's measured peak)
+        fwd_st = _worst([(pre[m] + sum(st[:m]), act[b].get("forward_stash", 0.0)) for m, b in enumerate(mbs)])
+        bwd_st = _worst([(C - pre[m] + sum(st[m + 1:]), act[b].get("backward_stash", 0.0))
+                         for m, b in enumerate(mbs)])
         head = _worst([(pre[m], act[b]["head"]) for m, b in enumerate(mbs)])
         bwd = _worst([(C - pre[m], act[b]["backward"]) for m, b in enumerate(mbs)])  # own inputs not yet spent
         emb = _worst([(0.0, 2.0 * c[m] if e == 2 else 0.0) for m in range(len(mbs))])  # d(hidden) as fp32
         kept: dict[int, float] = {}  # layer -> its inputs of this group on the GPU (kept, fetched, or rebuilt)
+        stashed: dict[int, float] = {}  # layer -> its kept attention of this group's micro-batches
         active: dict[int, float] = {}  # unit -> accumulator in use
         dh = hidden = last_out = prev_out = 0.0
 
         def phase(name: str, m: int | None, comps: dict) -> None:
             where = f", micro-batch {groups[gi][m] + 1}/{len(w.micro_batches)}" if m is not None else ""
-            phases.append((name + tag + where, {**base, **comps, ACTIVE: sum(active.values()), FINISHED: finished,
+            phases.append((name + tag + where, {**base, STASHED: sum(stashed.values()), **comps,
+                                                ACTIVE: sum(active.values()), FINISHED: finished,
                                                 PARKED_GPU: sum(parked.values())}))
 
         def take(unit: int) -> None:  # Engine._grad_buffer: continued from the GPU, back from host, or new
@@ -305,11 +322,15 @@ def gpu_phases(adapter, units, w: Workload, notes: list[str], prof: Profile | No
             elif use.kind == "forward":
                 if use.keep == "gpu":
                     kept[use.layer] = C
-                m, state, transient = fwd
+                m, state, transient = fwd_st if use.stash else fwd
+                sm = sum(st[:m]) if use.stash else 0.0  # `state` holds this layer's earlier micro-batches' stashes:
+                state -= sm  #                             counted apart, as STASHED
                 phase(f"forward, layer {use.layer}", m, {
-                    CHECKPOINTS: sum(kept.values()), HIDDEN: (0.0 if use.keep == "gpu" else C) + state,
+                    STASHED: sum(stashed.values()) + sm, CHECKPOINTS: sum(kept.values()), HIDDEN: (0.0 if use.keep == "gpu" else C) + state,
                     "layer activations (1 micro-batch)": transient,
                     LAST_STEP: left_after[u] if cuda and gi == 0 else 0.0})
+                if use.stash:
+                    stashed[use.layer] = sum(st)
             elif use.kind == "head":
                 take(0)
                 take(u)
@@ -327,8 +348,14 @@ def gpu_phases(adapter, units, w: Workload, notes: list[str], prof: Profile | No
             elif use.kind == "backward":
                 take(u)
                 bring_back(use)
-                m, state, transient = bwd
+                own = stashed.pop(use.layer, None)
+                m, state, transient = bwd if own is None else bwd_st
+                left = 0.0
+                if own is not None:  # `state` holds the later micro-batches' stashes: counted apart, as STASHED
+                    left = sum(st[m + 1:])
+                    state -= left
                 phase(f"backward, layer {use.layer}", m, {
+                    STASHED: sum(stashed.values()) + left,
                     CHECKPOINTS: sum(kept.values()) - kept[use.layer] + state, DHIDDEN: dh,
                     "layer activations (1 micro-batch)": transient})
                 del kept[use.layer]

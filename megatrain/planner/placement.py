@@ -18,6 +18,9 @@ The knobs, cheapest first in step time (DESIGN.md rules 9-11):
                         the same FLOPs and bus traffic, a working set of the attention's q, k, v and output plus one
                         tile instead of the micro-batch's [tokens, intermediate] tensors; the first knob tried when
                         the default placement does not fit (SEQ_TILE tokens)
+    reuse_attention N   the top N layers keep their attention (q, k, v, output) on the GPU from the forward wave to
+                        their backward, which does not run it again: a knob that buys time with spare GPU memory,
+                        tried last, on the placement chosen, at rows of REUSE_FROM tokens or more (`with_reuse`)
 
 `choose` keeps every key the config sets and, when the default placement does not fit, searches the others: for
 each (G, where accumulators wait) the smallest K that fits, each with the fewest gradients sent to host and then
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..runtime.layer import can_stash
 from ..runtime.schedule import Placement, group_sizes
 from .memory import gpu_needed, gpu_phases, host_memory
 from .profile import GiB, Profile
@@ -45,6 +49,10 @@ CHECKPOINT_INTERVALS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 # 686-741 TFLOP/s at 16k tokens; the 8B's 4096-token micro-batches ran at 467 TFLOP/s 6N), and one tile's MLP work
 # of a 7-8B layer is 1-2 GiB, small beside the attention part's at the lengths that need tiling.
 SEQ_TILE = 8192
+# Rows from which the planner lets layers keep their attention for the backward: there the attention forward is
+# 6% or more of a 7-8B step (32k; 14% at 128k, where it was ~8 s of Llama-3.1-8B's 50.8 s on the H200); below, it
+# would trade the whole compiled layer for the split one (q/k/v, attention, the rest) for about 1%.
+REUSE_FROM = 32768
 NEAR_FASTEST = 0.05  # placements predicted this close to the fastest count as fast: the least host RAM wins
 GROUP_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -62,6 +70,8 @@ def describe(pl: Placement, groups: int) -> str:
         parts.append("memory.stream_dtype=fp32")
     if pl.seq_tile:
         parts.append(f"memory.seq_tile={pl.seq_tile}")
+    if pl.reuse_attention:
+        parts.append(f"memory.reuse_attention={pl.reuse_attention}")
     return " ".join(parts)
 
 
@@ -185,6 +195,58 @@ def _candidates(s: _Search, w: Workload) -> list[tuple[float, int, float, Placem
 def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
            free: frozenset = FREE_ALL) -> tuple[Workload, str]:
     """The workload with its placement chosen (the keys in `free`; the others as given), and why."""
+    w, why = _choose(adapter, units, w, prof, host_limit, gpu_limit, free - {"reuse_attention"})
+    if "reuse_attention" in free and w.device == "cuda":
+        w, more = with_reuse(adapter, units, w, prof, host_limit, gpu_limit, free)
+        why += more
+    return w, why
+
+
+def with_reuse(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
+               free: frozenset = frozenset({"reuse_attention"})) -> tuple[Workload, str]:
+    """`w` with the most top layers keeping their attention for the backward that still fit (the GPU need grows
+    with their number: bisection), when its rows are of REUSE_FROM tokens or more, the model's attention splits
+    (runtime/layer.can_stash), the placement fits, and the step is predicted shorter; when seq_tile is free and
+    unset, also with the layer over SEQ_TILE tiles (a smaller working set: room for more), the faster of the two.
+    Returns it and what it says of it."""
+    L = len(units) - 2
+    if w.seq_len < REUSE_FROM or not can_stash(adapter) or w.placement.reuse_attention:
+        return w, ""
+    tries = [w]
+    if "seq_tile" in free and not w.placement.seq_tile and seq_tile_for(w):
+        tries.append(replace(w, placement=replace(w.placement, seq_tile=seq_tile_for(w))))
+    before = step_time(adapter, units, w, prof)["step_s"]
+    best = None  # (step s, GPU need, workload)
+    for base in tries:
+        s = _Search(adapter, units, base, prof, host_limit, gpu_limit, frozenset({"reuse_attention"}))
+        if not (s.gpu_ok(base.placement) and s.host_ok(base.placement)):
+            continue
+        lo, hi = 0, L + 1  # fits at lo; not at hi (L + 1: past every layer)
+        if s.gpu_ok(replace(base.placement, reuse_attention=L)):
+            lo = L
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if s.gpu_ok(replace(base.placement, reuse_attention=mid)):
+                lo = mid
+            else:
+                hi = mid
+        if lo == 0:
+            continue
+        got = replace(base, placement=replace(base.placement, reuse_attention=lo))
+        cand = (step_time(adapter, units, got, prof)["step_s"], s.memory(got.placement)[1], got)
+        best = cand if best is None or cand[:2] < best[:2] else best
+    if best is None or best[0] >= before:
+        return w, ""
+    got = best[2]
+    tiled = f", the layer over tiles of {got.placement.seq_tile} tokens" if got.placement.seq_tile != \
+        w.placement.seq_tile else ""
+    return got, (f"; the top {got.placement.reuse_attention} layers keep their attention for the backward "
+                 f"(memory.reuse_attention={got.placement.reuse_attention}{tiled}: {before:.1f} -> {best[0]:.1f} "
+                 f"s/step predicted)")
+
+
+def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
+            free: frozenset) -> tuple[Workload, str]:
     if w.device != "cuda" or not free:
         return w, "as the config sets it" if not free else "a CPU run: the default placement (the device is the host)"
     w = replace(w, placement=replace(w.placement, **{k: getattr(Placement(), k) for k in free}))

@@ -2,7 +2,8 @@
 
     FLOPs   `executed_flops`: what one step executes, read off the schedule: per layer parameter and token 2 in
             a forward or rebuild use, 6 in a backward use (recompute + backward); attention 2·T·heads·head_dim per
-            layer and token forward (causal), 3x that in backward; 6 per LM-head parameter per target.
+            layer and token forward (causal), 3x that in backward (2x when the layer kept its attention from the
+            forward wave: Placement.reuse_attention); 6 per LM-head parameter per target.
     rates   a layer rate the probe measured at this shape (profile.py), converted by COMPILED_SPEEDUP when it
             was probed only in the other compile mode; else the profile's matmul and attention rates.
     time    `_simulate`, a small event simulation of one steady-state CUDA step that walks the runtime's own
@@ -38,7 +39,7 @@
 from __future__ import annotations
 
 from ..runtime.optimizer_pipeline import DEVICE_GRADS, landing_piece, update_order
-from ..runtime.schedule import grads_to_host, kept, step_schedule
+from ..runtime.schedule import grads_to_host, kept, stashes, step_schedule
 from .flops import attention_span, flops_per_token
 from .profile import COMPILED_SPEEDUP, MOE_DEFAULT_SHARE, Profile
 from .workload import Workload
@@ -72,7 +73,10 @@ def executed_flops(adapter, units, w: Workload) -> dict[str, float]:
     for use in step_schedule(n, adapter.tied, w.placement, len(toks)):
         if use.kind in out:
             P, t = adapter.active_numel(units[use.units[0]]), toks[use.group]
-            out[use.kind] += (6.0 * P + 3 * attn_fwd) * t if use.kind == "backward" else (2.0 * P + attn_fwd) * t
+            if use.kind == "backward":  # with the attention kept from the forward wave, its forward is not rerun
+                out[use.kind] += (6.0 * P + (2 if stashes(use.layer, w.placement, n - 2) else 3) * attn_fwd) * t
+            else:
+                out[use.kind] += (2.0 * P + attn_fwd) * t
     targets = sum(w.micro_batches) * (w.seq_len - 1 if w.targets_per_row is None else w.targets_per_row)
     out["head"] = 6.0 * adapter.vocab_size * adapter.hidden_size * targets
     return out
@@ -93,9 +97,13 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
         if mode != 1.0:
             how += f", {'compiled' if w.compile else 'eager'} taken as x{mode:.2f} that rate"
 
-        def layer_s(P: int, forward: bool, tokens: int) -> float:  # one layer use over `tokens` tokens
+        def layer_s(P: int, forward: bool, tokens: int, stashed: bool = False) -> float:  # one layer use over
+            #                                                                            `tokens` tokens
             if forward:
                 return (2.0 * P + attn_tok) * tokens / (rate.forward_flops * mode)
+            if stashed:  # the attention forward not rerun: its share at the forward rate taken off
+                return (6.0 * P + 3 * attn_tok) * tokens / (rate.backward_flops * mode) - \
+                    attn_tok * tokens / (rate.forward_flops * mode)
             return (6.0 * P + 3 * attn_tok) * tokens / (rate.backward_flops * mode)
     else:
         speed = COMPILED_SPEEDUP if w.compile else 1.0
@@ -106,10 +114,10 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
             r_mm, r_attn = r_mm * MOE_DEFAULT_SHARE, r_attn * MOE_DEFAULT_SHARE
             how += f", MoE layers at {MOE_DEFAULT_SHARE:.2f} of it (fitted to one run; probe the layer)"
 
-        def layer_s(P: int, forward: bool, tokens: int) -> float:
+        def layer_s(P: int, forward: bool, tokens: int, stashed: bool = False) -> float:
             if forward:
                 return (2.0 * P / r_mm + attn_tok / r_attn) * tokens
-            return (6.0 * P / r_mm + 3 * attn_tok / r_attn) * tokens
+            return (6.0 * P / r_mm + (2 if stashed else 3) * attn_tok / r_attn) * tokens
     head_s = fl["head"] / prof.head_flops
     if w.precision == "fp32" and w.device == "cuda":  # the engine computes in fp32 (no TF32): every rate above is
         #                                              a bf16 tensor-core rate, not probed in fp32
@@ -117,8 +125,8 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
         how += f"; fp32 compute taken as 1/{FP32_SLOWDOWN:.1f} of it (not probed)"
         head_s *= FP32_SLOWDOWN
 
-        def layer_s(P: int, forward: bool, tokens: int) -> float:
-            return bf16_layer_s(P, forward, tokens) * FP32_SLOWDOWN
+        def layer_s(P: int, forward: bool, tokens: int, stashed: bool = False) -> float:
+            return bf16_layer_s(P, forward, tokens, stashed) * FP32_SLOWDOWN
     out = {"executed_flops": total, "rate_source": how, "clipping": w.clipping}
     if w.device == "cpu":  # the updates run inline, on the cores that compute, in either mode
         compute = total / prof.cpu_flops
@@ -323,7 +331,8 @@ def _walk(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float, re
         elif use.kind == "embed_backward":
             dt = 0.0
         else:
-            dt = layer_s(adapter.active_numel(units[use.units[0]]), use.kind in ("forward", "rebuild"), toks[use.group])
+            dt = layer_s(adapter.active_numel(units[use.units[0]]), use.kind in ("forward", "rebuild"), toks[use.group],
+                         use.kind == "backward" and stashes(use.layer, pl, n - 2))
         prev = comp_end[-1] if comp_end else 0.0
         begin = max(prev, h2d_end if t_in else 0.0, host)
         if chain is not None and waits is not None and fetched and ready[waits] > others and begin > prev:

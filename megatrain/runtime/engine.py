@@ -124,6 +124,7 @@ class _Group:
     ctxs: list
     hidden: list[torch.Tensor] | None = None  # the current layer boundary of each micro-batch
     checkpoints: dict = field(default_factory=dict)  # layer -> kept inputs (None: spilled to host)
+    stashes: dict = field(default_factory=dict)  # layer -> each micro-batch's AttentionStash (reuse_attention)
     grads_out: list[torch.Tensor] | None = None  # d(hidden) of each micro-batch, flowing down
     router: list[RouterStats] | None = None  # MoE: each micro-batch's router statistics from the forward wave
     router_grads: list | None = None  # MoE: d(router loss)/d(a layer's probability sum), per micro-batch
@@ -157,7 +158,8 @@ class Engine:
         # the matmuls. One graph per (grad mode, micro-batch shape); weights are graph inputs, so every layer
         # shares the graphs. With a sequence tile its per-token work runs over tiles of tokens (layer.py).
         self.kinds = adapter.layer_kinds  # each layer's attention kind: which of a micro-batch's contexts it uses
-        self.layer = layer_template(adapter, options.placement.seq_tile, options.compile_layers)
+        self.layer = layer_template(adapter, options.placement.seq_tile, options.compile_layers,
+                                    stash=options.placement.reuse_attention > 0)
         self.dtype = store.compute_dtype
         self.cast_on_device = store.stream_dtype != self.dtype  # fp32 streamed, cast into the slots
         if self.dtype == torch.bfloat16 and self.cast_on_device != (options.placement.stream_dtype == "fp32"):
@@ -314,7 +316,7 @@ class Engine:
             elif use.kind == "forward":
                 self.phase = Phase("forward", use.layer)
                 self._keep(g, use)
-                g.hidden = self._forward_layer(w[0], g, use.layer)
+                g.hidden = self._forward_layer(w[0], g, use.layer, use.stash)
             elif use.kind == "head":
                 acc[0] = self._grad_buffer(0)
                 acc[use.units[0]] = self._grad_buffer(use.units[0])
@@ -336,12 +338,13 @@ class Engine:
                 self._fetch_spilled(g, use)
                 ckpt = self._checkpoint(g, use.layer)
                 del g.checkpoints[use.layer]
+                stashes = g.stashes.pop(use.layer, None)  # the attention kept from the forward wave
                 for m, (c, dh) in enumerate(zip(g.ctxs, g.grads_out)):
                     self.phase = Phase("backward", use.layer, g.index[m])
                     extra = g.router_grads[m] if g.router_grads else None  # MoE: the router loss's gradient
                     g.grads_out[m] = layer_backward(self.layer, w[0], ckpt[m], c.for_kind(self.kinds[use.layer]), dh,
-                                                    gviews, extra)
-                    ckpt[m] = None  # this checkpoint is spent
+                                                    gviews, extra, stashes[m] if stashes else None)
+                    ckpt[m] = None  # this checkpoint is spent (and the stash, emptied by the backward)
                 del gviews
             else:  # embed_backward: scatter-add of the input gradient; needs no weights
                 self.phase = Phase("embedding backward")
@@ -373,11 +376,18 @@ class Engine:
                           router["aux"] if router else None, router["counts"] if router else None)
 
     @torch.no_grad()
-    def _forward_layer(self, w: dict, g: _Group, layer: int) -> list[torch.Tensor]:
+    def _forward_layer(self, w: dict, g: _Group, layer: int, stash: bool = False) -> list[torch.Tensor]:
         """One layer over the group's micro-batches in the forward wave: the next hidden states (a MoE layer's
-        router statistics kept in the group for the router loss). No reference to the inputs outlives the call."""
+        router statistics kept in the group for the router loss; with `stash`, each micro-batch's attention kept
+        in the group for this layer's backward). No reference to the inputs outlives the call."""
         kind = self.kinds[layer]
-        outs = [self.layer(w, h, c.for_kind(kind)) for h, c in zip(g.hidden, g.ctxs)]
+        if stash:
+            pairs = [self.layer.forward_stash(w, h, c.for_kind(kind)) for h, c in zip(g.hidden, g.ctxs)]
+            g.stashes[layer] = [s for _, s in pairs]
+            outs = [o for o, _ in pairs]
+            del pairs
+        else:
+            outs = [self.layer(w, h, c.for_kind(kind)) for h, c in zip(g.hidden, g.ctxs)]
         if not self.adapter.moe:
             return outs
         g.router = g.router or [RouterStats() for _ in g.mbs]

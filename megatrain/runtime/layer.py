@@ -58,6 +58,82 @@ def _whole_backward(layer_fn: Callable, w, checkpoint, ctx, dh, grad_views, extr
     return grads[0]
 
 
+class _Entry(torch.autograd.Function):
+    """x (one of q, k, v as the attention reads it) entering the kept attention graph without autograd keeping x
+    itself: a view of x that depends on a scalar `anchor` leaf, whose backward hands x's gradient to `sink[i]`."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, sink: list, i: int):
+        ctx.sink, ctx.i = sink, i
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink[ctx.i] = grad
+        return None, None, None, None
+
+
+class AttentionStash:
+    """What a layer's forward keeps of its attention so that its backward need not run it again
+    (`memory.reuse_attention`): the attention's output [B, heads, T, d] with its autograd graph, which holds what
+    the kernel saves for its backward (flash-class kernels: q, k, v, the output and its log-sum-exp).
+
+    On plain causal rows (no mask: SDPA's flash or cuDNN kernel, or CPU's flash kernel) the graph does not keep q,
+    k and v: a saved-tensor hook swaps each for a note of its place in the q, k, v buffers, and the backward
+    recomputes the buffers (the cheap projections, bit for bit the forward's numbers) and gives them back
+    (`restore`) before backpropagating: the stash is the output and the log-sum-exp. With a mask (packed rows,
+    windows, soft-capping: FlexAttention, whose compiled graph is not hooked) the graph keeps them.
+
+    Used once, by the backward (`backpropagate`), which frees it as it goes."""
+
+    __slots__ = ("output", "anchor", "grads", "keeps_heads", "_buffers", "_keys")
+
+    def __init__(self, attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows, ctx):
+        """Runs `attend` over `rows(q)`, `rows(k)`, `rows(v)` (buffers [B·T, heads, d] as attention reads them)
+        with autograd; returns through `.output`."""
+        self.keeps_heads = ctx.mask is not None or ctx.block_mask is not None
+        self.anchor = torch.zeros((), device=q.device, requires_grad=True)
+        self.grads: list = [None, None, None]
+        self._buffers: list | None = None
+        self._keys = {t.untyped_storage()._cdata: i for i, t in enumerate((q, k, v))}
+        with torch.enable_grad():
+            heads = [_Entry.apply(rows(t), self.anchor, self.grads, i) for i, t in enumerate((q, k, v))]
+            if self.keeps_heads:
+                self.output = attend(*heads, ctx)
+            else:
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    self.output = attend(*heads, ctx)
+
+    def _pack(self, t: torch.Tensor):
+        i = self._keys.get(t.untyped_storage()._cdata)
+        if i is None:  # the output, the log-sum-exp, the kernel's scalars: kept
+            return t
+        return (i, t.shape, t.stride(), t.storage_offset())
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        i, shape, stride, offset = packed
+        if self._buffers is None:
+            raise RuntimeError("the kept attention's q, k, v were not restored before its backward")
+        return self._buffers[i].as_strided(shape, stride, offset)
+
+    def restore(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The recomputed q, k, v buffers (laid out as the forward's) for the graph's saved views of them."""
+        self._buffers = [q, k, v]
+
+    def backpropagate(self, d_output: torch.Tensor) -> list[torch.Tensor]:
+        """d(q), d(k), d(v) as the attention read them ([B, heads, T, d] views) for d(output); frees the stash."""
+        if self.output is None:
+            raise RuntimeError("an attention stash is used once")
+        if not self.keeps_heads and self._buffers is None:
+            raise RuntimeError("the kept attention's q, k, v were not restored before its backward")
+        torch.autograd.grad(self.output, self.anchor, d_output, allow_unused=True)
+        grads = self.grads
+        self.output = self.anchor = self.grads = self._buffers = None
+        return grads
+
+
 class TiledLayer:
     """A layer template whose per-token parts run over tiles of `tile` tokens. Called like `layer_forward` (without
     autograd: the forward wave and rebuilds); `layer_backward` runs its `backward`. A micro-batch of at most one tile
@@ -143,8 +219,30 @@ class TiledLayer:
             for s, e in ranges:  # each tile's output replaces its input, which nothing reads again
                 self._combine(self.mlp(w, flat[s:e], self._mask(ctx, s, e)), outs, s, e, flat)
             return self._finish(mid, outs)
+        return self._split_forward(w, h, ctx, ranges, None)
+
+    def forward_stash(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx) -> tuple:
+        """(the layer's output, an `AttentionStash`): the forward over the split parts (even as one tile), its
+        attention run with autograd over q, k, v so that `backward(..., stash=)` backpropagates through it without
+        recomputing q, k, v or running the attention forward again."""
+        if not self.split_attention:
+            raise ValueError("this layer's attention does not split into qkv, attend and attn_out: nothing to stash")
+        if torch.is_grad_enabled():
+            raise RuntimeError("forward_stash writes its tiles in place: call it without autograd")
+        B, T, _ = h.shape
+        stash: list = []
+        out = self._split_forward(w, h, ctx, token_tiles(B * T, self.tile), stash)
+        return out, stash[0]
+
+    def _split_forward(self, w, h: torch.Tensor, ctx, ranges, stash: list | None):
+        B, T, H = h.shape
+        outs: list = []
         q, k, v = self._heads(w, h, ctx, ranges)
-        o = self.attend(self._rows(q, B, T), self._rows(k, B, T), self._rows(v, B, T), ctx)
+        if stash is None:
+            o = self.attend(self._rows(q, B, T), self._rows(k, B, T), self._rows(v, B, T), ctx)
+        else:
+            stash.append(AttentionStash(self.attend, q, k, v, lambda t: self._rows(t, B, T), ctx))
+            o = stash[-1].output.detach()
         del q, k, v
         o = o.transpose(1, 2).reshape(B * T, -1)
         x, out = h.reshape(-1, H), torch.empty_like(h)
@@ -171,11 +269,14 @@ class TiledLayer:
         return (out[0], out[1]), (dy, extra_grad.expand_as(out[1]))
 
     def backward(self, w: dict[str, torch.Tensor], checkpoint: torch.Tensor, ctx, dh: torch.Tensor,
-                 grad_views: list[torch.Tensor], extra_grad: torch.Tensor | None = None) -> torch.Tensor:
-        """layer_backward's contract (see there), the per-token parts tile by tile."""
+                 grad_views: list[torch.Tensor], extra_grad: torch.Tensor | None = None,
+                 stash: AttentionStash | None = None) -> torch.Tensor:
+        """layer_backward's contract (see there), the per-token parts tile by tile. With the `stash` of this
+        micro-batch's forward (`forward_stash`), q, k, v and the attention's output come from it: steps 1 and 2
+        below are skipped, the rest is the same code on the same numbers."""
         B, T, H = checkpoint.shape
         ranges = token_tiles(B * T, self.tile)
-        if len(ranges) == 1:
+        if len(ranges) == 1 and stash is None:
             return _whole_backward(self.whole, w, checkpoint, ctx, dh, grad_views, extra_grad)
         params = {k: v.detach().requires_grad_(True) for k, v in w.items()}
         acc = dict(zip(params, grad_views))
@@ -188,11 +289,17 @@ class TiledLayer:
         # v, its output and statistics); 3. per tile, attention's per-token end and the MLP part, recomputed and
         # backpropagated: d(attention output), and d(input) through the residual; 4. the attention's backward;
         # 5. per tile, q, k, v recomputed and backpropagated, the residual's gradient first (below)
-        with torch.no_grad():
-            q, k, v = self._heads(params, checkpoint, ctx, ranges)
-        heads = [t.requires_grad_(True) for t in (q, k, v)]
-        with torch.enable_grad():
-            o = self.attend(*(self._rows(t, B, T) for t in heads), ctx)
+        if stash is None:
+            with torch.no_grad():
+                q, k, v = self._heads(params, checkpoint, ctx, ranges)
+            heads = [t.requires_grad_(True) for t in (q, k, v)]
+            with torch.enable_grad():
+                o = self.attend(*(self._rows(t, B, T) for t in heads), ctx)
+        else:  # the forward's attention: its graph, and q, k, v recomputed only where it did not keep them
+            if not stash.keeps_heads:
+                with torch.no_grad():
+                    stash.restore(*self._heads(params, checkpoint, ctx, ranges))
+            o, heads, q, k, v = stash.output, None, None, None, None
         o_rows = o.detach().transpose(1, 2).reshape(B * T, -1)
         d_o, dx = torch.empty_like(o_rows), dy if reuse else torch.empty_like(x)
         for s, e in ranges:
@@ -203,8 +310,12 @@ class TiledLayer:
                                                      params, acc)
             del out, xt, ot
         del o_rows
-        d_heads = torch.autograd.grad(o, heads, d_o.view(B, T, o.shape[1], -1).transpose(1, 2))
-        del o, heads, q, k, v, d_o
+        d_rows = d_o.view(B, T, o.shape[1], -1).transpose(1, 2)
+        if stash is None:
+            d_heads = torch.autograd.grad(o, heads, d_rows)
+        else:  # [B, heads, T, d] views -> [B·T, heads, d], as autograd gives the buffers above
+            d_heads = [g.transpose(1, 2).reshape(B * T, g.shape[1], g.shape[3]) for g in stash.backpropagate(d_rows)]
+        del o, heads, q, k, v, d_o, d_rows, stash
         cos, sin = self._rope(ctx)
         for s, e in ranges:
             xt = x[s:e].detach().requires_grad_(True)
@@ -236,22 +347,36 @@ class TiledLayer:
         return self._tile_grads((mid, d_mid.view_as(mid)), [x], params, acc)[0]
 
 
-def layer_template(adapter, seq_tile: int = 0, compile: bool = False):
+def can_stash(adapter) -> bool:
+    """Whether this adapter's layers can keep their attention for the backward (`AttentionStash`): their attention
+    part splits into qkv, attend and attn_out."""
+    return bool(getattr(adapter, "splits_attention", False))
+
+
+def layer_template(adapter, seq_tile: int = 0, compile: bool = False, stash: bool = False):
     """What the engine calls for a layer: the adapter's layer_forward (compiled or not), or with `seq_tile` > 0 a
-    TiledLayer (an adapter whose layer does not split into attention and MLP parts runs whole)."""
-    if seq_tile and getattr(adapter, "splits_layer", False):
+    TiledLayer (an adapter whose layer does not split into attention and MLP parts runs whole). `stash`: some
+    layers keep their attention for the backward (`TiledLayer.forward_stash`): a TiledLayer even without tiles
+    (its layers without a stash run whole, as layer_forward)."""
+    if stash and not can_stash(adapter):
+        raise ValueError(f"{type(adapter).__name__}'s attention does not split into qkv, attend and attn_out: its "
+                         "layers cannot keep their attention for the backward (memory.reuse_attention: 0)")
+    if (seq_tile or stash) and getattr(adapter, "splits_layer", False):
         return TiledLayer(adapter, seq_tile, compile)
     return torch.compile(adapter.layer_forward, dynamic=False) if compile else adapter.layer_forward
 
 
 def layer_backward(layer_fn: Callable, w: dict[str, torch.Tensor], checkpoint: torch.Tensor, ctx,
-                   dh: torch.Tensor, grad_views: list[torch.Tensor], extra_grad: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+                   dh: torch.Tensor, grad_views: list[torch.Tensor], extra_grad: torch.Tensor | None = None,
+                   stash: AttentionStash | None = None) -> torch.Tensor:
     """Recompute `layer_fn(w, checkpoint, ctx)` with autograd and backpropagate `dh` through it: each weight's
     gradient is added to its fp32 view in `grad_views` (spec order); returns d(checkpoint). A MoE layer returns
     (h, router probability sum, counts): `extra_grad` (the router loss's gradient with respect to that sum, or None
     without one) flows back through the sum as well. A TiledLayer runs its per-token parts tile by tile, and writes
-    what flows back over `dh` (spent tile by tile), returning a view of it."""
+    what flows back over `dh` (spent tile by tile), returning a view of it; with the `stash` of this micro-batch's
+    forward (TiledLayer.forward_stash) it does not run the attention forward again."""
     if isinstance(layer_fn, TiledLayer):
-        return layer_fn.backward(w, checkpoint, ctx, dh, grad_views, extra_grad)
+        return layer_fn.backward(w, checkpoint, ctx, dh, grad_views, extra_grad, stash)
+    if stash is not None:
+        raise ValueError("an attention stash needs the TiledLayer template (layer_template(..., stash=True))")
     return _whole_backward(layer_fn, w, checkpoint, ctx, dh, grad_views, extra_grad)

@@ -20,6 +20,9 @@ decides, before the step, where everything lives:
                          between groups: `group_grads`), the optimizer runs once per step: the same step
     seq_tile t           inside each layer use, the per-token work (q/k/v, o_proj, MLP) runs over tiles of t
                          tokens (runtime/layer.py): it changes a use's working set, not the step's order
+    reuse_attention N    of the top N layers, those whose input is kept (not rebuilt) keep their attention (q, k, v,
+                         its output and what the kernel saves) from the forward wave on the GPU until their backward
+                         (`Use.stash`), which then neither recomputes q, k, v nor runs the attention forward again
 
 Per group g, the uses are:
 
@@ -57,9 +60,11 @@ class Placement:
     stream_dtype: Literal["bf16", "fp32"] = "bf16"  # bf16 compute: stream a host bf16 copy (14 B/param), or the fp32
     #                                                 master itself, cast on the device (12 B/param, twice the bus)
     seq_tile: int = 0  # a layer's per-token work runs over tiles of this many tokens (runtime/layer.py; 0: whole)
+    reuse_attention: int = 0  # the top N layers whose inputs are kept keep their attention from the forward wave
+    #                           for their backward (runtime/layer.AttentionStash; 0: the backward runs it again)
 
     def __post_init__(self):
-        counts = (self.spill_layers, self.grads_to_host, self.keep_top_layers, self.seq_tile)
+        counts = (self.spill_layers, self.grads_to_host, self.keep_top_layers, self.seq_tile, self.reuse_attention)
         if self.checkpoint_every < 1 or self.wave_groups < 1 or min(counts) < 0 or \
                 self.stream_dtype not in ("bf16", "fp32") or self.group_grads not in ("gpu", "host"):
             raise ValueError(f"invalid placement {self}")
@@ -73,6 +78,7 @@ class Use:
     group: int = 0
     keep: Literal["", "gpu", "host", "drop"] = ""  # forward: where this layer's input boundary goes
     fetch: int | None = None  # bring this layer's spilled input back from host memory during this use
+    stash: bool = False  # forward: keep this layer's attention for its backward (Placement.reuse_attention)
     grad: Literal["", "gpu", "host", "group-gpu", "group-host"] = ""  # where the gradient of units[0] (embed:
     #   unit 0) goes after this use: complete -> waits on the GPU / copied to host; accumulating -> waits for
     #   the next group on the GPU / in host memory
@@ -118,6 +124,12 @@ def kept(layer: int, placement: Placement, num_layers: int) -> str:
     return "host" if layer < placement.spill_layers else "gpu"
 
 
+def stashes(layer: int, placement: Placement, num_layers: int) -> bool:
+    """Whether the forward wave keeps this layer's attention for its backward: one of the top `reuse_attention`
+    layers, and its input is kept (a layer whose input is dropped to save memory does not keep more than it)."""
+    return layer >= num_layers - placement.reuse_attention and kept(layer, placement, num_layers) != "drop"
+
+
 def spilled_layers(num_layers: int, placement: Placement) -> list[int]:
     return [l for l in range(num_layers) if kept(l, placement, num_layers) == "host"]
 
@@ -156,7 +168,8 @@ def _schedule(num_units: int, tied: bool, placement: Placement, groups: int) -> 
             return "host" if unit in to_host else "gpu"
 
         uses.append(Use((0,), "embed", group=g))
-        uses += [Use((1 + l,), "forward", l, g, keep=kept(l, placement, L)) for l in range(L)]
+        uses += [Use((1 + l,), "forward", l, g, keep=kept(l, placement, L), stash=stashes(l, placement, L))
+                 for l in range(L)]
         head = head_units(num_units, tied)
         uses.append(Use(head, "head", group=g, grad=grad(head[0])))
         for b in reversed(range(len(bl))):
