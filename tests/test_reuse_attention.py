@@ -124,3 +124,26 @@ def test_a_model_whose_attention_does_not_split_is_refused(tmp_path):
     make_model_dir(tmp_path, "gpt_oss", seed=3, layers=2)
     with pytest.raises(ValueError, match="memory.reuse_attention"):
         Megatrain(tmp_path, placement=Placement(reuse_attention=1))
+
+
+def test_plan_refuses_reuse_for_a_model_that_cannot_and_chooses_it_at_long_rows():
+    """`megatrain plan`: memory.reuse_attention on gpt-oss is refused by name, before anything runs; with no keys,
+    rows of 32k and more get it where it fits (and is predicted faster), short rows do not."""
+    from megatrain.errors import MegatrainError
+    from megatrain.planner import Workload, make_plan
+    from megatrain.planner.placement import FREE_ALL
+    from megatrain.planner.profile import GiB, load_profile
+    from test_plan import adapter_of as real_adapter
+
+    prof = load_profile(None)
+    with pytest.raises(MegatrainError, match="memory.reuse_attention: 1, but gpt_oss"):
+        make_plan(real_adapter("gpt-oss-20b", 2), Workload((1,), 1024, placement=Placement(reuse_attention=1)), prof,
+                  suggest=False)
+    llama = real_adapter("llama-3.1-8b", 32)
+    long = make_plan(llama, Workload((1,), 131072, compile=True), prof, suggest=False, gpu_limit=139 * GiB,
+                     host_available=125 * GiB, choose_keys=FREE_ALL)
+    assert long.fits and long.workload.placement.reuse_attention == 32, long.placement_keys
+    assert "memory.reuse_attention=32" in long.placement_keys and "reuse_attention" in long.why
+    short = make_plan(llama, Workload((8,) * 4, 4096, compile=True), prof, suggest=False, gpu_limit=139 * GiB,
+                      host_available=125 * GiB, choose_keys=FREE_ALL)
+    assert short.fits and short.workload.placement.reuse_attention == 0

@@ -252,7 +252,8 @@ def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None
     w = replace(w, placement=replace(w.placement, **{k: getattr(Placement(), k) for k in free}))
     s = _Search(adapter, units, w, prof, host_limit, gpu_limit, free)
     if s.gpu_ok(w.placement) and s.host_ok(w.placement):
-        return w, "the default placement fits" if free == FREE_ALL else "the placement the config sets fits"
+        unset = free >= FREE_ALL - {"reuse_attention"}  # (that knob is tried after: `with_reuse`)
+        return w, "the default placement fits" if unset else "the placement the config sets fits"
     default_gpu, tiled = s.memory(w.placement)[1], ""
     if "seq_tile" in free and seq_tile_for(w):  # the cheapest knob: tile the MLP, then search the others
         w = replace(w, placement=replace(w.placement, seq_tile=seq_tile_for(w)))

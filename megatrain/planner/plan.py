@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..runtime.layer import can_stash
 from .memory import DEVICE_WORK, checkpoint_bytes, gpu_needed, gpu_phases, host_memory, peak_phase, pinned_bytes
 from .placement import choose, describe
 from .profile import COMPILED_SPEEDUP, GiB, Profile
@@ -135,6 +136,12 @@ def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float |
     units = adapter.units()
     params = sum(u.numel for u in units)
     notes = []
+    if w.placement.reuse_attention and not can_stash(adapter):
+        from ..errors import MegatrainError
+
+        raise MegatrainError(f"memory.reuse_attention: {w.placement.reuse_attention}, but {adapter.model_type}'s "
+                             "attention does not split into q/k/v, attention and output (its attention reads weights "
+                             "of its own), so its layers cannot keep it for the backward: set 0 or leave it unset")
     if not profile.measured:
         notes.append("no machine profile: rates are the H200 defaults (DESIGN.md, bench 2026-11-21); "
                      "run `megatrain probe` on the training machine for its own")

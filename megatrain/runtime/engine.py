@@ -41,7 +41,7 @@ from .accumulators import GroupAccumulators
 from .activation_spill import ActivationSpill
 from .layer import layer_backward, layer_template
 from .lmhead import HeadKernels, default_chunk, head_loss, softcap_logits
-from .router_loss import RouterStats, aux_loss_and_grad
+from .router_loss import RouterStats, group_router_loss
 from .microbatch import MicroBatch, StepOutput
 from .schedule import TIED_INPUT, Placement, Use, group_sizes, head_units, slot_numel, spilled_layers, step_schedule
 from .pinned import PinnedHost
@@ -380,14 +380,10 @@ class Engine:
         """One layer over the group's micro-batches in the forward wave: the next hidden states (a MoE layer's
         router statistics kept in the group for the router loss; with `stash`, each micro-batch's attention kept
         in the group for this layer's backward). No reference to the inputs outlives the call."""
-        kind = self.kinds[layer]
-        if stash:
-            pairs = [self.layer.forward_stash(w, h, c.for_kind(kind)) for h, c in zip(g.hidden, g.ctxs)]
-            g.stashes[layer] = [s for _, s in pairs]
-            outs = [o for o, _ in pairs]
-            del pairs
-        else:
-            outs = [self.layer(w, h, c.for_kind(kind)) for h, c in zip(g.hidden, g.ctxs)]
+        kind, run = self.kinds[layer], self.layer.forward_stash if stash else self.layer
+        outs = [run(w, h, c.for_kind(kind)) for h, c in zip(g.hidden, g.ctxs)]
+        if stash:  # (output, AttentionStash) pairs
+            g.stashes[layer], outs = [s for _, s in outs], [o for o, _ in outs]
         if not self.adapter.moe:
             return outs
         g.router = g.router or [RouterStats() for _ in g.mbs]
@@ -400,19 +396,8 @@ class Engine:
         return out[0] if self.adapter.moe else out
 
     def _router_loss(self, g: _Group, num_microbatches: int, loss_sum: torch.Tensor, router: dict) -> None:
-        """After a group's forward wave: each micro-batch's router loss into the step's loss, its gradient with
-        respect to every layer's probability sum for the backward, and the expert counts (runtime/router_loss)."""
-        weight = self.adapter.router_aux_coef / num_microbatches
-        g.router_grads = []
-        for mb, stats in zip(g.mbs, g.router):
-            real = mb.token_mask.sum() if mb.token_mask is not None else \
-                torch.full((), mb.num_tokens, dtype=torch.float32, device=self.device)
-            aux, grad = aux_loss_and_grad(stats, real, self.adapter.num_experts, weight)
-            loss_sum += aux
-            router["aux"] += aux
-            g.router_grads.append(grad if weight else None)
-            counts = torch.stack(stats.counts)
-            router["counts"] = counts if router["counts"] is None else router["counts"] + counts
+        """After a group's forward wave: its router losses, their gradients for the backward (router_loss.py)."""
+        g.router_grads = group_router_loss(g.mbs, g.router, self.adapter, num_microbatches, loss_sum, router)
         g.router = None
 
     def _tied_embedding_grad(self, use: Use, acc: dict) -> None:

@@ -43,6 +43,26 @@ def aux_loss_and_grad(stats: RouterStats, real_tokens: torch.Tensor, num_experts
     return weight * aux, (weight * num_experts / rows) * frac
 
 
+def group_router_loss(mbs, stats: list[RouterStats], adapter, num_microbatches: int, loss_sum: torch.Tensor,
+                      router: dict) -> list[torch.Tensor | None]:
+    """A wave group's router losses, after its forward wave: each micro-batch's (`aux_loss_and_grad`, the
+    adapter's coefficient over the step's micro-batches) added to `loss_sum` and `router["aux"]`, its expert counts
+    to `router["counts"]`; returns each micro-batch's gradient with respect to every layer's probability sum for
+    the backward (None with a coefficient of 0). No host synchronisation."""
+    weight = adapter.router_aux_coef / num_microbatches
+    grads = []
+    for mb, st in zip(mbs, stats):
+        real = mb.token_mask.sum() if mb.token_mask is not None else \
+            torch.full((), mb.num_tokens, dtype=torch.float32, device=loss_sum.device)
+        aux, grad = aux_loss_and_grad(st, real, adapter.num_experts, weight)
+        loss_sum += aux
+        router["aux"] += aux
+        grads.append(grad if weight else None)
+        counts = torch.stack(st.counts)
+        router["counts"] = counts if router["counts"] is None else router["counts"] + counts
+    return grads
+
+
 def expert_load(counts: torch.Tensor) -> dict[str, float]:
     """Tokens per expert (top-k assignments summed over a step's micro-batches), per layer [L, E]: the least and
     most loaded expert's share relative to a uniform load (1.0 = balanced), and the mean routing entropy over

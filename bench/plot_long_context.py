@@ -1,0 +1,99 @@
+"""Step time and GPU peak against sequence length, one sequence per step (issue 15): what `megatrain plan` predicts
+from config.json alone (lines: Qwen2.5-7B and Llama-3.1-8B on the H200, the placement the planner chooses with no
+memory keys, compiled, clipping on, 125 GiB of host RAM, the default H200 profile that the device runs plan with)
+and what the H200 runs measured (markers, from their JSON under bench/results/). A length the planner finds no
+placement for is left out of its line and listed in the table.
+
+    python bench/plot_long_context.py [--out bench/results/2026-11-25/long_context]   (needs matplotlib)
+
+Writes OUT.png and OUT.json (every point), prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from megatrain.planner.profile import load_profile  # noqa: E402
+from plan_long_context import plan_row  # noqa: E402
+
+LENGTHS = (32768, 65536, 131072, 262144, 524288, 1048576)
+MODELS = ("qwen2.5-7b", "llama-3.1-8b")
+# (model, JSON under bench/results/, what it was): the H200 runs of one sequence per step, clipping on
+MEASURED = [
+    ("llama-3.1-8b", "2026-11-25/h200-noclip/llama8b_32k_clip.json", "no keys (before reuse_attention)"),
+    ("llama-3.1-8b", "2026-11-25/h200-longctx-128k/llama8b_128k.json", "no keys (before reuse_attention)"),
+    ("llama-3.1-8b", "2026-11-25/h200-reuse/llama8b_128k.json", "no keys: seq_tile 8192, reuse_attention 32"),
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(HERE / "results" / "2026-11-25" / "long_context"))
+    ap.add_argument("--host-gib", type=float, default=125.0)
+    args = ap.parse_args()
+    prof = load_profile(None)
+    planned = []
+    for name in MODELS:
+        for seq in LENGTHS:
+            _, r = plan_row(name, seq, None, True, prof, args.host_gib)
+            planned.append(r)
+    measured = []
+    for name, path, what in MEASURED:
+        r = json.loads((HERE / "results" / path).read_text())["result"]
+        measured.append({"model": name, "tokens": r["seq"], "step_s": r["step_s"], "gpu_peak_gib": r["gpu_peak_gib"],
+                         "tokens_per_s": r["tokens_per_s"], "file": path, "what": what})
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.8))
+    colors = {"qwen2.5-7b": "tab:blue", "llama-3.1-8b": "tab:orange"}
+    for name in MODELS:
+        pts = [r for r in planned if r["model"] == name and r["fits"]]
+        xs = [r["tokens"] for r in pts]
+        ax_t.plot(xs, [r["step_s"] for r in pts], "-", color=colors[name], label=f"{name}, planned")
+        ax_m.plot(xs, [r["gpu_peak_gib"] for r in pts], "-", color=colors[name], label=f"{name}, planned")
+    for m in measured:
+        before = "before" in m["what"]
+        style = dict(marker="x" if before else "o", color=colors[m["model"]], linestyle="none", markersize=9)
+        label = f"{m['model']}, measured" + (" (before reuse_attention)" if before else "")
+        ax_t.plot([m["tokens"]], [m["step_s"]], label=label, **style)
+        ax_m.plot([m["tokens"]], [m["gpu_peak_gib"]], label=label, **style)
+    for ax, what in ((ax_t, "step time (s)"), (ax_m, "GPU peak allocated (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(LENGTHS, [f"{t // 1024}k" for t in LENGTHS])
+        ax.set_xlabel("tokens in the one sequence of a step")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        seen = dict(zip(labels, handles))
+        ax.legend(seen.values(), seen.keys(), fontsize=7)
+    ax_t.set_yscale("log")
+    ax_m.axhline(prof.gpu_total_bytes / 2**30, color="grey", linestyle=":", linewidth=1)
+    fig.suptitle("One sequence per step on one H200: megatrain plan (lines) and measured (markers)")
+    fig.tight_layout()
+    out = Path(args.out)
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+    out.with_suffix(".json").write_text(json.dumps({"profile": "default H200", "host_gib": args.host_gib,
+                                                    "planned": planned, "measured": measured}, indent=1))
+    print(f"{'model':<14}{'tokens':>9}  {'fits':<6}{'plan s':>8}{'plan GiB':>10}{'meas s':>8}{'meas GiB':>10}  placement")
+    for r in planned:
+        ms = [m for m in measured if m["model"] == r["model"] and m["tokens"] == r["tokens"]
+              and "before" not in m["what"]]
+        ms_s = f"{ms[0]['step_s']:>8.1f}{ms[0]['gpu_peak_gib']:>10.1f}" if ms else f"{'-':>8}{'-':>10}"
+        print(f"{r['model']:<14}{r['tokens']:>9}  {str(r['fits']):<6}{r['step_s']:>8.1f}{r['gpu_peak_gib']:>10.1f}"
+              f"{ms_s}  {r['placement'] if r['fits'] else r['why'][:90]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
