@@ -203,7 +203,7 @@ def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None,
             continue  # the GPU streams the fp32 master itself: it stays in RAM
         wd = replace(w, disk_states=states)
         if w.device != "cuda":
-            if sum(host_memory(units, wd, adapter.tied).values()) <= host_limit:
+            if _host_total(adapter, units, wd, prof) <= host_limit:
                 return wd, f"host RAM holds the run with {', '.join(states)} on the SSD tier"
             continue
         got_d, why_d, fits_d = _choose(adapter, units, wd, prof, host_limit, gpu_limit, free)
@@ -213,11 +213,19 @@ def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None,
     return got, why + "; nor with v, m and the master on the SSD tier"
 
 
+def _host_total(adapter, units, w: Workload, prof: Profile) -> float:
+    """Host RAM of a workload as planned as is (a CPU run's device work included: the device is the host)."""
+    host = sum(host_memory(units, w, adapter.tied).values())
+    if w.device != "cuda":
+        host += max(sum(c.values()) for _, c in gpu_phases(adapter, units, w, [], prof))
+    return host
+
+
 def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
             free: frozenset) -> tuple[Workload, str, bool]:
     """choose() with the workload's states where they are: (workload, why, whether it fits)."""
     if w.device != "cuda" or not free:
-        ok = host_limit is None or sum(host_memory(units, w, adapter.tied).values()) <= host_limit
+        ok = host_limit is None or _host_total(adapter, units, w, prof) <= host_limit
         return w, ("as the config sets it" if not free else "a CPU run: the default placement (the device is the "
                    "host)"), ok
     w = replace(w, placement=replace(w.placement, **{k: getattr(Placement(), k) for k in free}))
