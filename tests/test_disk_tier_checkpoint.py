@@ -8,7 +8,7 @@ import pytest
 from megatrain.config import load_config
 from megatrain.errors import MegatrainError
 from megatrain.run.trainer import prepare
-from test_checkpoint_helpers import losses, run, setup_run, unit_hashes
+from test_checkpoint_helpers import losses, records, run, setup_run, unit_hashes
 
 
 @pytest.mark.parametrize("precision,states", [("fp32", "[v,m]"), ("bf16", "[v,m,master]")])
@@ -29,6 +29,9 @@ def test_disk_tier_checkpoints_equal_ram_and_resume_both_ways(tmp_path, monkeypa
             unit_hashes(ram_out / "checkpoints" / f"step-{step}")
     assert list(ssd.iterdir()) == []  # the tier's scratch files are gone with the run
     assert summary["last_loss"] == losses(ram_out)[6]
+    steps = [r for r in records(disk_out) if "loss" in r]  # the disk's traffic in every step's record
+    assert all("disk_read_gb" in r and "disk_write_gbps" in r for r in steps)
+    assert sum(r["disk_write_gb"] for r in steps) > 0 and "disk_read_gb" not in records(ram_out)[0]
     if precision == "fp32":
         return  # the resumes, once (the bf16 case has every state on disk)
 
