@@ -115,10 +115,10 @@ def check_inputs(cfg: Config, dist=None) -> Inputs:
 
     # every path of the right kind, the profile parses; output.dir and export.dir not files nor under one
     check_paths(cfg, default_profile=default_profile_path())
-    if dist is not None and dist.world.size > 1 and cfg.memory.disk_path:
+    if dist is not None and cfg.memory.disk_path:
         raise MegatrainError("memory.disk_path: the SSD tier is built for one process (a distributed run's ranks "
-                             "share one host store, which the tier does not); unset memory.disk_path, or run on "
-                             "one rank")
+                             "share one host store and shard its updates, which the tier does not); unset "
+                             "memory.disk_path, or run `megatrain train` without torchrun")
     device = dist.device if dist is not None else resolve_device(cfg.train.device)
     hf_config = load_hf_config(cfg.model.path)
     adapter = get_adapter(hf_config)

@@ -141,7 +141,7 @@ class DiskTier:
                 os.ftruncate(fd, self.file_bytes(i))  # reads as zeros until written: Adam m, v start there
         self.slots = [_Slot({k: aligned_empty(piece, torch.float32, zero=True) for k in self.kinds})
                       for _ in range(depth + 2)]
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # guards the slots; notified when a slot's users drop
         self._clock = 0
         self.set_order(list(range(len(self.numels))))
         self._stats_lock = threading.Lock()
@@ -199,6 +199,7 @@ class DiskTier:
             if slot is None or slot.users <= 0:
                 raise RuntimeError(f"release of piece {key}, which was not acquired")
             slot.users -= 1
+            self._lock.notify_all()
             self._clock += 1
             slot.stamp = self._clock
             if dirty:
@@ -229,6 +230,7 @@ class DiskTier:
                 finally:
                     with self._lock:
                         slot.users -= 1
+                        self._lock.notify_all()
             else:
                 self._wait(self._io(self.fds[(unit, kind)], _bytes(out[a:a + self._io_elems(key)]), 4 * a, False))
 
@@ -292,10 +294,10 @@ class DiskTier:
 
     def _victim(self, keep: set) -> _Slot:
         """A slot to load another piece into (lock held): unused, not holding a piece of the window; an idle one
-        first, then the least recently released; waits for its write if one is in flight."""
-        free = [s for s in self.slots if s.users == 0 and s.key not in keep]
-        if not free:
-            raise RuntimeError("the SSD tier's cache has no free slot (more pieces in use than it was built for)")
+        first, then the least recently released; waits for its write if one is in flight, and for a user to let
+        go of one if every other slot is in use (a checkpoint's copy out of the cache)."""
+        while not (free := [s for s in self.slots if s.users == 0 and s.key not in keep]):
+            self._lock.wait(timeout=1.0)
         idle = [s for s in free if all(f.done() for f in s.pending)]
         slot = min(idle or free, key=lambda s: (s.key is not None, s.stamp))
         self._wait(slot.pending)

@@ -97,7 +97,7 @@ class OptimizerPipeline:
         self.cuda = self.device.type == "cuda"
         self.threaded = self.cuda if threaded is None else threaded
         self.order = update_order(len(store.tiles))
-        self.disk = store.disk  # the SSD tier (None: every state in RAM)
+        self.disk = getattr(store, "disk", None)  # the SSD tier (None: every state in RAM; a distributed run)
         # Offloaded units' gradients go straight to host buffers: GPU memory for gradients stops growing with
         # depth, at 4 B/param of host memory for those units.
         self.offload = set(to_host)
