@@ -16,7 +16,9 @@ In --workdir (default: a temporary folder, removed afterwards) it writes
   run.yaml    train.steps = --warmup + --steps, micro_batch_size --micro, grad_accum_steps --seqs / --micro,
               precision bf16, lr 1e-5 constant, weight decay 0.1, clipping 1.0 (bench_megatrain.py's optimizer),
               engine.compile on with --compile (off without, as bench_megatrain.py), no evaluation,
-              checkpoint.at_end and export.at_end false; --set KEY=VALUE adds overrides;
+              checkpoint.at_end and export.at_end false; --set KEY=VALUE adds overrides (--disk-path DIR and
+              --host-budget-gb G are memory.disk_path and memory.host_budget_gb: the SSD tier's runs, whose step
+              records add the disk's GB read and written and GB/s);
   run/        output.dir (metrics.jsonl), and cli.log, the command's output;
 then runs `python3 -m megatrain.cli train run.yaml` and reads metrics.jsonl. Per step: `step_time_s` (the trainer's
 step: engine.train_step to the optimizer's hand-off) and the wall time per step, the difference of consecutive
@@ -58,7 +60,8 @@ MAX_WORDS = 4096
 STEP_FIELDS = ["step_time_s", "wall_s", "data_wait_s", "queue_s", "gpu_wait_s", "tokens_per_s", "wall_tokens_per_s",
                "tflops_6n", "tflops_attn", "mfu", "busy_compute", "busy_h2d", "busy_d2h", "gpu_peak_gib",
                "gpu_reserved_gib", "host_rss_gib", "tflops_6n_active", "router_loss", "expert_load_min",
-               "expert_load_max", "expert_entropy"]
+               "expert_load_max", "expert_entropy", "disk_read_gb", "disk_write_gb", "disk_read_gbps",
+               "disk_write_gbps", "disk_gbps_step"]
 
 
 def model_config(args) -> dict:
@@ -283,6 +286,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="train.device (cpu: check the script)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra config override passed to megatrain train (repeatable), e.g. plan.check=false")
+    p.add_argument("--disk-path", default=None, help="memory.disk_path: the SSD tier's folder (created if missing)")
+    p.add_argument("--host-budget-gb", type=float, default=None, help="memory.host_budget_gb")
     p.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
                    help="ranks on this node, under torchrun (--seqs and --micro are per rank)")
     p.add_argument("--workdir", default=None, help="where the model dir, data, config and run go (kept); "
@@ -295,6 +300,11 @@ def main() -> int:
         p.error(f"--seqs ({args.seqs}) must be a multiple of --micro ({args.micro}): the CLI's step is "
                 f"grad_accum_steps micro-batches of micro_batch_size rows")
     args.label = args.label or f"cli-{Path(args.model).name}"
+    if args.disk_path:  # the SSD tier: --set memory.disk_path=... with its folder made
+        Path(args.disk_path).mkdir(parents=True, exist_ok=True)
+        args.set.append(f"memory.disk_path={args.disk_path}")
+    if args.host_budget_gb:
+        args.set.append(f"memory.host_budget_gb={args.host_budget_gb}")
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_cli-"))
     work.mkdir(parents=True, exist_ok=True)
     try:

@@ -104,6 +104,14 @@ class MemoryConfig(_Strict):
                                                                 "their attention (q, k, v, output) on the GPU from "
                                                                 "the forward to their backward, which then does not "
                                                                 "run it again (0: none; default: chosen at long rows)")
+    disk_path: str | None = Field(None, description="a folder on a local SSD for the optimizer states host RAM "
+                                                    "cannot hold (the SSD tier): the planner moves Adam v, then m, "
+                                                    "then the fp32 master there when memory.host_budget_gb is too "
+                                                    "small, read ahead of each unit's update and written behind it "
+                                                    "(O_DIRECT)")
+    disk_states: list[Literal["v", "m", "master"]] | None = Field(
+        None, description="with disk_path: the states kept on the SSD, any of v, m, master (default: chosen, "
+                          "none when host RAM holds everything); the master needs the bf16 streaming copy")
 
 
 class OutputConfig(_Strict):
@@ -377,6 +385,7 @@ def check_paths(cfg: Config, outputs: bool = True, default_profile: Path | None 
     if cfg.data.chat_template and "{" not in cfg.data.chat_template:
         kind("data.chat_template", cfg.data.chat_template, False, "a Jinja file (or the template itself)")
     kind("plan.profile", cfg.plan.profile, False, "a profile written by `megatrain probe`")
+    check_memory(cfg, disk=outputs)
     if cfg.resume and cfg.resume != "auto":
         kind("resume", cfg.resume, True, "a checkpoint directory (step-N) or a run's output.dir")
     profile = Path(cfg.plan.profile).expanduser() if cfg.plan.profile else default_profile
@@ -389,3 +398,28 @@ def check_paths(cfg: Config, outputs: bool = True, default_profile: Path | None 
         check_dir_target(cfg.output.dir, "output.dir")
         if cfg.export.at_end:
             check_dir_target(cfg.export.dir or Path(cfg.output.dir) / "export", "export.dir")
+
+
+def check_memory(cfg: Config, disk: bool = True) -> None:
+    """The memory keys that depend on each other or on the machine: memory.disk_states needs memory.disk_path, the
+    master on disk needs the bf16 streaming copy; with `disk` (a run, not a plan for another machine),
+    memory.disk_path is a writable folder. MegatrainError naming the key; nothing is written."""
+    m = cfg.memory
+    if m.disk_states and not m.disk_path:
+        raise MegatrainError(f"memory.disk_states: {m.disk_states} needs memory.disk_path (a folder on a local SSD) "
+                             f"to put them in")
+    if m.disk_states and "master" in m.disk_states and (cfg.train.precision == "fp32" or m.stream_dtype == "fp32"):
+        raise MegatrainError("memory.disk_states: 'master' on disk needs the bf16 streaming copy in RAM; with "
+                             + ("train.precision=fp32" if cfg.train.precision == "fp32" else "memory.stream_dtype=fp32")
+                             + " the GPU streams the fp32 master itself, so it stays in RAM (use [v, m])")
+    if disk and m.disk_path:
+        import os
+
+        p = Path(m.disk_path).expanduser()
+        if not p.exists():
+            raise MegatrainError(f"memory.disk_path: {p} does not exist; create the folder (on a local SSD) or unset "
+                                 f"memory.disk_path")
+        if not p.is_dir():
+            raise MegatrainError(f"memory.disk_path: {p} is not a folder")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise MegatrainError(f"memory.disk_path: {p} is not writable by this user")

@@ -79,29 +79,31 @@ def load_store(r: Resumed, store) -> None:
     units = r.manifest["units"]
     if len(units) != len(store.tiles):
         raise MegatrainError(f"{r.path}: holds {len(units)} units, this model has {len(store.tiles)}")
-    for tile, u in zip(store.tiles, units):
-        dest = {f"{k}/{s.hf_name}": v for k in KINDS
-                for s, v in zip(tile.unit.specs, tile.views(getattr(tile, k)).values())}
-        dest["step"] = tile.step
+    for i, (tile, u) in enumerate(zip(store.tiles, units)):
         info = r.manifest["files"].get(u["file"])
         if info is None:
             raise MegatrainError(f"{r.path / 'manifest.json'}: does not list {u['file']}")
-        reader = TensorFileReader(r.path / u["file"], info["bytes"])
-        seen = set()
-        try:
-            for name, _, _ in reader:
-                if name not in dest:
-                    raise MegatrainError(f"{reader.path}: tensor '{name}' is not part of {tile.unit.name} "
-                                         f"of this model")
-                reader.read_into(dest[name])
-                seen.add(name)
-            reader.finish(info["sha256"])
-        finally:
-            reader.close()
-        missing = sorted(set(dest) - seen)
-        if missing:
-            raise MegatrainError(f"{reader.path}: tensor '{missing[0]}' ({tile.unit.name}) is missing")
-        store.refresh_stream_copy(tile)
+        # kinds on the SSD tier are staged (one unit) and written to it when the unit is complete
+        with store.unit_state(i, KINDS, read=False, write=True) as st:
+            dest = {f"{k}/{s.hf_name}": v for k in KINDS
+                    for s, v in zip(tile.unit.specs, tile.views(st[k]).values())}
+            dest["step"] = tile.step
+            reader = TensorFileReader(r.path / u["file"], info["bytes"])
+            seen = set()
+            try:
+                for name, _, _ in reader:
+                    if name not in dest:
+                        raise MegatrainError(f"{reader.path}: tensor '{name}' is not part of {tile.unit.name} "
+                                             f"of this model")
+                    reader.read_into(dest[name])
+                    seen.add(name)
+                reader.finish(info["sha256"])
+            finally:
+                reader.close()
+            missing = sorted(set(dest) - seen)
+            if missing:
+                raise MegatrainError(f"{reader.path}: tensor '{missing[0]}' ({tile.unit.name}) is missing")
+            store.refresh_stream_copy(tile, st["master"])
 
 
 def config_notes(r: Resumed, config_now: dict, world: dict | None = None) -> list[str]:

@@ -1,7 +1,8 @@
 """Saving step N's state from the live store, in the background, while step N+1 trains.
 
 No copy of the host state is made: a writer thread streams each unit's tiles (fp32 master, Adam m and v, Adam
-step) from the store to disk, in forward order. The optimizer of step N+1 also updates units in forward order,
+step) from the store to disk, in forward order (a state kind on the SSD tier is read from it into a buffer of one
+unit first: the files are the same bytes as an all-RAM run's). The optimizer of step N+1 also updates units in forward order,
 and the pipeline calls `before_update(u)` right before it modifies unit u: that call waits until the writer has
 finished unit u. So the files hold exactly step N's state, and training is slowed only where the optimizer
 catches up with the disk. The save is started at a step boundary after `pipeline.drain()` (every update of
@@ -155,9 +156,10 @@ class CheckpointSaver:
                 w = TensorFileWriter(job.tmp / name, unit_plan(tile),
                                      metadata={"format": "pt", "unit": tile.unit.name, "step": job.step})
                 try:
-                    for k in KINDS:
-                        for view in tile.views(getattr(tile, k)).values():
-                            w.write(view)
+                    for k in KINDS:  # a kind on the SSD tier is staged one unit at a time
+                        with self.store.unit_state(i, (k,)) as st:
+                            for view in tile.views(st[k]).values():
+                                w.write(view)
                     w.write(tile.step)
                 except BaseException:
                     w.abort()

@@ -20,7 +20,10 @@ runs (the constants below):
             tables, and one micro-batch's layer or LM-head work, measured by running the runtime's own layer and
             head functions on the meta device (activations.py). tests/test_plan.py checks the peak against the real
             Engine run on the meta device, placement by placement.
-    disk    `checkpoint_bytes`: what checkpoint/saver.py writes per save.
+    disk    `checkpoint_bytes`: what checkpoint/saver.py writes per save; `ssd_traffic`: the SSD tier's files
+            (runtime/disk_tier.py) and what it reads and writes per step. A state on the SSD tier leaves host RAM;
+            the tier's cache (a ring of DEPTH + 2 slots of one landing piece per state kind on disk) and the
+            staging buffer of one unit (checkpoint saves, resume) take its place.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import weakref
 import torch
 
 from ..runtime.activation_spill import spill_numel
+from ..runtime.disk_tier import DEPTH as SSD_DEPTH
+from ..runtime.pinned import PAGE
 from ..runtime.engine import STAGE_ELEMS
 from ..runtime.layer import token_tiles
 from ..runtime.lmhead import default_chunk
@@ -64,6 +69,9 @@ OFFLOADED = "gradients sent to host during backward (pinned on CUDA)"
 SPILLED = "layer-boundary checkpoint spill (pinned on CUDA)"
 PARKED = "wave-group gradient accumulators (pinned on CUDA)"
 MASTER = "fp32 master weights"
+SSD_CACHE = "SSD tier cache (read-ahead and write-behind slots)"
+SSD_STAGING = "SSD tier staging (one unit: checkpoint saves, resume)"
+STATE_NAMES = {"master": MASTER, "m": "Adam m (fp32)", "v": "Adam v (fp32)"}
 DEVICE_WORK = "device work (activations, gradients; peak)"  # a CPU run: the device is the host
 
 
@@ -89,6 +97,13 @@ def checkpoint_bytes(params: int) -> float:
     return 12.0 * params + 16 * 2**20
 
 
+def ssd_traffic(units, w: Workload) -> dict[str, float]:
+    """The SSD tier's bytes: `resident` in its files (each unit's state of each kind on disk, rounded up to a page),
+    `read` and `written` per step (every state on disk is read before its unit's update and written after it)."""
+    files = sum(-(-4 * u.numel // PAGE) * PAGE for u in units) * len(w.disk_states)
+    return {"resident": float(files), "read": float(files), "written": float(files)}
+
+
 # ---- host ---------------------------------------------------------------------------------------------------
 def compiled_runtime_host(tokens_per_micro_batch: int) -> float:
     """Extra peak RSS of a torch.compile'd run: 0.3 GiB at 32k tokens per micro-batch, 4.4 GiB from 81k on
@@ -101,9 +116,13 @@ def host_memory(units, w: Workload, tied: bool = False) -> dict[str, float]:
     """Host RAM by component, in bytes (a CPU run's device work is added by make_plan). tied: the LM head is the
     embedding (its input-side gradient has an accumulator of its own)."""
     elems = padded_elems(u.numel for u in units)
-    out = {MASTER: 4.0 * elems, "Adam m (fp32)": 4.0 * elems, "Adam v (fp32)": 4.0 * elems}
+    out = {name: 4.0 * elems for k, name in STATE_NAMES.items() if k not in w.disk_states}
     if w.precision == "bf16" and not w.fp32_stream:
         out["bf16 streaming copy" + (" (pinned)" if w.device == "cuda" else "")] = 2.0 * elems
+    if w.disk_states:  # DiskTier's slots (its pieces are the landing pieces) and HostStore.unit_state's buffer
+        kinds = len(w.disk_states)
+        out[SSD_CACHE] = (SSD_DEPTH + 2) * kinds * 4.0 * landing_piece(units)
+        out[SSD_STAGING] = float(-(-4 * max(u.numel for u in units) // PAGE) * PAGE)
     if w.device == "cuda":
         out[LANDING] = NUM_LANDING * 4.0 * landing_piece(units)
     # what the placement puts in host memory (runtime/schedule.py), as the runtime allocates it (on CPU too)
@@ -136,7 +155,7 @@ def pinned_bytes(host: dict[str, float], w: Workload) -> float:
         return 0.0
     pinned = sum(host.get(k, 0) for k in (STREAM_COPY_PINNED, LANDING, OFFLOADED, SPILLED, PARKED))
     if w.precision == "fp32" or w.fp32_stream:
-        pinned += host[MASTER]  # streaming the fp32 master: it is what the runtime registers as pinned
+        pinned += host.get(MASTER, 0.0)  # streaming the fp32 master: it is what the runtime registers as pinned
     return pinned
 
 

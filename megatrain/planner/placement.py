@@ -22,6 +22,10 @@ The knobs, cheapest first in step time (DESIGN.md rules 9-11):
                         their backward, which does not run it again: a knob that buys time with spare GPU memory,
                         tried last, on the placement chosen, at rows of REUSE_FROM tokens or more (`with_reuse`)
 
+    disk_states         with memory.disk_path and host RAM too small for every placement above: Adam v on the SSD
+                        tier, then v and m, then v, m and the master (the master beside the bf16 copy only), the
+                        first that fits (the least disk traffic), each searched as above (runtime/disk_tier.py)
+
 `choose` keeps every key the config sets and, when the default placement does not fit, searches the others: for
 each (G, where accumulators wait) the smallest K that fits, each with the fewest gradients sent to host and then
 the fewest spilled inputs that bring the GPU under its budget (both shrink the GPU need monotonically), for K > 1
@@ -192,14 +196,41 @@ def _candidates(s: _Search, w: Workload) -> list[tuple[float, int, float, Placem
     return candidates
 
 
+DISK_SETS = (("v",), ("v", "m"), ("v", "m", "master"))  # the SSD tier's placements, least disk traffic first
+
+
 def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
-           free: frozenset = FREE_ALL) -> tuple[Workload, str]:
-    """The workload with its placement chosen (the keys in `free`; the others as given), and why."""
-    w, why = _choose(adapter, units, w, prof, host_limit, gpu_limit, free - {"reuse_attention"})
+           free: frozenset = FREE_ALL, disk: bool = False) -> tuple[Workload, str]:
+    """The workload with its placement chosen (the keys in `free`; the others as given), and why. disk: the SSD
+    tier may take states (memory.disk_path set, memory.disk_states not): tried, in DISK_SETS order, when no
+    placement fits host RAM. Then, with the rest settled, the layers that keep their attention (`with_reuse`)."""
+    w, why = _choose_states(adapter, units, w, prof, host_limit, gpu_limit, free - {"reuse_attention"}, disk)
     if "reuse_attention" in free and w.device == "cuda":
         w, more = with_reuse(adapter, units, w, prof, host_limit, gpu_limit, free)
         why += more
     return w, why
+
+
+def _choose_states(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
+                   free: frozenset, disk: bool) -> tuple[Workload, str]:
+    """choose() but for reuse_attention: the placement with the states in RAM, else on the SSD tier."""
+    got, why, fits = _choose(adapter, units, w, prof, host_limit, gpu_limit, free)
+    if fits or not disk or w.disk_states:
+        return got, why
+    for states in DISK_SETS:
+        if "master" in states and (w.precision == "fp32" or w.placement.stream_dtype == "fp32" and
+                                   "stream_dtype" not in free):
+            continue  # the GPU streams the fp32 master itself: it stays in RAM
+        wd = replace(w, disk_states=states)
+        if w.device != "cuda":
+            if _host_total(adapter, units, wd, prof) <= host_limit:
+                return wd, f"host RAM holds the run with {', '.join(states)} on the SSD tier"
+            continue
+        got_d, why_d, fits_d = _choose(adapter, units, wd, prof, host_limit, gpu_limit, free)
+        if fits_d:
+            return got_d, (f"no placement fits host RAM with every state there; with {', '.join(states)} on the SSD "
+                           f"tier (memory.disk_path): {why_d}")
+    return got, why + "; nor with v, m and the master on the SSD tier"
 
 
 def with_reuse(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
@@ -245,15 +276,26 @@ def with_reuse(adapter, units, w: Workload, prof: Profile, host_limit: float | N
                  f"s/step predicted)")
 
 
+def _host_total(adapter, units, w: Workload, prof: Profile) -> float:
+    """Host RAM of a workload as planned as is (a CPU run's device work included: the device is the host)."""
+    host = sum(host_memory(units, w, adapter.tied).values())
+    if w.device != "cuda":
+        host += max(sum(c.values()) for _, c in gpu_phases(adapter, units, w, [], prof))
+    return host
+
+
 def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
-            free: frozenset) -> tuple[Workload, str]:
+            free: frozenset) -> tuple[Workload, str, bool]:
+    """choose() with the workload's states where they are: (workload, why, whether it fits)."""
     if w.device != "cuda" or not free:
-        return w, "as the config sets it" if not free else "a CPU run: the default placement (the device is the host)"
+        ok = host_limit is None or _host_total(adapter, units, w, prof) <= host_limit
+        return w, ("as the config sets it" if not free else "a CPU run: the default placement (the device is the "
+                   "host)"), ok
     w = replace(w, placement=replace(w.placement, **{k: getattr(Placement(), k) for k in free}))
     s = _Search(adapter, units, w, prof, host_limit, gpu_limit, free)
     if s.gpu_ok(w.placement) and s.host_ok(w.placement):
         unset = free >= FREE_ALL - {"reuse_attention"}  # (that knob is tried after: `with_reuse`)
-        return w, "the default placement fits" if unset else "the placement the config sets fits"
+        return w, "the default placement fits" if unset else "the placement the config sets fits", True
     default_gpu, tiled = s.memory(w.placement)[1], ""
     if "seq_tile" in free and seq_tile_for(w):  # the cheapest knob: tile the MLP, then search the others
         w = replace(w, placement=replace(w.placement, seq_tile=seq_tile_for(w)))
@@ -262,18 +304,19 @@ def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None
         tiled = (f"; with the layer over tiles of {w.placement.seq_tile} tokens it needs "
                  f"{s.memory(w.placement)[1] / GiB:.1f} GiB")
         if s.gpu_ok(w.placement) and s.host_ok(w.placement):
-            return w, f"the default placement needs {default_gpu / GiB:.1f} GiB of GPU memory{tiled} and fits"
+            return w, f"the default placement needs {default_gpu / GiB:.1f} GiB of GPU memory{tiled} and fits", True
     candidates, tried = _candidates(s, w), s.tried
-    if "stream_dtype" in free and w.precision == "bf16":  # also without the bf16 copy (12 B/param): more room
+    if "stream_dtype" in free and w.precision == "bf16" and "master" not in w.disk_states:  # also without the bf16
+        #                                                  copy (12 B/param): more room
         w32 = replace(w, placement=replace(w.placement, stream_dtype="fp32"))  # for checkpoints and gradients
         s32 = _Search(adapter, units, w32, prof, host_limit, gpu_limit, free)
         if not candidates and s32.gpu_ok(w32.placement) and s32.host_ok(w32.placement):
-            return w32, "the default placement fits once the fp32 master streams (no bf16 copy on the host)"
+            return w32, "the default placement fits once the fp32 master streams (no bf16 copy on the host)", True
         candidates += _candidates(s32, w32)
         tried += s32.tried
     if not candidates:
         return w, (f"no placement fits (tried {tried}): the default needs {default_gpu / GiB:.1f} GiB of GPU "
-                   f"memory{tiled}, and {s.memory(w.placement)[0] / GiB:.1f} GiB of host RAM")
+                   f"memory{tiled}, and {s.memory(w.placement)[0] / GiB:.1f} GiB of host RAM"), False
     fastest = min(c[0] for c in candidates)  # host RAM is the scarce resource (DESIGN.md rule 11): of the
     #   placements within NEAR_FASTEST of the fastest, the one using least; but the bf16 copy is kept when that is
     #   as fast (fp32 streaming doubles the bus traffic for 2 B/param)
@@ -283,4 +326,4 @@ def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None
            f"placements fit (of {tried} planned); this one is predicted within {NEAR_FASTEST:.0%} of the fastest "
            f"({fastest:.1f} s/step) with the least host RAM of those" +
            (", the fp32 master streamed" if pl.stream_dtype == "fp32" else ""))
-    return replace(w, placement=pl), why
+    return replace(w, placement=pl), why, True

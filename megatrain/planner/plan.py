@@ -63,6 +63,14 @@ class Plan:
     active_params: int = 0  # parameters that multiply each token (a MoE's top-k experts; = params when dense)
     world: World = field(default_factory=World)  # the ranks: host is then per node, time the world's step
     comm: dict = field(default_factory=dict)  # world.comm: bytes per rank and step on each link, seconds
+    disk_path: str | None = None  # memory.disk_path: the SSD tier's folder (None: no SSD tier allowed)
+    ssd_free: float | None = None  # free bytes there
+
+    @property
+    def ssd(self) -> dict:
+        """The SSD tier's figures (timing.ssd_time): bytes resident, read and written per step, the disk's seconds,
+        the bytes per second that would hide it; empty without states on disk."""
+        return self.time.get("ssd", {})
 
     @property
     def placement(self):
@@ -107,6 +115,13 @@ class Plan:
                 "clipping": self.workload.clipping, "gpu_idle_s": t.get("gpu_idle_s"),
                 "optimizer_s": t["optimizer_s"], "optimizer_wait_s": t["optimizer_wait_s"],
                 "optimizer_window_s": t["optimizer_window_s"], "other_mode": t.get("other_mode"),
+                "disk_path": self.disk_path, "disk_states": list(self.workload.disk_states),
+                "ssd": {"resident_gib": self.ssd["resident_bytes"] / GiB,
+                        "read_gib_per_step": self.ssd["read_bytes"] / GiB,
+                        "write_gib_per_step": self.ssd["write_bytes"] / GiB, "disk_s": self.ssd["disk_s"],
+                        "hidden_gb_per_s": self.ssd["hidden_bps"] / 1e9, "read_gb_per_s": self.ssd["read_bps"] / 1e9,
+                        "write_gb_per_s": self.ssd["write_bps"] / 1e9,
+                        "free_gib": None if self.ssd_free is None else self.ssd_free / GiB} if self.ssd else None,
                 "notes": self.notes, "world": self.world_json()}
 
     def world_json(self) -> dict:
@@ -129,10 +144,12 @@ def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float |
               host_source: str = "", gpu_limit: float | None = None, gpu_limit_source: str = "",
               disk_free: float | None = None, checkpoint_copies: int = 0, suggest: bool = True,
               config_keys: frozenset = frozenset(), choose_keys: frozenset = frozenset(),
-              world: World = World()) -> Plan:
+              world: World = World(), disk_path: str | None = None, ssd_free: float | None = None) -> Plan:
     """checkpoint_copies: checkpoints on disk at once at most (0: no saves, the disk is not checked).
     choose_keys: the placement keys (workload.PLACEMENT_KEYS) the planner chooses from the limits (placement.py);
-    the others are the workload's. world: the ranks; `w` is one rank's step, host_available the node's."""
+    the others are the workload's. world: the ranks; `w` is one rank's step, host_available the node's.
+    disk_path: memory.disk_path (the planner may then put states on the SSD tier when host RAM is short, unless the
+    workload fixes them); ssd_free: the free bytes there."""
     units = adapter.units()
     params = sum(u.numel for u in units)
     notes = []
@@ -146,9 +163,9 @@ def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float |
         notes.append("no machine profile: rates are the H200 defaults (DESIGN.md, bench 2026-11-21); "
                      "run `megatrain probe` on the training machine for its own")
     why = "as given"
-    if choose_keys:
+    if choose_keys or disk_path:
         w, why = choose(adapter, units, w, profile, _rank_host_limit(host_available, params, world), gpu_limit,
-                        frozenset(choose_keys))
+                        frozenset(choose_keys), disk=bool(disk_path) and world.size == 1)
     host = host_memory(units, w, adapter.tied)
     pinned = pinned_bytes(host, w)
     name, comps = peak_phase(gpu_phases(adapter, units, w, notes, profile))
@@ -171,6 +188,7 @@ def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float |
     plan.checkpoint_copies = checkpoint_copies
     plan.config_keys = set(config_keys)
     plan.why, plan.free = why, frozenset(choose_keys)
+    plan.disk_path, plan.ssd_free = disk_path, ssd_free
     _check(plan)
     if suggest and not plan.fits:
         plan.suggestions = suggestions(adapter, plan)
@@ -194,6 +212,13 @@ def _check(plan: Plan) -> None:
         plan.problems.append(f"GPU memory: needs {plan.gpu_needed / GiB:.1f} GiB at the peak ({plan.gpu_peak_phase}; "
                              f"{plan.gpu_peak / GiB:.1f} GiB allocated), {plan.gpu_limit / GiB:.1f} GiB available "
                              f"({plan.gpu_limit_source})")
+    ssd = plan.ssd
+    if ssd and plan.ssd_free is not None and ssd["resident_bytes"] > plan.ssd_free:
+        plan.problems.append(f"SSD: the tier's files take {ssd['resident_bytes'] / GiB:.1f} GiB, "
+                             f"{plan.ssd_free / GiB:.1f} GiB free in memory.disk_path ({plan.disk_path})")
+    if plan.workload.disk_states and plan.world.size > 1:
+        plan.problems.append("memory.disk_path: the SSD tier is built for one process (the node's ranks share one "
+                             "host store); unset memory.disk_path or memory.disk_states for several ranks")
     n = plan.checkpoint_copies
     if n and plan.disk_free is not None and n * plan.disk_per_checkpoint > plan.disk_free:
         plan.problems.append(f"disk: {n} checkpoint{'s' if n > 1 else ''} of {plan.disk_per_checkpoint / GiB:.1f} GiB "
@@ -237,7 +262,9 @@ def plan_for_config(cfg, adapter, device: str, profile: Profile | None = None, w
     plan = make_plan(adapter, w, prof, host_available=host_avail, host_source=host_src, gpu_limit=gpu_limit,
                      gpu_limit_source=gpu_src, disk_free=sysmem.disk_free(cfg.output.dir),
                      checkpoint_copies=checkpoint_copies(cfg), config_keys=keys,
-                     choose_keys=frozenset(PLACEMENT_KEYS) - set(fixed_placement(cfg)), world=world)
+                     choose_keys=frozenset(PLACEMENT_KEYS) - set(fixed_placement(cfg)), world=world,
+                     disk_path=cfg.memory.disk_path,
+                     ssd_free=sysmem.disk_free(cfg.memory.disk_path) if cfg.memory.disk_path else None)
     plan.model = f"{adapter.model_type} ({cfg.model.path})"
     if w.device == "cuda" and not torch_cuda_available():
         plan.notes.append("no GPU on this machine: planned for the profile's GPU (train.device=cpu plans a CPU run)")

@@ -129,6 +129,10 @@ class Profile:
     cpu_flops: float = 0.5e12  # CPU matmul rate (bf16), for CPU-device plans
     host_total_bytes: int | None = None
     host_available_bytes: int | None = None
+    # The SSD tier's disk (memory.disk_path): O_DIRECT with 16 MiB requests, DESIGN.md's local disk (a real NVMe
+    # RAID does 10-25 GB/s). A profile's "disk": {"read_bps", "write_bps"} replaces them.
+    disk_read_bps: float = 1.2e9
+    disk_write_bps: float = 1.6e9
 
     def layer_rate(self, adapter, micro: int, seq: int, compile: bool) -> tuple[LayerRate | None, str]:
         """The measured rate for this layer shape, nearest micro-batch size (and compile mode) first."""
@@ -203,6 +207,9 @@ def from_dict(raw: dict, source: str) -> Profile:
     prof.adamw_params_per_s = cpu.get("adamw_params_per_s", prof.adamw_params_per_s)
     prof.cpu_count = cpu.get("count")
     prof.cpu_flops = cpu.get("matmul_flops", prof.cpu_flops)
+    disk = raw.get("disk") or {}
+    prof.disk_read_bps = disk.get("read_bps", prof.disk_read_bps)
+    prof.disk_write_bps = disk.get("write_bps", prof.disk_write_bps)
     mem = raw.get("host_memory") or {}
     prof.host_total_bytes = mem.get("total_bytes")
     prof.host_available_bytes = mem.get("available_bytes")

@@ -8,6 +8,8 @@ that fit, least disruptive first:
     2. smaller micro-batches, the same rows per step (train.micro_batch_size, train.grad_accum_steps)
     3. fp32 streaming (12 B/param of host RAM instead of 14)
     4. shorter rows (data.max_seq_len), when nothing above fits
+    5. when host RAM is short and no memory.disk_path is set: the SSD tier (Adam v, then m, then the master on a
+       local SSD), with the states the planner would move and the step time it predicts (disk-bound or not)
 
 and, for the disk, fewer kept checkpoints or another folder. run/oom.py asks the same question after an
 out-of-memory error, with a GPU target below the peak the plan predicted.
@@ -45,10 +47,10 @@ def suggestions(adapter, plan: Plan, gpu_target: float | None = None) -> list[st
     if gpu_target is None and plan.gpu_limit:
         gpu_target = 0.95 * plan.gpu_limit  # a suggestion keeps 5% of the GPU in hand
 
-    def trial(cand: Workload, free: frozenset = plan.free) -> Plan | None:
+    def trial(cand: Workload, free: frozenset = plan.free, disk_path: str | None = plan.disk_path) -> Plan | None:
         p = make_plan(adapter, cand, plan.profile, host_available=plan.host_available, host_source=plan.host_source,
                       gpu_limit=gpu_target, suggest=False, config_keys=frozenset(plan.config_keys),
-                      choose_keys=free)
+                      choose_keys=free, disk_path=disk_path)
         return p if memory_ok(p, gpu_target) else None
 
     def line(p: Plan, change: str) -> str:
@@ -77,8 +79,18 @@ def suggestions(adapter, plan: Plan, gpu_target: float | None = None) -> list[st
                 out.append(line(p, f"data.max_seq_len={T}"))
                 break
             T //= 2
+        host_short = any(x.startswith("host RAM") for x in plan.problems)
+        if host_short and not plan.disk_path and plan.world.size == 1 and \
+                (p := trial(w, plan.free, "/a/local/ssd/folder")):  # 5. the SSD tier
+            ssd = p.ssd
+            out.append(line(p, f"memory.disk_path=<a folder on a local SSD> (the planner puts "
+                               f"{', '.join(p.workload.disk_states)} there: {ssd['resident_bytes'] / GiB:.0f} GiB on "
+                               f"the SSD, {(ssd['read_bytes'] + ssd['write_bytes']) / GiB:.0f} GiB read+written per "
+                               f"step, {ssd['disk_s']:.1f} s at {ssd['read_bps'] / 1e9:.1f}/"
+                               f"{ssd['write_bps'] / 1e9:.1f} GB/s read/write"
+                               + ("; disk-bound" if p.time["bound"].startswith("SSD") else "") + ")"))
         if not out:
-            if any(x.startswith("host RAM") for x in plan.problems):
+            if host_short:
                 floor = 12.0 * plan.params + sum(v for k, v in plan.host.items()
                                                  if k.startswith(("gradient landing", "runtime", "data")))
                 out.append(f"nothing smaller fits: fp32 master weights and Adam m and v alone take 12 B/param, "

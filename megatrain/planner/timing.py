@@ -31,6 +31,11 @@
             `optimizer_window_s`: the GPU time it may use unseen (with clipping the first forward wave; without,
             the backward from the first gradient queued). `other_mode`: the same figures with clipping turned
             the other way.
+    SSD     with states on the SSD tier (`Workload.disk_states`) every one of them is read before its unit's update and
+            written after it: `ssd_time`. The tier's cache holds only a few pieces ahead, so its reads and writes
+            overlap only the part of the step the updates overlap (`optimizer_window_s`: the first forward wave with
+            clipping, the backward without), one disk doing both: reads at the profile's disk_read_bps, then
+            writes at disk_write_bps. When that takes longer than the step, the disk sets the step.
     bound   the CPU optimizer (or the gradients' copy-out) when the forward waited for it past the middle of the
             step (with clipping), or when it made the GPU wait and was busy from the first gradient to the last
             update (without), else the busiest resource.
@@ -139,7 +144,11 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
         out.update(_simulate(adapter, units, w, prof, layer_s, head_s, w.clipping))
         # the other mode, for the report: what turning clipping off (or on) would change
         other = _simulate(adapter, units, w, prof, layer_s, head_s, not w.clipping)
+        if w.disk_states:
+            ssd_time(other, units, w, prof)
         out["other_mode"] = {k: other[k] for k in ("step_s", "gpu_idle_s", "optimizer_wait_s", "bound")}
+    if w.disk_states:
+        ssd_time(out, units, w, prof)
     step = out["step_s"]
     out["tokens_per_s"] = tokens / step
     out["executed_tflops"] = total / step / 1e12
@@ -148,6 +157,30 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
         out["tflops_6n_active"] = 6.0 * sum(adapter.active_numel(u) for u in units) * tokens / step / 1e12
     out["mfu"] = fmodel * tokens / step / prof.peak_bf16 if prof.peak_bf16 and w.device == "cuda" else None
     return out
+
+
+def ssd_time(out: dict, units, w: Workload, prof: Profile) -> None:
+    """Add the SSD tier to a step's figures (`out`, from _simulate or the CPU model), in place: `ssd` (bytes read
+    and written per step, the disk's seconds, the bytes per second that would hide it) and, when the disk is
+    slower than the rest, the step it sets."""
+    from .memory import ssd_traffic
+
+    io = ssd_traffic(units, w)
+    disk_s = io["read"] / prof.disk_read_bps + io["written"] / prof.disk_write_bps
+    if w.device == "cuda":  # overlaps the updates' window only: the rest of the compute runs with the disk idle
+        rest = out["compute_s"] - out["optimizer_window_s"]
+        window = max(out["step_s"] - rest, 1e-9)
+        paced = disk_s + rest
+    else:  # inline updates: the reads ahead and writes behind overlap the CPU AdamW only
+        window = max(out["optimizer_s"], 1e-9)
+        paced = out["step_s"] - out["optimizer_s"] + max(out["optimizer_s"], disk_s)
+    out["ssd"] = {"resident_bytes": io["resident"], "read_bytes": io["read"], "write_bytes": io["written"],
+                  "disk_s": disk_s, "hidden_bps": (io["read"] + io["written"]) / window,
+                  "read_bps": prof.disk_read_bps, "write_bps": prof.disk_write_bps}
+    if paced > out["step_s"]:
+        out["gpu_idle_s"] = out.get("gpu_idle_s", 0.0) + paced - out["step_s"]
+        out["optimizer_wait_s"] = out.get("optimizer_wait_s", 0.0) + paced - out["step_s"]
+        out["step_s"], out["bound"] = paced, "SSD (optimizer states)"
 
 
 def _simulate(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float, clipping: bool) -> dict:

@@ -34,6 +34,8 @@ class Workload:
     #                            (False: the eager head of the first H200 runs, for bench/plan_vs_measured.py)
     clipping: bool = True  # train.max_grad_norm set: the updates wait for the step's global norm (False: they
     #                        start during backward; OptimizerPipeline.begin_step)
+    disk_states: tuple[str, ...] = ()  # states on the SSD tier (memory.disk_states: 'v', 'm', 'master';
+    #                                    HostStore's disk_states, runtime/disk_tier.py)
 
     @property
     def tokens_per_step(self) -> int:
@@ -84,7 +86,8 @@ def workload_from_config(cfg, device: str) -> Workload:
         micro_batches=(t.micro_batch_size,) * t.grad_accum_steps, seq_len=cfg.data.max_seq_len, device=device,
         precision=t.precision, loss_chunk_tokens=eng.loss_chunk_tokens, num_slots=eng.num_slots,
         compile=eng.compile == "on" or (eng.compile == "auto" and device == "cuda"), packed=cfg.data.packing,
-        placement=Placement(**fixed_placement(cfg)), clipping=t.clipping)
+        placement=Placement(**fixed_placement(cfg)), clipping=t.clipping,
+        disk_states=tuple(k for k in ("v", "m", "master") if k in (cfg.memory.disk_states or ())))
 
 
 def checkpoint_copies(cfg) -> int:

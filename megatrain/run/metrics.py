@@ -3,7 +3,8 @@ TensorBoard and wandb when enabled.
 
 Each step's record carries what the trainer measured (loss, grad norm, `clipping` and, when on, `clip_coef`, lr,
 tokens/s) and what `stats`, when set (megatrain.run.stepstats.StepStats), adds: TFLOP/s, MFU, GPU and host memory,
-the busy shares of the compute, H2D and D2H streams; the logger adds the ETA."""
+the busy shares of the compute, H2D and D2H streams; the logger adds the ETA, and with an SSD tier (`disk`, set to
+the store's runtime.disk_tier.DiskTier) the disk's traffic since the last record: `disk_fields`."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class MetricsLogger:
 
             self.bar = tqdm(total=total_steps, initial=start_step, file=self.stream, unit="step", dynamic_ncols=True)
         self.stats = None  # callable(record) -> extra fields for step records
+        self.disk = None  # the SSD tier (runtime/disk_tier.DiskTier) whose counters each step record reads
         self.wandb = None
         self.tb = None
         if tensorboard:
@@ -59,6 +61,8 @@ class MetricsLogger:
         if "loss" in record:
             if self.stats is not None:
                 record = {**record, **self.stats(record)}
+            if self.disk is not None:
+                record = {**record, **disk_fields(self.disk.take_stats(), record.get("step_time_s"))}
             done = step - self.start_step
             elapsed = time.perf_counter() - self.t0
             record["elapsed_s"] = elapsed  # since the logger opened: steps' wall time, evaluations and saves
@@ -93,6 +97,18 @@ class MetricsLogger:
         self.file.close()
 
 
+def disk_fields(stats: dict, step_s: float | None) -> dict:
+    """The SSD tier's counters (DiskTier.take_stats) as a record's fields: GB (1e9 bytes) read and written, the
+    disk's rate while reads (writes) were in flight, and the traffic's average rate over the step."""
+    r, w = stats["read_bytes"] / 1e9, stats["write_bytes"] / 1e9
+    rs, ws = stats["read_busy_s"], stats["write_busy_s"]
+    out = {"disk_read_gb": r, "disk_write_gb": w, "disk_read_busy_s": rs, "disk_write_busy_s": ws,
+           "disk_read_gbps": r / rs if rs else 0.0, "disk_write_gbps": w / ws if ws else 0.0}
+    if step_s:
+        out["disk_gbps_step"] = (r + w) / step_s
+    return out
+
+
 def _headline(r: dict) -> dict[str, str]:
     """The numbers shown each step: training, throughput, memory, where the time goes."""
     gnorm = _fmt(r["grad_norm"]) + (" (no clip)" if r.get("clipping") is False else "")
@@ -108,6 +124,8 @@ def _headline(r: dict) -> dict[str, str]:
         out["host"] = f"{r['host_rss_gib']:.1f}G"
     if "busy_compute" in r:
         out["busy c/h2d/d2h"] = f"{r['busy_compute']:.2f}/{r['busy_h2d']:.2f}/{r['busy_d2h']:.2f}"
+    if "disk_read_gb" in r:
+        out["ssd r/w GB/s"] = f"{r['disk_read_gbps']:.2f}/{r['disk_write_gbps']:.2f}"
     return out
 
 

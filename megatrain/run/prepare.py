@@ -115,6 +115,10 @@ def check_inputs(cfg: Config, dist=None) -> Inputs:
 
     # every path of the right kind, the profile parses; output.dir and export.dir not files nor under one
     check_paths(cfg, default_profile=default_profile_path())
+    if dist is not None and cfg.memory.disk_path:
+        raise MegatrainError("memory.disk_path: the SSD tier is built for one process (a distributed run's ranks "
+                             "share one host store and shard its updates, which the tier does not); unset "
+                             "memory.disk_path, or run `megatrain train` without torchrun")
     device = dist.device if dist is not None else resolve_device(cfg.train.device)
     hf_config = load_hf_config(cfg.model.path)
     adapter = get_adapter(hf_config)
@@ -170,8 +174,10 @@ def prepare(cfg: Config, dist=None) -> Run:
     adapter, plan = inp.adapter, inp.plan
     options = runtime_options(cfg, inp.device, plan)
     stream_dtype, compute_dtype = store_dtypes(cfg.train.precision, options.engine.placement.stream_dtype)
+    disk_states = disk_states_of(cfg, plan)
     with host_allocation("host store (fp32 master, Adam m and v, streaming copy)", plan, adapter):
-        store = HostStore(adapter, stream_dtype, compute_dtype, allocate=dist.memory.allocate if dist else None)
+        store = HostStore(adapter, stream_dtype, compute_dtype, allocate=dist.memory.allocate if dist else None,
+                          disk_path=cfg.memory.disk_path if disk_states else None, disk_states=disk_states)
         if dist is not None:
             dist.make_flags(len(store.tiles))
     if dist is None or dist.world.fills_store:
@@ -201,6 +207,14 @@ def fill_store(cfg: Config, inp: Inputs, store: HostStore) -> None:
         store.init_random(cfg.train.seed, std)
     else:
         store.load_safetensors(cfg.model.path)
+
+
+def disk_states_of(cfg: Config, plan=None) -> tuple[str, ...]:
+    """The states the run keeps on the SSD tier: the plan's choice (memory.disk_states when set; without a plan,
+    those)."""
+    if plan is not None:
+        return tuple(plan.workload.disk_states)
+    return tuple(k for k in ("v", "m", "master") if k in (cfg.memory.disk_states or ()))
 
 
 def runtime_options(cfg: Config, device: torch.device, plan=None) -> RuntimeOptions:

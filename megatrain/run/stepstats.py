@@ -70,6 +70,7 @@ def attach(run, log) -> StepStats:
     stats = StepStats(run.adapter, run.cfg.data.max_seq_len, run.runtime.timeline,
                       peak * run.world_size if peak else None)  # MFU of the world's tokens over its GPUs
     log.stats = stats
+    log.disk = run.store.disk  # the SSD tier's bytes and rates per step (None: no states on disk)
     if run.cfg.output.wandb:
         log.enable_wandb(run.cfg.model_dump())
     log.info(start_summary(run))

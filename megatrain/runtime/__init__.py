@@ -10,6 +10,7 @@ and a CPU optimizer that overlaps the GPU. Modules, one job each:
     lmhead.py, ce_triton.py  the chunked LM-head loss with its backward; the fused cross-entropy kernel (CUDA)
     microbatch.py          a micro-batch's tensors in, a step's loss and norm out
     store.py               HostStore: per-unit tiles of fp32 master, Adam m and v, the streaming copy
+    disk_tier.py           the SSD tier: states host RAM cannot hold in per-unit files, read ahead, written behind
     pinned.py              PinnedHost: the one owner of page-locked (cudaHostRegister'ed) host memory
     optimizer_pipeline.py  gradients to host, CPU AdamW overlapped with the next forward, updates in order
     adamw.py               the CPU AdamW kernel per tile, clipping, learning-rate schedules
@@ -54,11 +55,13 @@ class Runtime:
     timeline: Timeline | None
 
     def close(self) -> None:
-        """Stop the optimizer worker, then unregister every pinned buffer (the store's included)."""
+        """Stop the optimizer worker, then unregister every pinned buffer (the store's included) and remove the SSD
+        tier's scratch files (the store's RAM states stay readable)."""
         try:
             self.pipeline.close()
         finally:
             self.pinned.close()
+            self.store.close()
 
 
 def build_runtime(store: HostStore, device: torch.device | str, optimizer: CpuAdamW,

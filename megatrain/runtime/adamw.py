@@ -50,13 +50,16 @@ class CpuAdamW:
         self.weight_decay = weight_decay
 
     def update(self, tile: LayerTile, grad: torch.Tensor, *, lr: float, clip_coef: float = 1.0,
-               offset: int = 0, new_step: bool = True) -> None:
+               offset: int = 0, new_step: bool = True, states: dict[str, torch.Tensor] | None = None) -> None:
         """One exact AdamW step of `tile[offset : offset + len(grad)]` from its fp32 host gradient `grad`.
 
         A tile may be updated in pieces (large embeddings pass through bounded landing buffers): the first
         piece of a step has new_step=True and advances the tile's step count. The gradient is read as
         grad * clip_coef (folded into the kernel's grad_scale, no extra pass). The streaming copy is rewritten
         chunk by chunk in the same pass.
+        states: the piece's states kept elsewhere than the tile (the SSD tier's cache: 'master', 'exp_avg',
+        'exp_avg_sq' -> fp32 tensors of len(grad) elements), used instead of the tile's own. The kernel's calls
+        cover the same ranges either way, so the result is bit-identical.
         """
         assert grad.dtype == torch.float32 and grad.device.type == "cpu"
         assert 0 <= offset and offset + grad.numel() <= tile.numel
@@ -65,20 +68,24 @@ class CpuAdamW:
         # _fused_adamw_ divides the gradient by grad_scale: clipping is multiplying by clip_coef.
         grad_scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef, dtype=torch.float32)
         split = tile.unit.decay_numel
-        separate_copy = tile.stream.data_ptr() != tile.master.data_ptr()
         n = offset + grad.numel()
+        states = states or {}
+        # each state as a flat tensor of this piece, indexed from `offset`
+        master, exp_avg, exp_avg_sq = (states[k] if k in states else getattr(tile, k)[offset:n]
+                                       for k in ("master", "exp_avg", "exp_avg_sq"))
+        separate_copy = tile.master is None or tile.stream.data_ptr() != tile.master.data_ptr()
         start = offset
         while start < n:
             end = min(n, (start // CHUNK + 1) * CHUNK)
             for a, b, wd in ((start, min(end, split), self.weight_decay), (max(start, split), end, 0.0)):
                 if a >= b:
                     continue
+                p, q = a - offset, b - offset
                 torch._fused_adamw_(
-                    [tile.master[a:b]], [grad[a - offset: b - offset]], [tile.exp_avg[a:b]],
-                    [tile.exp_avg_sq[a:b]], [], [tile.step],
+                    [master[p:q]], [grad[p:q]], [exp_avg[p:q]], [exp_avg_sq[p:q]], [], [tile.step],
                     lr=lr, beta1=self.beta1, beta2=self.beta2, weight_decay=wd, eps=self.eps,
                     amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None,
                 )
             if separate_copy:
-                tile.stream[start:end].copy_(tile.master[start:end])
+                tile.stream[start:end].copy_(master[start - offset:end - offset])
             start = end

@@ -22,6 +22,11 @@ When the jobs are queued depends on clipping, which the trainer states per step 
 
 Either way a unit's update is the same AdamW, bit for bit, as updating everything after backward (tested on CPU).
 Landing buffers are a bounded pool (two buffers of at most PIECE_MAX elements); units pass through them in pieces.
+
+With an SSD tier (the store's `disk`, runtime/disk_tier.py) the states placed on disk are fetched piece by piece
+right before the piece's update (`acquire`: the tier has read them ahead, following the update order this step
+takes, which the pipeline tells it) and written behind right after (`release`). The tier's pieces are the landing
+pieces, so the update is the same kernel calls over the same ranges: bit-identical to the all-RAM run.
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ class OptimizerPipeline:
         self.cuda = self.device.type == "cuda"
         self.threaded = self.cuda if threaded is None else threaded
         self.order = update_order(len(store.tiles))
+        self.disk = getattr(store, "disk", None)  # the SSD tier (None: every state in RAM; a distributed run)
         # Offloaded units' gradients go straight to host buffers: GPU memory for gradients stops growing with
         # depth, at 4 B/param of host memory for those units.
         self.offload = set(to_host)
@@ -110,6 +116,8 @@ class OptimizerPipeline:
         self._error: BaseException | None = None
         if self.cuda:
             self.piece = landing_piece(store.max_unit_numel)
+            if self.disk is not None and self.disk.piece != self.piece:
+                raise ValueError(f"the SSD tier's pieces ({self.disk.piece}) must be the landing pieces ({self.piece})")
             self.landing = [pinned.empty(self.piece, torch.float32, "gradient landing buffer")
                             for _ in range(num_landing)]
             self.d2h = torch.cuda.Stream(self.device)
@@ -194,6 +202,8 @@ class OptimizerPipeline:
         if self._grads or self._queued:
             raise RuntimeError("begin_step: the last step's gradients were never finished (finish_step)")
         self._step_lr = lr
+        if self.disk is not None:  # the SSD tier reads ahead in the order this step's updates take
+            self.disk.set_order(update_order(len(self.order), clipping=lr is None))
 
     def finish_step(self, *, lr: float, clip_coef: float) -> None:
         """End the step: with clipping, queue the update of every unit, in forward order; without (`begin_step`
@@ -212,6 +222,8 @@ class OptimizerPipeline:
         if missing:
             raise RuntimeError(f"no gradient for units {missing}")
         grads, self._grads = self._grads, {}
+        if self.disk is not None:
+            self.disk.set_order(self.order)
         for e in self._ready:
             e.clear()
         self._submit([_Update(i, *grads.pop(i), lr, clip_coef) for i in self.order])
@@ -220,6 +232,8 @@ class OptimizerPipeline:
         """Wait until every queued update has been written (before evaluation, checkpoints, exit)."""
         for i in self.order:
             self.wait_for_update(i)
+        if self.disk is not None:
+            self.disk.flush()  # the SSD tier's writes behind them too (an I/O error surfaces here)
 
     def close(self) -> None:
         """Stop the worker (its buffers are unregistered by the runtime's PinnedHost)."""
@@ -275,7 +289,7 @@ class OptimizerPipeline:
                     for upd in job:
                         t0 = time.perf_counter()
                         self._notify_before_update(upd.unit)
-                        self.optimizer.update(self.store.tiles[upd.unit], upd.grad, lr=upd.lr, clip_coef=upd.coef)
+                        self._apply(upd)
                         self._landed(upd)
                         self._ready[upd.unit].set()
                         self.stats["update_s"] += time.perf_counter() - t0
@@ -284,6 +298,27 @@ class OptimizerPipeline:
             self._error = e
             for ev in self._ready:
                 ev.set()
+
+    def _apply(self, upd: _Update) -> None:
+        """A unit's whole update from its host gradient (CPU): in one call, or with an SSD tier piece by piece."""
+        tile = self.store.tiles[upd.unit]
+        if self.disk is None:
+            self.optimizer.update(tile, upd.grad, lr=upd.lr, clip_coef=upd.coef)
+            return
+        for a, n in self.disk.pieces(upd.unit):
+            self._update_states(tile, upd, upd.grad[a: a + n], a)
+
+    def _update_states(self, tile, upd: _Update, grad: torch.Tensor, a: int) -> None:
+        """AdamW of tile[a : a + len(grad)]; states on the SSD tier are fetched first and written behind after."""
+        if self.disk is None:
+            self.optimizer.update(tile, grad, lr=upd.lr, clip_coef=upd.coef, offset=a, new_step=(a == 0))
+            return
+        states = self.disk.acquire(upd.unit, a)
+        try:
+            self.optimizer.update(tile, grad, lr=upd.lr, clip_coef=upd.coef, offset=a, new_step=(a == 0),
+                                  states=states)
+        finally:
+            self.disk.release(upd.unit, a)
 
     def _landed(self, upd: _Update) -> None:
         """The unit's gradient is no longer needed where it was put: drop it (freeing device memory) and make room."""
@@ -371,7 +406,7 @@ class OptimizerPipeline:
         if a == 0:
             self._notify_before_update(i)
         t1 = time.perf_counter()
-        self.optimizer.update(tile, src, lr=upd.lr, clip_coef=upd.coef, offset=a, new_step=(a == 0))
+        self._update_states(tile, upd, src, a)
         self.stats["update_s"] += time.perf_counter() - t1
         self.stats["copy_wait_s"] += t1 - t0
         self.stats["params"] += n

@@ -5,12 +5,20 @@ unit's tile is a contiguous, page-aligned slice of each, laid out in the unit's 
 bf16 in bf16 mode and *is* the master in fp32 mode (12 B/param instead of 14). On CUDA machines the runtime
 registers the streaming allocation as pinned once (`PinnedHost`, runtime/pinned.py).
 
+With an SSD tier (memory.disk_path, runtime/disk_tier.py) the kinds placed on disk (disk_states: Adam v, m, the
+master) get no host allocation: their tile fields are None, their bytes live in per-unit files, and the optimizer
+reads and writes them piece by piece through the tier's bounded cache. The streaming copy always stays in RAM (the
+GPU reads it every step): so the master can go to disk only beside a separate bf16 copy; with fp32 streaming the
+master *is* what the GPU reads, and a disk copy of it would save no RAM. Whole-unit access for initialisation,
+checkpoints and resume goes through `unit_state`, which stages a disk kind in a buffer of one unit.
+
 The store does not schedule: it only holds, loads and exposes views.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -19,6 +27,7 @@ import torch
 
 from ..errors import MegatrainError
 from ..models import ModelAdapter, Unit
+from .disk_tier import KIND_NAMES, DiskTier
 from .pinned import PAGE, aligned_empty
 
 ALIGN_ELEMS = PAGE // 2  # tile starts aligned to 2048 elements: page-aligned in bf16 and in fp32 buffers
@@ -35,15 +44,15 @@ class LayerTile:
     """One unit's slice of each host allocation, plus its layout."""
 
     unit: Unit
-    master: torch.Tensor  # fp32, flat
-    exp_avg: torch.Tensor  # Adam m, fp32
-    exp_avg_sq: torch.Tensor  # Adam v, fp32
+    master: torch.Tensor | None  # fp32, flat (None: on the SSD tier)
+    exp_avg: torch.Tensor | None  # Adam m, fp32 (None: on the SSD tier)
+    exp_avg_sq: torch.Tensor | None  # Adam v, fp32 (None: on the SSD tier)
     stream: torch.Tensor  # what is sent to the GPU: bf16 copy, or the master itself in fp32 mode
     step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))  # Adam step count
 
     @property
     def numel(self) -> int:
-        return self.master.numel()
+        return self.unit.numel
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named views into any flat buffer laid out like this tile (host tile, GPU slot, gradient)."""
@@ -58,12 +67,14 @@ def store_dtypes(precision: str, stream: str = "bf16") -> tuple[torch.dtype, tor
 
 class HostStore:
     def __init__(self, adapter: ModelAdapter, stream_dtype: torch.dtype, compute_dtype: torch.dtype | None = None,
-                 allocate: Callable[..., torch.Tensor] | None = None):
+                 allocate: Callable[..., torch.Tensor] | None = None, disk_path: str | None = None,
+                 disk_states: tuple[str, ...] = ()):
         """stream_dtype: what is sent to the device (bf16: a copy the optimizer rewrites; fp32: the master itself).
         compute_dtype: the weights' dtype in the slots (default stream_dtype); bf16 compute from an fp32 stream is
         cast on the device, with the same rounding as the host copy (memory.stream_dtype=fp32: 12 B/param).
         allocate(numel, dtype, zero, what): the large allocations, page-aligned (default `aligned_empty`; a
-        distributed run passes memory shared by the node's ranks, megatrain/distributed/shared.py)."""
+        distributed run passes memory shared by the node's ranks, megatrain/distributed/shared.py).
+        disk_path, disk_states: the SSD tier's folder and the states it holds ('v', 'm', 'master')."""
         self.adapter = adapter
         self.units = adapter.units()
         self.stream_dtype = stream_dtype
@@ -76,21 +87,36 @@ class HostStore:
             total += padded_numel(u.numel)
         self.total_elems = total
         alloc = allocate or (lambda numel, dtype, zero, what: aligned_empty(numel, dtype, zero=zero))
-        self.master = alloc(total, torch.float32, False, "fp32 master")
-        self.exp_avg = alloc(total, torch.float32, True, "Adam m")
-        self.exp_avg_sq = alloc(total, torch.float32, True, "Adam v")
         self.separate_stream_copy = stream_dtype != torch.float32
+        unknown = sorted(set(disk_states) - set(KIND_NAMES))
+        if unknown or (disk_states and not disk_path):
+            raise ValueError(f"disk_states {list(disk_states)}: needs a disk_path and names among {list(KIND_NAMES)}")
+        if "master" in disk_states and not self.separate_stream_copy:
+            raise ValueError("the fp32 master is the streaming copy (fp32 streaming): it cannot move to disk")
+        self.on_disk = tuple(KIND_NAMES[k] for k in KIND_NAMES if k in disk_states)  # attribute names
+        self.disk: DiskTier | None = None
+        if self.on_disk:
+            from .optimizer_pipeline import landing_piece  # the update's pieces are the tier's pieces
+
+            self.disk = DiskTier(disk_path, self.on_disk, [u.numel for u in self.units],
+                                 landing_piece(max(u.numel for u in self.units)))
+        none = torch.empty(0, dtype=torch.float32)
+        self.master = none if "master" in self.on_disk else alloc(total, torch.float32, False, "fp32 master")
+        self.exp_avg = none if "exp_avg" in self.on_disk else alloc(total, torch.float32, True, "Adam m")
+        self.exp_avg_sq = none if "exp_avg_sq" in self.on_disk else alloc(total, torch.float32, True, "Adam v")
         self.stream = alloc(total, stream_dtype, False, "streaming copy") if self.separate_stream_copy \
             else self.master
         self.tiles: list[LayerTile] = []
         ends = [s + u.numel for u, s in zip(self.units, starts)]
         for a, b in zip(ends, starts[1:] + [total]):  # alignment padding: zero, so whole buffers are deterministic
-            self.master[a:b].zero_()
+            if "master" not in self.on_disk:
+                self.master[a:b].zero_()
             if self.separate_stream_copy:
                 self.stream[a:b].zero_()
         for u, s in zip(self.units, starts):
             sl = slice(s, s + u.numel)
-            self.tiles.append(LayerTile(u, self.master[sl], self.exp_avg[sl], self.exp_avg_sq[sl], self.stream[sl]))
+            self.tiles.append(LayerTile(u, *(None if k in self.on_disk else getattr(self, k)[sl]
+                                             for k in ("master", "exp_avg", "exp_avg_sq")), self.stream[sl]))
 
     # ---- sizes ------------------------------------------------------------------------------------
     @property
@@ -98,8 +124,37 @@ class HostStore:
         return sum(u.numel for u in self.units)
 
     def host_bytes(self) -> int:
-        per = 12 + (self.stream.element_size() if self.separate_stream_copy else 0)
-        return self.total_elems * per
+        """The store's host RAM: the states kept there, the streaming copy, the SSD tier's cache."""
+        per = 4 * (3 - len(self.on_disk)) + (self.stream.element_size() if self.separate_stream_copy else 0)
+        return self.total_elems * per + (self.disk.cache_bytes if self.disk else 0)
+
+    def close(self) -> None:
+        """Remove the SSD tier's scratch files (its writes finished first); the RAM is freed with the store."""
+        if self.disk is not None:
+            self.disk.close()
+
+    # ---- whole units, wherever their states live -----------------------------------------------------
+    @contextmanager
+    def unit_state(self, index: int, kinds: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq"),
+                   read: bool = True, write: bool = False):
+        """kind -> the unit's flat fp32 state of that kind ('master', 'exp_avg', 'exp_avg_sq'): the tile's view when
+        it lives in RAM; for a kind on the SSD tier, a staging buffer of one unit, read from the tier (read) and
+        written back when the block ends without an error (write). Only one unit's staging buffers at a time."""
+        tile = self.tiles[index]
+        out, staged = {}, []
+        for k in kinds:
+            if k in self.on_disk:
+                buf = aligned_empty(self.disk.file_bytes(index) // 4, torch.float32, zero=True)
+                if read:
+                    self.disk.read_unit(index, k, buf)
+                out[k] = buf[:tile.numel]
+                staged.append((k, buf))
+            else:
+                out[k] = getattr(tile, k)
+        yield out
+        if write:
+            for k, buf in staged:
+                self.disk.write_unit(index, k, buf)
 
     @property
     def max_unit_numel(self) -> int:
@@ -110,14 +165,15 @@ class HostStore:
         """Deterministic per unit (seeded by seed and unit position), independent of loading order."""
         for i, t in enumerate(self.tiles):
             g = torch.Generator().manual_seed(seed * 1_000_003 + i)
-            for s, view in zip(t.unit.specs, t.views(t.master).values()):
-                if s.init == "normal":
-                    view.normal_(0.0, std, generator=g)
-                elif s.init == "ones":
-                    view.fill_(1.0)
-                else:
-                    view.zero_()
-            self.refresh_stream_copy(t)
+            with self.unit_state(i, ("master",), read=False, write=True) as st:
+                for s, view in zip(t.unit.specs, t.views(st["master"]).values()):
+                    if s.init == "normal":
+                        view.normal_(0.0, std, generator=g)
+                    elif s.init == "ones":
+                        view.fill_(1.0)
+                    else:
+                        view.zero_()
+                self.refresh_stream_copy(t, st["master"])
 
     def load_safetensors(self, model_dir: str | Path) -> None:
         """Load unit by unit: at most one unit's tensors are read beyond the store at any time."""
@@ -144,37 +200,43 @@ class HostStore:
                 f"{model_dir}: checkpoint tensor '{unexpected[0]}' in {weight_map[unexpected[0]]} is not part of a "
                 f"{self.adapter.model_type} model with this config.json{more}: {', '.join(unexpected[:3])}"
             )
-        for t in self.tiles:
+        for i, t in enumerate(self.tiles):
             missing = [n for s in t.unit.specs for n in names(s) if n not in weight_map]
             if missing:
                 raise MegatrainError(f"{model_dir}: tensor '{missing[0]}' ({t.unit.name}) is missing from the checkpoint")
             files = sorted({weight_map[n] for s in t.unit.specs for n in names(s)})
             handles = {f: safe_open(str(model_dir / f), framework="pt") for f in files}
             try:
-                for s, view in zip(t.unit.specs, t.views(t.master).values()):
-                    if s.hf_name in packed:
-                        p = packed[s.hf_name]
-                        try:
-                            p.build(view, [handles[weight_map[n]].get_tensor(n) for n in p.names])
-                        except ValueError as e:
-                            raise MegatrainError(f"{model_dir}: tensors {', '.join(p.names)}: {e}") from None
-                        continue
-                    for name, part in s.split(view):
-                        fname = weight_map[name]
-                        shape = tuple(handles[fname].get_slice(name).get_shape())
-                        if shape != tuple(part.shape):
-                            raise MegatrainError(
-                                f"{model_dir / fname}: tensor '{name}' has shape {list(shape)}, config.json implies "
-                                f"{list(part.shape)}"
-                            )
-                        part.copy_(handles[fname].get_tensor(name))
+                with self.unit_state(i, ("master",), read=False, write=True) as st:
+                    self._load_unit(model_dir, t, st["master"], handles, weight_map, packed)
+                    self.refresh_stream_copy(t, st["master"])
             finally:
                 handles.clear()  # closes the files and their mappings before the next unit
-            self.refresh_stream_copy(t)
 
-    def refresh_stream_copy(self, tile: LayerTile) -> None:
+    def _load_unit(self, model_dir: Path, t: LayerTile, master: torch.Tensor, handles, weight_map, packed) -> None:
+        """One unit's tensors from the open safetensors files into its fp32 master."""
+        for s, view in zip(t.unit.specs, t.views(master).values()):
+            if s.hf_name in packed:
+                p = packed[s.hf_name]
+                try:
+                    p.build(view, [handles[weight_map[n]].get_tensor(n) for n in p.names])
+                except ValueError as e:
+                    raise MegatrainError(f"{model_dir}: tensors {', '.join(p.names)}: {e}") from None
+                continue
+            for name, part in s.split(view):
+                fname = weight_map[name]
+                shape = tuple(handles[fname].get_slice(name).get_shape())
+                if shape != tuple(part.shape):
+                    raise MegatrainError(
+                        f"{model_dir / fname}: tensor '{name}' has shape {list(shape)}, config.json implies "
+                        f"{list(part.shape)}"
+                    )
+                part.copy_(handles[fname].get_tensor(name))
+
+    def refresh_stream_copy(self, tile: LayerTile, master: torch.Tensor | None = None) -> None:
+        """Rewrite the tile's streaming copy from its master (`master`: where it is staged, when on disk)."""
         if self.separate_stream_copy:
-            tile.stream.copy_(tile.master)
+            tile.stream.copy_(tile.master if master is None else master)
 
 
 def _weight_map(model_dir: Path) -> dict[str, str]:

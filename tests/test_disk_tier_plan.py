@@ -1,0 +1,131 @@
+"""The planner's SSD tier: host RAM without the states on disk (plus the tier's cache and staging buffer), the SSD's
+bytes resident and moved per step, the disk's seconds and the step it sets, the search v -> v+m -> v+m+master when
+host RAM is short, and `megatrain plan` naming it all. Qwen2.5-14B figures are derived here from its config.json
+fields alone (not from the adapter), and checked against the planner's."""
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from megatrain.models import get_adapter
+from megatrain.planner import Workload, make_plan
+from megatrain.planner.memory import SSD_CACHE, SSD_STAGING, host_memory
+from megatrain.planner.placement import FREE_ALL
+from megatrain.planner.profile import DEFAULTS, GiB, from_dict
+from megatrain.runtime.schedule import Placement
+
+QWEN14 = Path(__file__).resolve().parent.parent / "bench" / "model-configs" / "qwen2.5-14b"
+PAGE = 4096
+
+
+def page(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+def qwen14_units() -> list[int]:
+    """Parameters of each unit (embedding, 48 layers, final norm + LM head), from config.json's numbers."""
+    c = json.loads((QWEN14 / "config.json").read_text())
+    h, inter, heads, kv, V, L = (c[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                 "num_key_value_heads", "vocab_size", "num_hidden_layers"))
+    hd = h // heads
+    layer = (h * h + h) + 2 * (h * kv * hd + kv * hd) + h * h + 3 * h * inter + 2 * h  # q, k, v (biases), o, MLP, norms
+    return [V * h] + [layer] * L + [V * h + h]
+
+
+@pytest.fixture(scope="module")
+def qwen14():
+    return get_adapter(AutoConfig.from_pretrained(QWEN14))
+
+
+def test_qwen14_host_bytes_exclude_disk_states(qwen14):
+    """v on disk, fp32 streaming: host holds master + m (4 B/param each, tiles padded to 2048 elements), the tier's
+    cache (DEPTH + 2 = 4 slots of one 64 Mi-element landing piece, fp32) and one unit's staging buffer (the
+    largest unit, the head: 152064 x 5120 + 5120 fp32); no Adam v."""
+    numels = qwen14_units()
+    units = qwen14.units()
+    assert [u.numel for u in units] == numels and sum(numels) == 14_770_033_664
+    padded = sum(-(-n // 2048) * 2048 for n in numels)
+    w = Workload((158,), 1024, compile=True, disk_states=("v",),
+                 placement=Placement(stream_dtype="fp32"))
+    host = host_memory(units, w)
+    assert "Adam v (fp32)" not in host
+    assert host["fp32 master weights"] == host["Adam m (fp32)"] == 4 * padded
+    assert host[SSD_CACHE] == 4 * 1 * (64 << 20) * 4 == 1 * GiB
+    assert host[SSD_STAGING] == page(4 * (152064 * 5120 + 5120)) == 3_114_291_200  # the head: LM head + final norm
+    assert "bf16 streaming copy (pinned)" not in host
+    # every state on disk but the bf16 copy: 2 B/param of it, 3 kinds in the cache
+    w3 = Workload((158,), 1024, compile=True, disk_states=("v", "m", "master"))
+    h3 = host_memory(units, w3)
+    assert not {"fp32 master weights", "Adam m (fp32)", "Adam v (fp32)"} & h3.keys()
+    assert h3["bf16 streaming copy (pinned)"] == 2 * padded and h3[SSD_CACHE] == 3 * GiB
+
+
+@pytest.mark.parametrize("clipping", [True, False])
+def test_qwen14_ssd_bytes_time_and_bound(qwen14, clipping):
+    """v on disk: the SSD holds, reads and writes each unit's v file (4 B/param, a page at most of rounding) every
+    step; at DESIGN.md's 1.2 GB/s read and 1.6 GB/s write that is 86 s, far beyond the ~30 s of compute: the disk
+    sets the step, which is the disk's time plus the compute it cannot overlap (the step outside the updates'
+    window)."""
+    files = sum(page(4 * n) for n in qwen14_units())
+    assert 4 * 14_770_033_664 <= files < 4 * 14_770_033_664 + 50 * PAGE
+    w = Workload((158,), 1024, compile=True, clipping=clipping, disk_states=("v",))
+    p = make_plan(qwen14, w, DEFAULTS, suggest=False)
+    ssd = p.ssd
+    assert ssd["resident_bytes"] == ssd["read_bytes"] == ssd["write_bytes"] == files
+    disk_s = files / 1.2e9 + files / 1.6e9
+    assert ssd["disk_s"] == pytest.approx(disk_s) and 85 < disk_s < 87
+    t = p.time
+    assert t["bound"] == "SSD (optimizer states)"
+    assert t["step_s"] == pytest.approx(disk_s + t["compute_s"] - t["optimizer_window_s"])
+    assert t["compute_s"] < 40 and t["step_s"] > disk_s
+    ram = make_plan(qwen14, Workload((158,), 1024, compile=True, clipping=clipping), DEFAULTS, suggest=False)
+    assert not ram.ssd and ram.step_s < t["step_s"] / 2
+    # a disk of 12 GB/s either way hides most of it: the step is the all-RAM one again, or close
+    fast = from_dict({"disk": {"read_bps": 12e9, "write_bps": 12e9}}, "test")
+    fast.layer_rates, fast.gpu_name, fast.gpu_total_bytes = DEFAULTS.layer_rates, DEFAULTS.gpu_name, \
+        DEFAULTS.gpu_total_bytes
+    pf = make_plan(qwen14, w, fast, suggest=False)
+    assert pf.ssd["disk_s"] == pytest.approx(2 * files / 12e9)
+    assert pf.step_s < 0.6 * t["step_s"]
+
+
+@pytest.mark.parametrize("host_gib,states,stream", [(128, ("v",), "fp32"), (100, ("v", "m"), "bf16"),
+                                                     (60, ("v", "m", "master"), "bf16")])
+def test_search_moves_v_then_m_then_master(qwen14, host_gib, states, stream):
+    """Qwen2.5-14B, 158 x 1024: all in RAM needs ~199 GiB (14 B/param + the runtime). With memory.disk_path the
+    planner moves the fewest states that fit: at 128 GiB v (fp32 streaming: 8 B/param = 110 GiB), at 100 GiB v and
+    m, at 60 GiB all three beside the bf16 copy (2 B/param = 27.5 GiB)."""
+    w = Workload((158,), 1024, compile=True)
+    gpu = float(DEFAULTS.gpu_total_bytes)
+    none = make_plan(qwen14, w, DEFAULTS, host_available=host_gib * GiB, choose_keys=FREE_ALL, gpu_limit=gpu,
+                     suggest=False)
+    assert not none.fits and not none.workload.disk_states
+    p = make_plan(qwen14, w, DEFAULTS, host_available=host_gib * GiB, choose_keys=FREE_ALL, gpu_limit=gpu,
+                  disk_path="/ssd", suggest=False)
+    assert p.fits and p.workload.disk_states == states and p.placement.stream_dtype == stream
+    assert p.host_total <= host_gib * GiB and "SSD tier" in p.why
+    text = p.report()
+    assert "SSD tier (/ssd)" in text and f"{p.ssd['resident_bytes'] / GiB:.1f} GiB resident" in text
+    assert "bound by SSD" in text
+    js = p.as_json()
+    assert js["disk_states"] == list(states) and js["ssd"]["read_gib_per_step"] == pytest.approx(
+        p.ssd["read_bytes"] / GiB)
+
+
+def test_ssd_space_is_checked(qwen14):
+    w = Workload((158,), 1024, compile=True, disk_states=("v",))
+    p = make_plan(qwen14, w, DEFAULTS, disk_path="/ssd", ssd_free=10 * GiB, suggest=False)
+    assert any(x.startswith("SSD: the tier's files take 55.0 GiB, 10.0 GiB free") for x in p.problems)
+
+
+def test_suggestion_names_disk_path(qwen14):
+    """A run whose states do not fit host RAM (on the CPU, the quick case): the suggestions name memory.disk_path,
+    with the states the planner would move, the SSD's bytes and the disk's time."""
+    w = Workload((1,), 128, device="cpu", precision="fp32")
+    need = make_plan(qwen14, w, DEFAULTS, suggest=False).host_total
+    p = make_plan(qwen14, w, DEFAULTS, host_available=need - 2.0 * 14.77e9, suggest=True)
+    assert not p.fits
+    s = [x for x in p.suggestions if x.startswith("memory.disk_path=")]
+    assert len(s) == 1 and "puts v there: 55 GiB on the SSD, 110 GiB read+written per step" in s[0], p.suggestions
