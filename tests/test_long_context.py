@@ -170,8 +170,10 @@ def long_plan(name: str, seq: int, gpu_gib: float | None = None, compile: bool =
 
 def test_qwen_7b_fits_an_h200_from_32k_to_512k_tokens():
     """Qwen2.5-7B, one sequence per step (bench/plan_long_context.py prints the table;
-    bench/results/2026-11-25/long_context_plan.txt): 32k-128k keep the default placement, 256k and 512k tile the
-    layer (memory.seq_tile) and 512k also rebuilds blocks and spills; 512k within the issue's 600 s."""
+    bench/results/2026-11-25/long_context_plan.txt): every length tiles the layer (memory.seq_tile: at 32k-128k to
+    make room for the layers that keep their attention, from 256k on because the whole layer does not fit) and keeps
+    some layers' attention for the backward (memory.reuse_attention); 512k also rebuilds blocks; 512k within the
+    issue's 600 s."""
     from megatrain.planner.profile import GiB
 
     steps = {}
@@ -179,7 +181,8 @@ def test_qwen_7b_fits_an_h200_from_32k_to_512k_tokens():
         p = long_plan("qwen2.5-7b", seq)
         assert p.fits, (seq, p.problems)
         assert p.host_total <= PLAN_HOST_GIB * GiB and p.gpu_needed <= 139.8 * GiB
-        assert (p.placement.seq_tile > 0) == (seq >= 262144), (seq, p.placement_keys)
+        assert p.placement.seq_tile > 0 and p.placement.reuse_attention > 0, (seq, p.placement_keys)
+        assert (p.placement.checkpoint_every > 1) == (seq >= 524288), (seq, p.placement_keys)
         steps[seq] = p.step_s
     assert steps[524288] <= 600, steps
     assert all(steps[a] < steps[b] for a, b in zip(sorted(steps), sorted(steps)[1:]))
