@@ -6,7 +6,7 @@
 #      (planner.activations.layer_memory: 4.52 GiB tiled, 16.37 GiB whole) within 10%; a 12-layer step with
 #      memory.seq_tile=512 equals the untiled one within 1e-5 in fp32. JSON into $OUT/gpu.
 #   2. Qwen2.5-7B 262,144 tokens (plan, default H200 profile, session 22: the layer over 8,192-token tiles, the top
-#      17 layers keeping their attention: 117.9 s/step, GPU peak 121.1 GiB allocated, 133.8 GiB needed of 139.3,
+#      17 layers keeping their attention: 130.4 s/step, GPU peak 101.6 GiB allocated, 137.7 GiB needed of 139.3,
 #      host 106.0 GiB; a close fit: if the GPU has less free the run is refused before loading weights).
 mkdir -p "$OUT/gpu"
 TAIL=6 run_logged gpu_tiling 110 env MEGATRAIN_GPU_RESULTS="$OUT/gpu" python3 -m pytest -q -m gpu \

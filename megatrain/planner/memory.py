@@ -36,7 +36,6 @@ from ..runtime.activation_spill import spill_numel
 from ..runtime.disk_tier import DEPTH as SSD_DEPTH
 from ..runtime.pinned import PAGE
 from ..runtime.engine import STAGE_ELEMS
-from ..runtime.layer import token_tiles
 from ..runtime.lmhead import default_chunk
 from ..runtime.optimizer_pipeline import DEVICE_GRADS, NUM_LANDING, update_order
 from ..runtime.optimizer_pipeline import landing_piece as _landing_piece
@@ -53,11 +52,9 @@ GPU_WORKSPACE = int(0.25 * GiB)  # cuBLAS/cuDNN workspaces in the caching alloca
 # offload, whose record_stream delays reuse); compiled 1.18-1.49
 GPU_RESERVE = 0.10
 GPU_RESERVE_COMPILED = 0.35
-# a layer over tiles of tokens (memory.seq_tile splitting a micro-batch), compiled or not: its big buffers are
-# full-length tensors of a few fixed sizes and equal tiles, which the caching allocator reuses layer after layer.
-# Measured once: Llama-3.1-8B, one 131,072-token row, tiles of 8,192, compiled, H200: reserved / allocated 1.013
-# (results/2026-11-25/h200-reuse; the same run whole, compiled: 1.30)
-GPU_RESERVE_TILED = 0.10
+# Not lower for a tiled layer: reserved / allocated was 1.013 for one 131,072-token row with tiles of 8,192
+# (results/2026-11-25/h200-reuse) but 1.43 for Gemma-2-9B's 8 x 4,096-token micro-batches with the same tiles
+# (h200-gptoss-gemma): what fragments the allocator is not the tiling alone; one row is not enough to fit a rule.
 GPU_RESERVE_STREAMS = 0.20  # added with spill or offload
 CUDA_CONTEXT = int(0.6 * GiB)  # outside the caching allocator
 COMPILED_ACTIVATIONS = 0.67  # compiled / eager layer backward peak, fitted to the 2026-11-21 compiled runs
@@ -410,7 +407,5 @@ def gpu_needed(peak: float, w: Workload) -> float:
     """GPU memory a CUDA run needs for an allocated peak: the caching allocator's reserve and the CUDA context."""
     pl = w.placement
     side_streams = pl.spill_layers or pl.grads_to_host or (len(w.groups) > 1 and pl.group_grads == "host")
-    tiled = len(token_tiles(max(w.micro_batches) * w.seq_len, pl.seq_tile)) > 1
-    base = GPU_RESERVE_TILED if tiled else GPU_RESERVE_COMPILED if w.compile else GPU_RESERVE
-    reserve = base + (GPU_RESERVE_STREAMS if side_streams else 0.0)
+    reserve = (GPU_RESERVE_COMPILED if w.compile else GPU_RESERVE) + (GPU_RESERVE_STREAMS if side_streams else 0.0)
     return peak * (1 + reserve) + CUDA_CONTEXT
