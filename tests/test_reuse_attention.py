@@ -16,8 +16,8 @@ from conftest import make_model_dir
 from megatrain.runtime import Placement
 from megatrain.runtime.layer import AttentionStash, TiledLayer, can_stash, layer_backward, layer_template
 from megatrain.runtime.schedule import step_schedule
-from reference import Megatrain, random_batches, reference_optimizer, reference_step, rel
-from test_long_context import TOL, long_batch
+from reference import Megatrain, random_batches, rel
+from test_long_context import two_long_steps_like_transformers
 from test_tiling import ALL, adapter_of, layer_inputs
 
 
@@ -105,19 +105,7 @@ def test_an_8k_sequence_keeping_attention_trains_like_transformers(tmp_path):
     whole): loss, every gradient and every updated weight within 1e-5 of transformers (SDPA) + torch AdamW."""
     make_model_dir(tmp_path, "llama", seed=7, layers=2)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa", dtype=torch.float32)
-    opt = reference_optimizer(ref)
-    mt = Megatrain(tmp_path, placement=Placement(reuse_attention=2))
-    for step in range(2):
-        batches = [long_batch(8192, 97, seed=step)]
-        ref_loss, ref_grads = reference_step(ref, opt, batches)
-        loss, grads = mt.step(batches)
-        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), step
-        for name, g in grads.items():
-            assert rel(g, ref_grads[name]) <= TOL, (step, name, rel(g, ref_grads[name]))
-    ref_params = dict(ref.named_parameters())
-    for name, p in mt.params().items():
-        assert rel(p, ref_params[name].detach()) <= TOL, f"updated {name}"
-    mt.close()
+    two_long_steps_like_transformers(ref, Megatrain(tmp_path, placement=Placement(reuse_attention=2)))
 
 
 def test_a_model_whose_attention_does_not_split_is_refused(tmp_path):
