@@ -72,7 +72,26 @@ def model_config(args) -> dict:
         if isinstance(cfg.get("layer_types"), list) and cfg["layer_types"]:
             types = cfg["layer_types"]  # the first --layers of the real pattern (gemma's sliding/full alternation)
             cfg["layer_types"] = (types * (args.layers // len(types) + 1))[:args.layers]
+    if args.extend_context and cfg.get("max_position_embeddings", args.seq) < args.seq:
+        cfg.update(extended_context(cfg, args.seq))
     return cfg
+
+
+def extended_context(cfg: dict, seq: int) -> dict:
+    """The config.json keys that extend a model's context to `seq` tokens the way model publishers document it
+    (Qwen2.5's long-context note: YaRN over the original window): RoPE without scaling gets YaRN with factor
+    seq / max_position_embeddings over the original max_position_embeddings; YaRN's factor grows by the same ratio;
+    llama3 and linear scaling are kept as they are (their tables do not depend on max_position_embeddings); and
+    max_position_embeddings becomes `seq`."""
+    old = int(cfg["max_position_embeddings"])
+    rope = dict(cfg.get("rope_parameters") or {})
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        rope.update(rope_type="yarn", factor=seq / old, original_max_position_embeddings=old)
+    elif kind == "yarn":
+        rope["factor"] = float(rope.get("factor", 1.0)) * seq / old
+        rope.setdefault("original_max_position_embeddings", old)
+    return {"rope_parameters": rope, "max_position_embeddings": seq}
 
 
 def write_model_dir(path: Path, cfg: dict) -> None:
@@ -282,6 +301,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=1, help="steps run first and not measured")
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     p.add_argument("--compile", action="store_true", help="engine.compile: on (default off)")
+    p.add_argument("--extend-context", action="store_true",
+                   help="--seq beyond max_position_embeddings: extend the context in config.json (extended_context)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="train.device (cpu: check the script)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -310,7 +331,8 @@ def main() -> int:
     try:
         cfg = model_config(args)
         if cfg.get("max_position_embeddings", args.seq) < args.seq:
-            p.error(f"--seq {args.seq} exceeds the model's max_position_embeddings {cfg['max_position_embeddings']}")
+            p.error(f"--seq {args.seq} exceeds the model's max_position_embeddings {cfg['max_position_embeddings']} "
+                    "(--extend-context extends it: YaRN for unscaled RoPE)")
         t0 = time.perf_counter()
         write_model_dir(work / "model", cfg)
         n_words = write_tokenizer(work / "tokenizer", cfg)

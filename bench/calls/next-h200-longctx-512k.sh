@@ -11,13 +11,13 @@
 Q=/tmp/q512
 T0=$(date +%s)  # this command's start: it ends by T0 + 570 s (the device command's limit is 600)
 if [ ! -f $Q/pid ]; then
-  TAIL=8 run_logged qwen7b_256k 420 python3 bench/bench_cli.py --model $M/qwen2.5-7b --seq 262144 --seqs 1 \
+  TAIL=8 run_logged qwen7b_256k 420 python3 bench/bench_cli.py --model $M/qwen2.5-7b --seq 262144 --extend-context --seqs 1 \
     --micro 1 --compile --steps 1 --warmup 1 --label qwen2.5-7b-1x262144-cli --workdir /tmp/cli_q256 \
     --json "$OUT/qwen7b_256k.json"
   cp /tmp/cli_q256/cli.log "$OUT/qwen7b_256k_cli.log" 2>/dev/null
   rm -rf /tmp/cli_q256
   mkdir -p $Q
-  setsid bash -c "python3 bench/bench_cli.py --model $M/qwen2.5-7b --seq 524288 --seqs 1 --micro 1 --compile \
+  setsid bash -c "python3 bench/bench_cli.py --model $M/qwen2.5-7b --seq 524288 --extend-context --seqs 1 --micro 1 --compile \
     --steps 1 --warmup 0 --label qwen2.5-7b-1x524288-cli --workdir $Q/work --json $Q/qwen7b_512k.json \
     > $Q/qwen7b_512k.log 2>&1; echo \$? > $Q/rc" < /dev/null > /dev/null 2>&1 &
   echo $! > $Q/pid
