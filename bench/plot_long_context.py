@@ -30,7 +30,8 @@ MEASURED = [
     ("llama-3.1-8b", "2026-11-25/h200-noclip/llama8b_32k_clip.json", "no keys (before reuse_attention)"),
     ("llama-3.1-8b", "2026-11-25/h200-longctx-128k/llama8b_128k.json", "no keys (before reuse_attention)"),
     ("llama-3.1-8b", "2026-11-25/h200-reuse/llama8b_128k.json", "no keys: seq_tile 8192, reuse_attention 32"),
-]
+] + [("qwen2.5-7b", f"2026-11-25/h200-longctx-qwen/qwen7b_{k}k.json", "no keys" + (", --extend-context" if k > 128 else ""))
+     for k in (32, 64, 128, 256, 512)]
 
 
 def main() -> int:
