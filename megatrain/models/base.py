@@ -138,6 +138,19 @@ class ModelAdapter:
         `ctx.for_kind(layer_kinds[i])`. All "full" unless a family says otherwise."""
         return ["full"] * self.num_layers
 
+    # What the family's attention adds to the scaled scores, which SDPA's causal kernel cannot run: "plain" (none),
+    # "softcap" (Gemma 2's tanh capping), "sinks" (gpt-oss's sink logits, from the kernel's log-sum-exp).
+    attention_score = "plain"
+
+    def cuda_attention(self, kind: str, seq_len: int, packed: bool) -> tuple[str, str]:
+        """(kernel, score) a layer of `kind` runs on CUDA over rows of `seq_len` tokens, as its make_context and
+        models/attention.attention_context choose: ("flash", "plain") for SDPA's causal kernel; ("flex", score)
+        for FlexAttention: packed rows, a sliding window shorter than the row, or a score SDPA cannot run."""
+        window = getattr(self, "sliding_window", None) if kind == "sliding" else None
+        if packed or (window is not None and seq_len > window) or self.attention_score != "plain":
+            return "flex", self.attention_score
+        return "flash", "plain"
+
     def packed_source(self, spec: TensorSpec, available: Container[str]) -> PackedTensor | None:
         """How to load `spec` from a checkpoint holding the tensor names `available` when it stores the tensor
         otherwise than under `spec.checkpoint_names` (quantized); None when it stores it plainly."""

@@ -60,6 +60,7 @@ class GemmaAdapter(DecoderAdapter):
         self.qk_norm = "head" if self.gemma3 else None
         self.scale = float(c.query_pre_attn_scalar) ** -0.5
         self.attn_softcap = getattr(c, "attn_logit_softcapping", None)
+        self.attention_score = "plain" if self.attn_softcap is None else "softcap"
         self.logit_softcap = getattr(c, "final_logit_softcapping", None)
         self.embed_scale = c.hidden_size**0.5
         self.sliding_window = int(c.sliding_window) if getattr(c, "sliding_window", None) else None

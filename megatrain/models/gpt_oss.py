@@ -113,6 +113,8 @@ def _mxfp4_into(dest: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 
 class GptOssAdapter(MoEAdapter):
+    attention_score = "sinks"  # on CUDA every layer runs FlexAttention for its log-sum-exp (make_context)
+
     def __init__(self, hf_config):  # noqa: D107 - MoEAdapter.__init__ is not called: its family table is not gpt_oss's
         c = hf_config
         _refuse_unsupported(c)

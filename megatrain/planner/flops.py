@@ -22,16 +22,16 @@ def active_params(adapter) -> int:
     return sum(adapter.active_numel(u) for u in adapter.units())
 
 
-def attention_span(adapter, seq_len: int) -> float:
-    """Twice the keys a query attends to on average over positions and layers: `seq_len` for causal attention
-    (T/2 keys per query), 2W - W²/T for a layer with a sliding window W < T (W keys once the window is full).
-    Attention FLOPs per token scale with it."""
+def kind_span(adapter, kind: str, seq_len: int) -> float:
+    """Twice the keys a query of a layer of `kind` attends to on average over positions: `seq_len` for causal
+    attention (T/2 keys per query), 2W - W²/T for a sliding window W < T (W keys once the window is full)."""
     window = getattr(adapter, "sliding_window", None)
+    if kind != "sliding" or window is None or seq_len <= window:
+        return float(seq_len)
+    return 2.0 * window - window * window / seq_len
+
+
+def attention_span(adapter, seq_len: int) -> float:
+    """`kind_span` averaged over the layers. Attention FLOPs per token scale with it."""
     kinds = adapter.layer_kinds
-
-    def span(kind: str) -> float:
-        if kind != "sliding" or window is None or seq_len <= window:
-            return float(seq_len)
-        return 2.0 * window - window * window / seq_len
-
-    return sum(span(k) for k in kinds) / len(kinds)
+    return sum(kind_span(adapter, k, seq_len) for k in kinds) / len(kinds)

@@ -91,6 +91,24 @@ def layer_shape(adapter) -> tuple[int, ...]:
 # H200), not yet checked against a run.
 ATTENTION_BY_SEQ = ((4096, 1.0), (32768, 390 / 170), (131072, 2.34), (262144, 2.34 * 526 / 564))
 
+# FlexAttention against SDPA's causal flash kernel at the same shape, by the score FlexAttention applies and
+# head_dim: (flash forward, flash forward + backward, flex forward, flex forward + backward) in milliseconds over
+# 8 rows x 4096 tokens with heads x head_dim = 4096 (FLEX_SHAPE_FLOPS forward FLOPs by the planner's count);
+# measured on the H200 through megatrain's own attention functions (bench/attention_kernels.py,
+# bench/results/2026-11-25/h200-diag/attention_kernels.json; Llama's shape at one 32k row: 14.7 / 55.7 / 20.5 /
+# 77.1). A layer runs FlexAttention for packed rows, a sliding window shorter than the row, or a score SDPA cannot
+# apply (ModelAdapter.cuda_attention). The planner's attention rate is fitted to flash runs; a FlexAttention layer
+# costs the measured difference per FLOP on top (timing.flex_extra).
+FLEX_MEASURED = {
+    ("plain", 64): (2.488, 9.902, 3.207, 14.013), ("sinks", 64): (2.488, 9.902, 3.567, 15.275),
+    ("plain", 128): (1.818, 7.658, 2.991, 11.196),
+    ("plain", 256): (1.654, 9.407, 4.107, 25.179), ("softcap", 256): (1.654, 9.407, 6.778, 35.421),
+}
+FLEX_SHAPE_FLOPS = 2.0 * 4096 * 4096 * 8 * 4096
+# FlexAttention computes whole blocks of 128 queries x 128 keys: a sliding window of W keys costs the blocks it
+# touches, W rounded up to blocks plus one.
+FLEX_BLOCK = 128
+
 # A MoE layer with no measured rate runs at this share of the default (dense) layer rate: routing, the token
 # permutation and grouped GEMMs over a few thousand tokens per expert are slower than one dense GEMM. Fitted to
 # the one MoE run measured (Qwen3-30B-A3B, 12 layers, 256 x 4096 per step, compiled, one H200,

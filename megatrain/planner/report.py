@@ -40,7 +40,7 @@ def render(p: Plan) -> str:
     lines = [f"megatrain plan: {p.model}, {_count(p.params)} parameters{moe}, {streamed} on {w.device}"
              f"{' (compiled layers)' if w.compile else ''}, gradient clipping {'on' if w.clipping else 'off'}",
              f"  step: {w.describe()}"]
-    src = p.profile.source if p.profile.measured else "defaults"
+    src = p.profile.source
     lines.append(f"  machine profile: {src}" + (f" (measured {p.profile.created} on {p.profile.host})"
                                                 if p.profile.measured else ""))
     if w.device == "cuda":

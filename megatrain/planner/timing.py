@@ -43,10 +43,12 @@
 
 from __future__ import annotations
 
+import math
+
 from ..runtime.optimizer_pipeline import DEVICE_GRADS, landing_piece, update_order
 from ..runtime.schedule import grads_to_host, kept, stashes, step_schedule
-from .flops import attention_span, flops_per_token
-from .profile import COMPILED_SPEEDUP, MOE_DEFAULT_SHARE, Profile
+from .flops import attention_span, flops_per_token, kind_span
+from .profile import COMPILED_SPEEDUP, FLEX_BLOCK, FLEX_MEASURED, FLEX_SHAPE_FLOPS, MOE_DEFAULT_SHARE, Profile
 from .workload import Workload
 
 # The CPU AdamW inside a training step runs at this share of the probe's rate (measured alone on an idle machine):
@@ -60,6 +62,46 @@ FP32_SLOWDOWN = 989.0 / 67.0
 # Without clipping, the CPU optimizer sets the step when, having made the GPU wait, it was busy (updating or waiting
 # for a gradient's copy) this share of the time from the first gradient queued to the embedding's update.
 SATURATED = 0.9
+
+
+def flex_extra(score: str, head_dim: int) -> tuple[float, float]:
+    """Seconds per attention forward FLOP (the planner's count) that FlexAttention takes beyond flash, in a forward
+    and in a forward + backward, for `score` at `head_dim` (FLEX_MEASURED: the nearest head_dim measured; a score
+    measured only at another head_dim scaled by its ratio to plain there)."""
+    def nearest(kind: str):
+        dims = [d for s, d in FLEX_MEASURED if s == kind]
+        return min(dims, key=lambda d: abs(math.log2(d / head_dim))) if dims else None
+
+    def extra(key) -> tuple[float, float]:
+        flash_f, flash_fb, flex_f, flex_fb = FLEX_MEASURED[key]
+        return (flex_f - flash_f) / 1e3 / FLEX_SHAPE_FLOPS, (flex_fb - flash_fb) / 1e3 / FLEX_SHAPE_FLOPS
+
+    plain = extra(("plain", nearest("plain")))
+    at = nearest(score)
+    if score == "plain" or at is None:
+        return plain
+    there, base = extra((score, at)), extra(("plain", at))
+    return plain[0] * there[0] / base[0], plain[1] * there[1] / base[1]
+
+
+def flex_seconds(adapter, seq_len: int, packed: bool) -> tuple[float, float]:
+    """What the layers' FlexAttention adds per token and layer (averaged over the layers) to their attention at
+    flash's rate, in a forward and in a forward + backward (ModelAdapter.cuda_attention: 0 where every layer runs
+    SDPA's causal kernel; a sliding window costs the whole 128 x 128 blocks it touches)."""
+    window = getattr(adapter, "sliding_window", None)
+    f = fb = 0.0
+    for kind in adapter.layer_kinds:
+        kernel, score = adapter.cuda_attention(kind, seq_len, packed)
+        if kernel == "flash":
+            continue
+        span = kind_span(adapter, kind, seq_len)
+        if kind == "sliding" and window is not None and seq_len > window:
+            span = min(float(seq_len), 2.0 * FLEX_BLOCK * (math.ceil(window / FLEX_BLOCK) + 1))
+        xf, xfb = flex_extra(score, adapter.head_dim)
+        flops = 2.0 * span * adapter.num_heads * adapter.head_dim
+        f, fb = f + flops * xf, fb + flops * xfb
+    n = len(adapter.layer_kinds)
+    return f / n, fb / n
 
 
 def _use_tokens(w: Workload) -> list[int]:
@@ -115,14 +157,17 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
         r_mm, r_attn = prof.layer_flops * speed, prof.attention_rate(w.seq_len) * speed
         how = ("the profile's largest probed layer's rate" if prof.layer_rates else "default rate") + \
             (" (compiled)" if w.compile else "")
+        xf, xb = flex_seconds(adapter, w.seq_len, w.packed) if w.device == "cuda" else (0.0, 0.0)
+        if xb:
+            how += ", FlexAttention's measured extra time over flash's (FLEX_MEASURED)"
         if adapter.moe:
             r_mm, r_attn = r_mm * MOE_DEFAULT_SHARE, r_attn * MOE_DEFAULT_SHARE
             how += f", MoE layers at {MOE_DEFAULT_SHARE:.2f} of it (fitted to one run; probe the layer)"
 
         def layer_s(P: int, forward: bool, tokens: int, stashed: bool = False) -> float:
             if forward:
-                return (2.0 * P / r_mm + attn_tok / r_attn) * tokens
-            return (6.0 * P / r_mm + (2 if stashed else 3) * attn_tok / r_attn) * tokens
+                return (2.0 * P / r_mm + attn_tok / r_attn + xf) * tokens
+            return (6.0 * P / r_mm + (2 if stashed else 3) * attn_tok / r_attn + (xb - xf if stashed else xb)) * tokens
     head_s = fl["head"] / prof.head_flops
     if w.precision == "fp32" and w.device == "cuda":  # the engine computes in fp32 (no TF32): every rate above is
         #                                              a bf16 tensor-core rate, not probed in fp32

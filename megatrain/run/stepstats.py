@@ -98,7 +98,8 @@ def start_summary(run) -> str:
            f"{plan.gpu_limit / GiB:.1f})" if plan.workload.device == "cuda" and plan.gpu_limit else "")
     avail = f" of {plan.host_available / GiB:.1f} GiB available" if plan.host_available else ""
     mfu = f", MFU {tm['mfu'] * 100:.1f}%" if tm.get("mfu") else ""
-    src = "measured profile" if plan.profile.measured else "default H200 profile"
+    src = "measured profile" if plan.profile.measured else "default H200 profile" + (
+        plan.profile.source[len("defaults"):] if plan.profile.source.startswith("defaults,") else "")
     lines.append(f"plan: host RAM {plan.host_total / GiB:.1f} GiB{avail}{gpu}; predicted {tm['step_s']:.2f} s/step, "
                  f"{tm['tokens_per_s']:,.0f} tokens/s, {tm['tflops_6n']:.3g} TFLOP/s (6N){mfu}, bound by "
                  f"{tm['bound']} ({src})")

@@ -1,0 +1,106 @@
+"""The planner times each layer's attention on the kernel it runs on CUDA: SDPA's causal flash kernel for plain rows,
+FlexAttention (measured extra time per FLOP, profile.FLEX_MEASURED) for packed rows, windows shorter than the row,
+Gemma 2's soft-capping and gpt-oss's sinks; and `megatrain train` without a probed profile plans with this
+machine's CPU AdamW rate."""
+
+from pathlib import Path
+
+import pytest
+
+from megatrain.models import get_adapter
+from megatrain.planner import Workload
+from megatrain.planner.flops import kind_span
+from megatrain.planner.profile import DEFAULTS, FLEX_MEASURED, FLEX_SHAPE_FLOPS
+from megatrain.planner.timing import flex_extra, flex_seconds, step_time
+
+CONFIGS = Path(__file__).resolve().parents[1] / "bench" / "model-configs"
+
+
+def adapter_of(name: str, **overrides):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(CONFIGS / name)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return get_adapter(cfg)
+
+
+def test_kernel_per_family_and_row():
+    llama = adapter_of("llama-3.1-8b")
+    assert llama.cuda_attention("full", 4096, packed=False) == ("flash", "plain")
+    assert llama.cuda_attention("full", 4096, packed=True) == ("flex", "plain")
+    gemma2 = adapter_of("gemma-2-9b")  # soft-capped scores: FlexAttention on every layer, packed or not
+    assert {gemma2.cuda_attention(k, 4096, False) for k in gemma2.layer_kinds} == {("flex", "softcap")}
+    gemma3 = adapter_of("gemma-3-27b")  # no capping: sliding layers run FlexAttention only past their window
+    window = gemma3.sliding_window
+    assert gemma3.cuda_attention("sliding", window, False) == ("flash", "plain")
+    assert gemma3.cuda_attention("sliding", window + 1, False) == ("flex", "plain")
+    assert gemma3.cuda_attention("full", 4 * window, False) == ("flash", "plain")
+    gpt_oss = adapter_of("gpt-oss-120b")  # sinks need the kernel's log-sum-exp: FlexAttention everywhere
+    assert {gpt_oss.cuda_attention(k, 4096, False) for k in gpt_oss.layer_kinds} == {("flex", "sinks")}
+
+
+def test_flex_extra_is_the_measured_difference():
+    for (score, d), (flash_f, flash_fb, flex_f, flex_fb) in FLEX_MEASURED.items():
+        xf, xfb = flex_extra(score, d)
+        assert xf == pytest.approx((flex_f - flash_f) / 1e3 / FLEX_SHAPE_FLOPS, rel=1e-12)
+        assert xfb == pytest.approx((flex_fb - flash_fb) / 1e3 / FLEX_SHAPE_FLOPS, rel=1e-12)
+        assert 0 < xf < xfb
+    # soft-capping measured at head_dim 256 only: at 128 it is plain's there, scaled by softcap/plain at 256
+    soft, plain128 = flex_extra("softcap", 128), flex_extra("plain", 128)
+    ratio = [a / b for a, b in zip(flex_extra("softcap", 256), flex_extra("plain", 256))]
+    assert soft == pytest.approx((plain128[0] * ratio[0], plain128[1] * ratio[1]), rel=1e-12)
+    assert flex_extra("plain", 96) == flex_extra("plain", 128)  # nearest measured head_dim (log scale)
+
+
+def test_flex_seconds_per_layer_and_token():
+    llama = adapter_of("llama-3.1-8b")
+    assert flex_seconds(llama, 4096, packed=False) == (0.0, 0.0)
+    xf, xfb = flex_extra("plain", llama.head_dim)
+    flops = 2.0 * 4096 * llama.num_heads * llama.head_dim
+    assert flex_seconds(llama, 4096, packed=True) == pytest.approx((flops * xf, flops * xfb), rel=1e-12)
+    # gpt-oss: half its layers slide over 128 keys: those cost the 128 x 128 blocks they touch (2 per query block)
+    gpt_oss = adapter_of("gpt-oss-120b")
+    kinds = gpt_oss.layer_kinds
+    xf, xfb = flex_extra("sinks", gpt_oss.head_dim)
+    width = gpt_oss.num_heads * gpt_oss.head_dim
+    full, sliding = 2.0 * 4096 * width, 2.0 * 2 * 2 * 128 * width
+    assert gpt_oss.sliding_window == 128 and kind_span(gpt_oss, "sliding", 4096) < 2 * 2 * 128
+    mean = (kinds.count("full") * full + kinds.count("sliding") * sliding) / len(kinds)
+    assert flex_seconds(gpt_oss, 4096, packed=False) == pytest.approx((mean * xf, mean * xfb), rel=1e-12)
+
+
+def test_step_time_adds_flex_per_layer_use():
+    """Packed rows of a dense model: each layer's forward use costs xf more per token, each backward use xfb."""
+    llama = adapter_of("llama-3.1-8b", num_hidden_layers=4)
+    units = llama.units()
+    plain = step_time(llama, units, Workload((2, 2), 4096, compile=True), DEFAULTS)
+    packed = step_time(llama, units, Workload((2, 2), 4096, compile=True, packed=True), DEFAULTS)
+    xf, xfb = flex_seconds(llama, 4096, packed=True)
+    tokens = 4 * 4096
+    assert packed["compute_s"] - plain["compute_s"] == pytest.approx(llama.num_layers * tokens * (xf + xfb),
+                                                                     rel=1e-9)
+    assert "FlexAttention" in packed["rate_source"] and "FlexAttention" not in plain["rate_source"]
+    # a CPU run has no kernel choice: nothing added
+    cpu_plain = step_time(llama, units, Workload((2, 2), 4096, device="cpu"), DEFAULTS)
+    cpu_packed = step_time(llama, units, Workload((2, 2), 4096, device="cpu", packed=True), DEFAULTS)
+    assert cpu_plain["compute_s"] == cpu_packed["compute_s"]
+
+
+def test_train_measures_the_cpu_adamw_without_a_profile(tmp_path, monkeypatch):
+    from megatrain.config import load_config
+    from megatrain.planner import plan as plan_mod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no probed profile at the default path
+    cfg = load_config(None, [])
+    prof = plan_mod.run_profile(cfg, "cuda", adam_params=1 << 18)
+    assert not prof.measured and prof.source.startswith("defaults, CPU AdamW measured here")
+    assert prof.adamw_params_per_s > 0 and prof.adamw_params_per_s != DEFAULTS.adamw_params_per_s
+    assert plan_mod.run_profile(cfg, "cpu") == DEFAULTS  # a CPU run updates inline: the defaults' note stands
+    # a probed profile is kept as it is
+    import json
+
+    probed = tmp_path / "probed.json"
+    probed.write_text(json.dumps({"host": "elsewhere", "cpu": {"adamw_params_per_s": 1.5e9}}))
+    kept = plan_mod.run_profile(load_config(None, [f"plan.profile={probed}"]), "cuda", adam_params=1 << 18)
+    assert kept.measured and kept.adamw_params_per_s == 1.5e9 and kept.source == str(probed)
