@@ -5,7 +5,9 @@
             layer and token forward (causal), 3x that in backward (2x when the layer kept its attention from the
             forward wave: Placement.reuse_attention); 6 per LM-head parameter per target.
     rates   a layer rate the probe measured at this shape (profile.py), converted by COMPILED_SPEEDUP when it
-            was probed only in the other compile mode; else the profile's matmul and attention rates.
+            was probed only in the other compile mode; else the profile's matmul and attention rates (flash's),
+            plus for each layer that runs FlexAttention on CUDA (packed rows, a window shorter than the row, a
+            score SDPA cannot apply: ModelAdapter.cuda_attention) its measured extra time (`flex_seconds`).
     time    `_simulate`, a small event simulation of one steady-state CUDA step that walks the runtime's own
             `step_schedule` (runtime/schedule.py) with the workload's placement, as Engine.train_step
             (runtime/engine.py) executes it: per use, H2D weight copies into the slot ring (skipped when the slot
