@@ -104,6 +104,12 @@ class MemoryConfig(_Strict):
                                                                 "their attention (q, k, v, output) on the GPU from "
                                                                 "the forward to their backward, which then does not "
                                                                 "run it again (0: none; default: chosen at long rows)")
+    attn_block: int | None = Field(None, ge=0, description="plain causal rows longer than this many tokens run the "
+                                                           "attention's backward over blocks of this many queries "
+                                                           "and keys, from the forward's output and log-sum-exp: "
+                                                           "no row-sized fp32 d(q) or per-query-head d(k), d(v) "
+                                                           "(0: the fused kernel over the row; default: chosen at "
+                                                           "long rows)")
     disk_path: str | None = Field(None, description="a folder on a local SSD for the optimizer states host RAM "
                                                     "cannot hold (the SSD tier): the planner moves Adam v, then m, "
                                                     "then the fp32 master there when memory.host_budget_gb is too "

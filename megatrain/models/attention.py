@@ -101,8 +101,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Att
                      score_mod=None) -> torch.Tensor:
     """softmax(q·kᵀ·scale + mask)·v for q [B, heads, T, d], k and v [B, kv_heads, T, d] (grouped-query heads
     shared), causal, within `ctx`'s documents and window. `score_mod` (FlexAttention's, CUDA only: the caller
-    computes it explicitly elsewhere) changes the scaled scores before the mask."""
+    computes it explicitly elsewhere) changes the scaled scores before the mask. Plain causal rows longer than
+    `ctx.attn_block` run `blockwise_causal` (the backward over blocks of queries and keys), which writes d(q) over
+    the d(output) its backward is given: the layer's backward (runtime/layer.py) hands it a buffer it does not read
+    again, as autograd does its own."""
     gqa = k.shape[1] != q.shape[1]
+    if ctx.mask is None and ctx.block_mask is None and score_mod is None and 0 < ctx.attn_block < q.shape[2] \
+            and not torch.compiler.is_compiling():
+        return blockwise_causal(q, k, v, scale, ctx.attn_block, grad_in_place=True)
     if ctx.block_mask is not None:
         return flex_attention()(q, k, v, score_mod=score_mod, block_mask=ctx.block_mask, scale=scale,
                                 enable_gqa=gqa)
@@ -111,6 +117,105 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Att
     if ctx.mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, scale=scale, enable_gqa=gqa)
+
+
+# ---- plain causal attention whose backward runs over blocks (memory.attn_block) --------------------------------
+# The fused flash backward over a whole row allocates, besides d(q), d(k), d(v), an fp32 accumulator for d(q) as
+# large as q in fp32 and, with grouped KV heads, d(k) and d(v) expanded to every query head: at 524,288 tokens of a
+# 32-head, 8-KV-head layer 8 + 4 + 4 GiB on top of q, k, v, the output and d(output). Its gradients decompose over
+# blocks of queries (i) and keys (j <= i): with P = exp(q_i·k_jᵀ·scale − lse_i) and D_i = rowsum(dO_i ∘ O_i), where
+# O and lse are the whole row's output and log-sum-exp,
+#     dV_j += P_ijᵀ·dO_i,   dS_ij = P_ij ∘ (dO_i·V_jᵀ − D_i),   dQ_i += dS_ij·K_j·scale,   dK_j += dS_ijᵀ·Q_i·scale
+# which is exactly what the flash backward kernel computes for one (q block, k block) pair when it is given the
+# row's O_i and lse_i (a diagonal pair causal, a pair below the diagonal unmasked): the pieces ring attention sums.
+# So the backward runs the kernel pair by pair, summing in fp32, and its working set is one pair's plus the fp32
+# sums of d(k) and d(v) (kv heads only) and of one block's d(q). The forward is the kernel over the whole row (it
+# needs no more than q, k, v and its output). What differs from the fused kernel: each pair's gradient is rounded
+# to the input dtype before the fp32 sum (the fused kernel sums in fp32 and rounds once; bf16 rows of 8 blocks
+# differ from it by about what two roundings do, measured in bench/results, tests/test_blockwise_attention.py).
+
+
+def _flash_forward(q, k, v, scale: float, causal: bool):
+    """(output [B, heads, T, d] laid out [B, T, heads, d] as the kernels write it, fp32 log-sum-exp [B, heads, T],
+    what the CUDA backward needs besides them)."""
+    if q.is_meta:  # the planner's memory simulation: the kernel's allocations
+        B, h, T, d = q.shape
+        return (q.new_empty(B, T, h, d).transpose(1, 2), q.new_empty(B, h, T, dtype=torch.float32), ())
+    if q.is_cuda:
+        o, lse, cq, ck, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        return o, lse, (cq, ck, seed, offset)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return o, lse, ()
+
+
+def _flash_backward(do, q, k, v, o, lse, scale: float, causal: bool, extra):
+    """(dq, dk, dv) of one block pair from the row's output and log-sum-exp slices (kv heads for dk, dv)."""
+    if q.is_meta:  # what the CUDA kernel allocates: an fp32 d(q) accumulator, per-query-head d(k), d(v) with
+        B, h, Tq, d = q.shape  # grouped KV heads, then its outputs
+        work = [q.new_empty(B, Tq, h, d, dtype=torch.float32), q.new_empty(B, h, Tq, dtype=torch.float32)]
+        if k.shape[1] != h:
+            work += [k.new_empty(B, k.shape[2], h, d), k.new_empty(B, k.shape[2], h, d)]
+        out = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        del work
+        return out
+    if q.is_cuda:
+        cq, ck, seed, offset = extra
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, o, lse, cq, ck, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, o, lse, 0.0, causal,
+                                                                                scale=scale)
+
+
+def attention_blocks(T: int, block: int) -> list[tuple[int, int]]:
+    """[start, end) blocks of `block` tokens over a row of T (the last one shorter)."""
+    return [(s, min(s + block, T)) for s in range(0, T, block)]
+
+
+class _BlockwiseCausal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, block: int, grad_in_place: bool):
+        o, lse, extra = _flash_forward(q, k, v, scale, True)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.scale, ctx.block, ctx.extra, ctx.in_place = scale, block, extra, grad_in_place
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        scale, extra = ctx.scale, ctx.extra
+        B, h, T, d = q.shape
+        acc = torch.promote_types(q.dtype, torch.float32)
+        # the results laid out [B, T, heads, d] as q, k, v are (views back to the layer's [B·T, heads, d] buffers);
+        # d(q) over d(output) when allowed and laid out so: block i's d(output) is read by block i's pairs only
+        same = do.dtype == q.dtype and do.shape == q.shape and do.transpose(1, 2).is_contiguous()
+        dq = do if ctx.in_place and same else q.new_empty(B, T, h, d).transpose(1, 2)
+        dk = torch.zeros(B, T, k.shape[1], d, dtype=acc, device=k.device).transpose(1, 2)
+        dv = torch.zeros(B, T, v.shape[1], d, dtype=acc, device=v.device).transpose(1, 2)
+        blocks = attention_blocks(T, ctx.block)
+        for i, (qs, qe) in enumerate(blocks):
+            do_i, q_i, o_i, lse_i = do[:, :, qs:qe], q[:, :, qs:qe], o[:, :, qs:qe], lse[:, :, qs:qe].contiguous()
+            dq_i = None
+            for j, (ks, ke) in enumerate(blocks[:i + 1]):
+                gq, gk, gv = _flash_backward(do_i, q_i, k[:, :, ks:ke], v[:, :, ks:ke], o_i, lse_i, scale, i == j,
+                                             extra)
+                dq_i = gq.to(acc) if dq_i is None else dq_i.add_(gq)
+                dk[:, :, ks:ke].add_(gk)
+                dv[:, :, ks:ke].add_(gv)
+                del gq, gk, gv
+            dq[:, :, qs:qe] = dq_i
+            del dq_i, lse_i
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def blockwise_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int,
+                     grad_in_place: bool = False) -> torch.Tensor:
+    """Causal attention (grouped KV heads shared) over q [B, heads, T, d], k and v [B, kv_heads, T, d], the flash
+    kernel's forward over the whole row, its backward over (query block, key block) pairs of `block` tokens (see
+    above): CUDA, CPU and the meta device (the kernel's allocations, for the planner). `grad_in_place`: the
+    backward may write d(q) over the d(output) it is given (one row-sized buffer less; its caller must not read
+    that gradient again)."""
+    return _BlockwiseCausal.apply(q, k, v, scale, int(block), bool(grad_in_place))
 
 
 # ---- attention sinks (gpt_oss) -------------------------------------------------------------------------------------

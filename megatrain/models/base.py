@@ -102,11 +102,20 @@ class AttnContext:
     window: int | None = None  # sliding window (a query sees itself and the window - 1 keys before it), or None
     variants: dict[str, "AttnContext"] = field(default_factory=dict)  # other layer kinds' contexts (see below)
     token_mask: torch.Tensor | None = None  # bool [B, T]: real tokens (not padding), for MoE router statistics
+    attn_block: int = 0  # plain causal rows longer than this: the attention's backward over blocks of this many
+    #                      queries and keys (models/attention.blockwise_causal; Placement.attn_block; 0: whole)
 
     def with_token_mask(self, mask: torch.Tensor | None) -> "AttnContext":
         """Sets the micro-batch's real-token mask on this context and its variants; returns self."""
         for c in (self, *self.variants.values()):
             c.token_mask = mask
+        return self
+
+    def with_attn_block(self, block: int) -> "AttnContext":
+        """Sets the attention's backward block (Placement.attn_block) on this context and its variants; returns
+        self."""
+        for c in (self, *self.variants.values()):
+            c.attn_block = int(block)
         return self
 
     def for_kind(self, kind: str) -> "AttnContext":

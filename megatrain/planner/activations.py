@@ -119,9 +119,12 @@ def _meta_layer_inputs(adapter, batch: int, seq: int, dtype: torch.dtype, packed
 
 
 def layer_memory(adapter, batch: int, seq: int, dtype: torch.dtype = torch.bfloat16, packed: bool = False,
-                 cuda_attention: bool = True, seq_tile: int = 0, stash: bool = False) -> dict[str, int]:
+                 cuda_attention: bool = True, seq_tile: int = 0, stash: bool = False,
+                 attn_block: int = 0) -> dict[str, int]:
     """Bytes of one layer for one micro-batch of `batch` x `seq` tokens, its MLP part over tiles of `seq_tile`
-    tokens (0: whole), as runtime.layer.layer_template builds the engine's layer:
+    tokens (0: whole), its attention's backward over blocks of `attn_block` tokens on plain causal rows longer than
+    that (Placement.attn_block; models/attention.blockwise_causal: on the meta device it allocates what the CUDA
+    kernel does per block pair), as runtime.layer.layer_template builds the engine's layer:
 
     forward_peak   no-grad forward (the forward wave), output included
     backward_peak  recompute + local backward + fp32 accumulation (runtime.layer.layer_backward, the engine's
@@ -136,9 +139,10 @@ def layer_memory(adapter, batch: int, seq: int, dtype: torch.dtype = torch.bfloa
     backward_stash_peak  the backward that spends it, the stash included (freed as it goes)
     """
     w, ctx, x = _meta_layer_inputs(adapter, batch, seq, dtype, packed)
+    ctx.with_attn_block(attn_block)
     grad_acc = {k: torch.empty(v.shape, dtype=torch.float32, device="meta") for k, v in w.items()}
     dh = torch.empty_like(x)
-    layer = layer_template(adapter, seq_tile)
+    layer = layer_template(adapter, seq_tile, attn_block=attn_block)
     out = {}
     with _cuda_attention(cuda_attention):
         mode = LiveBytes()
@@ -155,7 +159,7 @@ def layer_memory(adapter, batch: int, seq: int, dtype: torch.dtype = torch.bfloa
             del dx
         out["backward_peak"] = mode.peak
         if stash and can_stash(adapter):
-            layer = layer_template(adapter, seq_tile, stash=True)
+            layer = layer_template(adapter, seq_tile, stash=True, attn_block=attn_block)
             mode = LiveBytes()
             mode.ignore(*w.values(), x, dh, ctx.cos, ctx.sin, ctx.mask, *grad_acc.values())
             with mode:

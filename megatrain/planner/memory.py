@@ -56,6 +56,13 @@ GPU_RESERVE_COMPILED = 0.35
 # (results/2026-11-25/h200-reuse) but 1.43 for Gemma-2-9B's 8 x 4,096-token micro-batches with the same tiles
 # (h200-gptoss-gemma): what fragments the allocator is not the tiling alone; one row is not enough to fit a rule.
 GPU_RESERVE_STREAMS = 0.20  # added with spill or offload
+# One row per micro-batch of LONG_ROW tokens or more through the tiled layer: a few large same-sized buffers per
+# layer use, which the allocator reuses. Reserved / allocated measured on the H200 (2026-11-25): Llama-3.1-8B 128k
+# 1.013 (h200-reuse), Qwen2.5-7B 128k 1.020, 256k 1.083, 512k 1.152 with spilled inputs and a gradient sent to host
+# (h200-longctx-qwen); the same Llama row untiled (compiled whole layer) 1.30, which this does not cover.
+LONG_ROW = 131072
+GPU_RESERVE_LONG_ROW = 0.10
+GPU_RESERVE_LONG_ROW_STREAMS = 0.10  # added with spill or offload (the 512k row: 1.152)
 CUDA_CONTEXT = int(0.6 * GiB)  # outside the caching allocator
 COMPILED_ACTIVATIONS = 0.67  # compiled / eager layer backward peak, fitted to the 2026-11-21 compiled runs
 
@@ -164,8 +171,8 @@ _ACTIVATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _measured_activations(adapter, w: Workload, prof: Profile | None, b: int) -> float | None:
     """The probe's measured recompute+backward peak for this layer shape, micro-batch and compile mode."""
     if prof is None or w.device != "cuda" or w.packed or w.precision != "bf16" or \
-            0 < w.placement.seq_tile < b * w.seq_len:  # the probe runs the layer whole
-        return None
+            0 < w.placement.seq_tile < b * w.seq_len or 0 < w.placement.attn_block < w.seq_len:  # the probe runs
+        return None  # the layer whole, its attention's backward fused
     shape = layer_shape(adapter)
     for r in prof.layer_rates:
         if r.shape == shape and (r.micro, r.seq, r.compile) == \
@@ -184,12 +191,13 @@ def _activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | No
     tiled = False
     for b in sorted(set(w.micro_batches)):
         tile = w.placement.seq_tile if w.placement.seq_tile < b * w.seq_len else 0  # one tile: the whole layer
-        tiled |= bool(tile)
+        block = w.placement.attn_block if 0 < w.placement.attn_block < w.seq_len and not w.packed else 0
+        tiled |= bool(tile or block)  # (rows longer than the attention's block run the split layer too)
         stash = w.placement.reuse_attention > 0
-        key = (b, w.seq_len, dtype, w.packed, w.device, chunk, targets, w.head_kernels, tile, stash)
+        key = (b, w.seq_len, dtype, w.packed, w.device, chunk, targets, w.head_kernels, tile, stash, block)
         if key not in cache:
             layer = actsim.layer_memory(adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda",
-                                        seq_tile=tile, stash=stash)
+                                        seq_tile=tile, stash=stash, attn_block=block)
             cache[key] = {"forward": layer["forward_peak"], "backward": layer["backward_peak"],
                           "head": actsim.head_memory(adapter, b, w.seq_len, b * targets, chunk, dtype,
                                                      cuda=w.device == "cuda" and w.head_kernels)}
@@ -199,7 +207,7 @@ def _activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | No
         out[b] = dict(cache[key])
         # compiling fuses a whole layer's elementwise work; a tiled layer's peak is its full-length buffers (q, k, v,
         # the attention's output and gradients), which compiling does not shrink: no discount
-        out[b]["backward"] *= COMPILED_ACTIVATIONS if w.compile and not tile else 1.0
+        out[b]["backward"] *= COMPILED_ACTIVATIONS if w.compile and not (tile or block) else 1.0
     measured = {b: _measured_activations(adapter, w, prof, b) for b in out}
     for b, m in measured.items():
         if m is not None:
@@ -407,5 +415,8 @@ def gpu_needed(peak: float, w: Workload) -> float:
     """GPU memory a CUDA run needs for an allocated peak: the caching allocator's reserve and the CUDA context."""
     pl = w.placement
     side_streams = pl.spill_layers or pl.grads_to_host or (len(w.groups) > 1 and pl.group_grads == "host")
-    reserve = (GPU_RESERVE_COMPILED if w.compile else GPU_RESERVE) + (GPU_RESERVE_STREAMS if side_streams else 0.0)
+    if pl.seq_tile and max(w.micro_batches) == 1 and w.seq_len >= LONG_ROW:
+        reserve = GPU_RESERVE_LONG_ROW + (GPU_RESERVE_LONG_ROW_STREAMS if side_streams else 0.0)
+    else:
+        reserve = (GPU_RESERVE_COMPILED if w.compile else GPU_RESERVE) + (GPU_RESERVE_STREAMS if side_streams else 0.0)
     return peak * (1 + reserve) + CUDA_CONTEXT

@@ -18,6 +18,10 @@ The knobs, cheapest first in step time (DESIGN.md rules 9-11):
                         the same FLOPs and bus traffic, a working set of the attention's q, k, v and output plus one
                         tile instead of the micro-batch's [tokens, intermediate] tensors; the first knob tried when
                         the default placement does not fit (SEQ_TILE tokens)
+    attn_block b        plain causal rows longer than b tokens run the attention's backward over (query block, key
+                        block) pairs of b tokens (models/attention.blockwise_causal): the same FLOPs, without the
+                        fused kernel's row-sized fp32 d(q) and per-query-head d(k), d(v) (16 GiB of a 7-8B layer at
+                        512k tokens); tried with seq_tile when the tiled layer does not fit (ATTN_BLOCK tokens)
     reuse_attention N   the top N layers keep their attention (q, k, v, output) on the GPU from the forward wave to
                         their backward, which does not run it again: a knob that buys time with spare GPU memory,
                         tried last, on the placement chosen, at rows of REUSE_FROM tokens or more (`with_reuse`)
@@ -57,6 +61,9 @@ SEQ_TILE = 8192
 # 6% or more of a 7-8B step (32k; 14% at 128k, where it was ~8 s of Llama-3.1-8B's 50.8 s on the H200); below, it
 # would trade the whole compiled layer for the split one (q/k/v, attention, the rest) for about 1%.
 REUSE_FROM = 32768
+# Queries and keys per block of the attention's backward when the planner blocks it: a 65,536 x 65,536 pair is
+# ~10^14 FLOPs for a 32-head layer (the kernel at its full rate), and the pair's working set ~2.75 GiB.
+ATTN_BLOCK = 65536
 NEAR_FASTEST = 0.05  # placements predicted this close to the fastest count as fast: the least host RAM wins
 GROUP_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -74,9 +81,22 @@ def describe(pl: Placement, groups: int) -> str:
         parts.append("memory.stream_dtype=fp32")
     if pl.seq_tile:
         parts.append(f"memory.seq_tile={pl.seq_tile}")
+    if pl.attn_block:
+        parts.append(f"memory.attn_block={pl.attn_block}")
     if pl.reuse_attention:
         parts.append(f"memory.reuse_attention={pl.reuse_attention}")
     return " ".join(parts)
+
+
+def attn_block_for(adapter, w: Workload) -> int:
+    """The planner's attention backward block for this workload: ATTN_BLOCK when its rows are plain causal ones (not
+    packed, on a family whose attention splits and whose layers, some at least, run the flash kernel at this length)
+    of more than ATTN_BLOCK tokens, else 0 (nothing to block)."""
+    if w.packed or w.seq_len <= ATTN_BLOCK or not can_stash(adapter):
+        return 0
+    if all(adapter.cuda_attention(k, w.seq_len, False)[0] != "flash" for k in set(adapter.layer_kinds)):
+        return 0  # (layers on FlexAttention keep it: its backward has no row-sized fp32 buffer)
+    return ATTN_BLOCK
 
 
 def seq_tile_for(w: Workload) -> int:
@@ -303,6 +323,14 @@ def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None
         s = _Search(adapter, units, w, prof, host_limit, gpu_limit, free)
         tiled = (f"; with the layer over tiles of {w.placement.seq_tile} tokens it needs "
                  f"{s.memory(w.placement)[1] / GiB:.1f} GiB")
+        if s.gpu_ok(w.placement) and s.host_ok(w.placement):
+            return w, f"the default placement needs {default_gpu / GiB:.1f} GiB of GPU memory{tiled} and fits", True
+    if "attn_block" in free and attn_block_for(adapter, w):  # then the attention's backward in blocks
+        w = replace(w, placement=replace(w.placement, attn_block=attn_block_for(adapter, w)))
+        free = free - {"attn_block"}
+        s = _Search(adapter, units, w, prof, host_limit, gpu_limit, free)
+        tiled += (f"; with the attention's backward over blocks of {w.placement.attn_block} tokens "
+                  f"{s.memory(w.placement)[1] / GiB:.1f} GiB")
         if s.gpu_ok(w.placement) and s.host_ok(w.placement):
             return w, f"the default placement needs {default_gpu / GiB:.1f} GiB of GPU memory{tiled} and fits", True
     candidates, tried = _candidates(s, w), s.tried

@@ -159,7 +159,8 @@ class Engine:
         # shares the graphs. With a sequence tile its per-token work runs over tiles of tokens (layer.py).
         self.kinds = adapter.layer_kinds  # each layer's attention kind: which of a micro-batch's contexts it uses
         self.layer = layer_template(adapter, options.placement.seq_tile, options.compile_layers,
-                                    stash=options.placement.reuse_attention > 0)
+                                    stash=options.placement.reuse_attention > 0,
+                                    attn_block=options.placement.attn_block)
         self.dtype = store.compute_dtype
         self.cast_on_device = store.stream_dtype != self.dtype  # fp32 streamed, cast into the slots
         if self.dtype == torch.bfloat16 and self.cast_on_device != (options.placement.stream_dtype == "fp32"):
@@ -273,7 +274,7 @@ class Engine:
         self.phase = Phase("inputs")
         mbs = [mb.to(self.device) for mb in microbatches]
         return mbs, [self.adapter.make_context(mb.position_ids, self.dtype, mb.packed).with_token_mask(mb.token_mask)
-                     for mb in mbs]
+                     .with_attn_block(self.options.placement.attn_block) for mb in mbs]
 
     def _finish_grad(self, use: Use, unit: int, grad: torch.Tensor, sq_norms: list) -> None:
         """After the use that last touches this unit's gradient in its group: hand it to the sink when complete,

@@ -160,6 +160,12 @@ class TiledLayer:
 
             self.token_part = maybe_compiled(token_part)
 
+    def _whole(self, ctx, ranges, T: int) -> bool:
+        """Whether a micro-batch runs the adapter's whole layer (compiled when the template is): one tile, and no
+        attention backward over blocks (`ctx.attn_block`, which runs outside the compiled graph, in `attend`)."""
+        return len(ranges) == 1 and not (self.split_attention and ctx.mask is None and ctx.block_mask is None
+                                         and 0 < ctx.attn_block < T)
+
     @staticmethod
     def _mask(ctx, s: int, e: int):
         return None if ctx.token_mask is None else ctx.token_mask.reshape(-1)[s:e]
@@ -210,7 +216,7 @@ class TiledLayer:
                                "(layer_backward recomputes with autograd)")
         B, T, H = h.shape
         ranges = token_tiles(B * T, self.tile)
-        if len(ranges) == 1:
+        if self._whole(ctx, ranges, T):
             return self.whole(w, h, ctx)
         outs: list = []
         if not self.split_attention:
@@ -276,7 +282,7 @@ class TiledLayer:
         below are skipped, the rest is the same code on the same numbers."""
         B, T, H = checkpoint.shape
         ranges = token_tiles(B * T, self.tile)
-        if len(ranges) == 1 and stash is None:
+        if self._whole(ctx, ranges, T) and stash is None:
             return _whole_backward(self.whole, w, checkpoint, ctx, dh, grad_views, extra_grad)
         params = {k: v.detach().requires_grad_(True) for k, v in w.items()}
         acc = dict(zip(params, grad_views))
@@ -353,15 +359,16 @@ def can_stash(adapter) -> bool:
     return bool(getattr(adapter, "splits_attention", False))
 
 
-def layer_template(adapter, seq_tile: int = 0, compile: bool = False, stash: bool = False):
+def layer_template(adapter, seq_tile: int = 0, compile: bool = False, stash: bool = False, attn_block: int = 0):
     """What the engine calls for a layer: the adapter's layer_forward (compiled or not), or with `seq_tile` > 0 a
     TiledLayer (an adapter whose layer does not split into attention and MLP parts runs whole). `stash`: some
     layers keep their attention for the backward (`TiledLayer.forward_stash`): a TiledLayer even without tiles
-    (its layers without a stash run whole, as layer_forward)."""
+    (its layers without a stash run whole, as layer_forward). `attn_block` (Placement.attn_block): a TiledLayer too,
+    whose rows longer than it run split, their attention uncompiled (models/attention.blockwise_causal)."""
     if stash and not can_stash(adapter):
         raise ValueError(f"{type(adapter).__name__}'s attention does not split into qkv, attend and attn_out: its "
                          "layers cannot keep their attention for the backward (memory.reuse_attention: 0)")
-    if (seq_tile or stash) and getattr(adapter, "splits_layer", False):
+    if (seq_tile or stash or attn_block) and getattr(adapter, "splits_layer", False):
         return TiledLayer(adapter, seq_tile, compile)
     return torch.compile(adapter.layer_forward, dynamic=False) if compile else adapter.layer_forward
 

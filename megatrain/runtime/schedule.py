@@ -23,6 +23,9 @@ decides, before the step, where everything lives:
     reuse_attention N    of the top N layers, those whose input is kept (not rebuilt) keep their attention (q, k, v,
                          its output and what the kernel saves) from the forward wave on the GPU until their backward
                          (`Use.stash`), which then neither recomputes q, k, v nor runs the attention forward again
+    attn_block b         plain causal rows longer than b tokens run the attention's backward over (query block, key
+                         block) pairs of b tokens from the forward's output and log-sum-exp (models/attention.py): a
+                         use's working set without the fused kernel's row-sized fp32 d(q) and expanded d(k), d(v)
 
 Per group g, the uses are:
 
@@ -62,9 +65,12 @@ class Placement:
     seq_tile: int = 0  # a layer's per-token work runs over tiles of this many tokens (runtime/layer.py; 0: whole)
     reuse_attention: int = 0  # the top N layers whose inputs are kept keep their attention from the forward wave
     #                           for their backward (runtime/layer.AttentionStash; 0: the backward runs it again)
+    attn_block: int = 0  # plain causal rows longer than this run the attention's backward over blocks of this
+    #                      many queries and keys (models/attention.blockwise_causal; 0: the fused kernel, whole)
 
     def __post_init__(self):
-        counts = (self.spill_layers, self.grads_to_host, self.keep_top_layers, self.seq_tile, self.reuse_attention)
+        counts = (self.spill_layers, self.grads_to_host, self.keep_top_layers, self.seq_tile, self.reuse_attention,
+                  self.attn_block)
         if self.checkpoint_every < 1 or self.wave_groups < 1 or min(counts) < 0 or \
                 self.stream_dtype not in ("bf16", "fp32") or self.group_grads not in ("gpu", "host"):
             raise ValueError(f"invalid placement {self}")

@@ -1,0 +1,141 @@
+"""The attention's backward over blocks (memory.attn_block, models/attention.blockwise_causal) on CUDA: the flash
+kernels CPU cannot run.
+
+    python3 -m pytest -q -m gpu tests/gpu/test_blockwise_cuda.py     (MEGATRAIN_GPU_RESULTS=DIR: JSON there)
+
+1. Exactness, bf16, Llama-3.1-8B's heads (32 query, 8 KV, 128 dims) over an 8,192-token row, blocks of 1,024 (36
+   pairs): against the float64 truth (the same bf16 inputs, SDPA's math path in float64), the blocked backward's
+   d(q), d(k), d(v) are as close as the fused kernel's own (within 2x its error; the output is the same kernel's,
+   bit for bit); d(q) written over d(output) when allowed.
+2. Memory and time at length: the same heads over 131,072 and 262,144 tokens (blocks of 65,536): the backward's
+   allocated peak above its inputs for the fused kernel and the blocked one, and what the planner's meta device
+   measures for each (planner.activations: the same function on the meta device), and each backward's time
+   (recorded: the planner times the blocked backward at the fused kernel's rate).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gpu_results import write_result
+
+from megatrain.models.attention import blockwise_causal
+
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
+
+GiB = 2**30
+H, KH, D = 32, 8, 128
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _inputs(T: int, seed: int, heads: int = H, kv: int = KH):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(1, T, n, D, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)
+               for n in (heads, kv, kv))
+    do = (torch.randn(1, T, heads, D, device="cuda", generator=g) * 0.1).to(torch.bfloat16).transpose(1, 2)
+    return q, k, v, do
+
+
+def _fused(q, k, v, do, scale):
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale, enable_gqa=True)
+    return out, torch.autograd.grad(out, leaves, do)
+
+
+def _blocked(q, k, v, do, scale, block, in_place=False):
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out = blockwise_causal(*leaves, scale, block, grad_in_place=in_place)
+    return out, torch.autograd.grad(out, leaves, do)
+
+
+def test_blocked_backward_on_cuda_is_as_exact_as_the_fused_kernel():
+    T, block, scale = 8192, 1024, D ** -0.5
+    q, k, v, do = _inputs(T, seed=0, heads=8, kv=2)  # float64 math over 8 heads: 4 GiB of scores
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        truth_out = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale, enable_gqa=True)
+        truth = torch.autograd.grad(truth_out, leaves, do.double())
+    del truth_out, leaves
+    fused_out, fused = _fused(q, k, v, do, scale)
+    out, blocked = _blocked(q, k, v, do, scale, block)
+    d = do.clone()
+    _, in_place = _blocked(q, k, v, d, scale, block, in_place=True)
+    res = {"seq": T, "block": block, "heads": 8, "kv_heads": 2,
+           "output_equal": bool(torch.equal(out, fused_out)),
+           "in_place_dq_aliases_dout": in_place[0].untyped_storage().data_ptr() == d.untyped_storage().data_ptr(),
+           "in_place_equal": all(torch.equal(a, b) for a, b in zip(in_place, blocked))}
+    for name, t, f, b in zip("qkv", truth, fused, blocked):
+        res[f"d{name}_rel_fused"], res[f"d{name}_rel_blocked"] = rel(f, t), rel(b, t)
+    write_result("blockwise_exact_cuda", __file__, res)
+    print(res)
+    assert res["output_equal"] and res["in_place_dq_aliases_dout"] and res["in_place_equal"], res
+    for name in "qkv":
+        assert res[f"d{name}_rel_blocked"] <= 2 * res[f"d{name}_rel_fused"], res
+
+
+def _timed_backward(fn, q, k, v, do, scale):
+    """(seconds of the backward, its allocated peak above what was live before it)."""
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out = fn(leaves)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t = time.perf_counter()
+    grads = torch.autograd.grad(out, leaves, do)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated() - base
+    del grads, out, leaves
+    return dt, peak
+
+
+@pytest.mark.parametrize("T", [131072, 262144])
+def test_blocked_backward_memory_and_time_at_length(T):
+    from megatrain.planner.activations import LiveBytes, _fused_sdpa
+
+    block, scale = 65536, D ** -0.5
+    q, k, v, do = _inputs(T, seed=1)
+
+    def fused(leaves):
+        return F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale, enable_gqa=True)
+
+    def blocked(leaves):
+        return blockwise_causal(*leaves, scale, block)
+
+    _timed_backward(fused, q, k, v, do, scale)  # warm-up
+    _timed_backward(blocked, q, k, v, do, scale)
+    runs = {name: [_timed_backward(fn, q, k, v, do, scale) for _ in range(2)]
+            for name, fn in (("fused", fused), ("blocked", blocked))}
+
+    def meta_peak(fn):  # what the planner measures: the same call on the meta device
+        mq, mk, mv, mdo = (torch.empty(t.transpose(1, 2).shape, dtype=t.dtype, device="meta").transpose(1, 2)
+                           for t in (q, k, v, do))
+        leaves = [t.requires_grad_(True) for t in (mq, mk, mv)]
+        out = fn(leaves)
+        mode = LiveBytes()
+        mode.ignore(mq, mk, mv, mdo, out)
+        with mode:
+            g = torch.autograd.grad(out, leaves, mdo)
+            del g
+        return mode.peak
+
+    planned = {"fused": meta_peak(lambda lv: _fused_sdpa(*lv, is_causal=True, scale=scale, enable_gqa=True)),
+               "blocked": meta_peak(blocked)}
+    res = {"seq": T, "block": block, "heads": H, "kv_heads": KH}
+    for name in ("fused", "blocked"):
+        res[f"{name}_backward_s"] = min(r[0] for r in runs[name])
+        res[f"{name}_backward_peak_gib"] = max(r[1] for r in runs[name]) / GiB
+        res[f"{name}_planned_peak_gib"] = planned[name] / GiB
+    res["blocked_over_fused_time"] = res["blocked_backward_s"] / res["fused_backward_s"]
+    write_result(f"blockwise_length_cuda_{T}", __file__, res)
+    print(res)
+    assert res["blocked_backward_peak_gib"] < res["fused_backward_peak_gib"], res
+    for name in ("fused", "blocked"):
+        assert abs(res[f"{name}_backward_peak_gib"] - res[f"{name}_planned_peak_gib"]) <= \
+            0.1 * res[f"{name}_planned_peak_gib"] + 0.1, res
