@@ -32,6 +32,13 @@ MEASURED = [
     ("llama-3.1-8b", "2026-11-25/h200-reuse/llama8b_128k.json", "no keys: seq_tile 8192, reuse_attention 32"),
 ] + [("qwen2.5-7b", f"2026-11-25/h200-longctx-qwen/qwen7b_{k}k.json", "no keys" + (", --extend-context" if k > 128 else ""))
      for k in (32, 64, 128, 256, 512)]
+# Runs on the 80 GB H100 (squares), each beside the plan for its modes with the H100 probe profile (hollow squares):
+# (model, JSON, what, GPU budget GiB, clipping)
+H100 = "2026-11-23/bounded-h100-2/h100_profile.json"
+MEASURED_H100 = [
+    ("llama-3.1-8b", "2026-11-25/h100-llama512k/llama8b_512k_h100.json",
+     "no clipping, memory.gpu_budget_gb 74, attention backward in blocks", 74.0, False),
+]
 
 
 def main() -> int:
@@ -50,6 +57,12 @@ def main() -> int:
         r = json.loads((HERE / "results" / path).read_text())["result"]
         measured.append({"model": name, "tokens": r["seq"], "step_s": r["step_s"], "gpu_peak_gib": r["gpu_peak_gib"],
                          "tokens_per_s": r["tokens_per_s"], "file": path, "what": what})
+    h100 = []
+    for name, path, what, budget, clip in MEASURED_H100:
+        r = json.loads((HERE / "results" / path).read_text())["result"]
+        _, plan = plan_row(name, r["seq"], budget, True, load_profile(HERE / "results" / H100), args.host_gib, clip)
+        h100.append({"model": name, "tokens": r["seq"], "step_s": r["step_s"], "gpu_peak_gib": r["gpu_peak_gib"],
+                     "tokens_per_s": r["tokens_per_s"], "file": path, "what": what, "plan": plan})
 
     import matplotlib
 
@@ -69,6 +82,12 @@ def main() -> int:
         label = f"{m['model']}, measured" + (" (before reuse_attention)" if before else "")
         ax_t.plot([m["tokens"]], [m["step_s"]], label=label, **style)
         ax_m.plot([m["tokens"]], [m["gpu_peak_gib"]], label=label, **style)
+    for m in h100:
+        for key, ax in (("step_s", ax_t), ("gpu_peak_gib", ax_m)):
+            ax.plot([m["tokens"]], [m[key]], marker="s", color=colors[m["model"]], linestyle="none", markersize=8,
+                    label=f"{m['model']}, measured on the H100 80GB")
+            ax.plot([m["tokens"]], [m["plan"][key]], marker="s", mfc="none", color=colors[m["model"]],
+                    linestyle="none", markersize=11, label=f"{m['model']}, planned for that H100 run")
     for ax, what in ((ax_t, "step time (s)"), (ax_m, "GPU peak allocated (GiB)")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(LENGTHS, [f"{t // 1024}k" for t in LENGTHS])
@@ -80,12 +99,13 @@ def main() -> int:
         ax.legend(seen.values(), seen.keys(), fontsize=7)
     ax_t.set_yscale("log")
     ax_m.axhline(prof.gpu_total_bytes / 2**30, color="grey", linestyle=":", linewidth=1)
-    fig.suptitle("One sequence per step on one H200: megatrain plan (lines) and measured (markers)")
+    fig.suptitle("One sequence per step on one H200 (squares: the H100): megatrain plan (lines, hollow) and measured")
     fig.tight_layout()
     out = Path(args.out)
     fig.savefig(out.with_suffix(".png"), dpi=110)
     out.with_suffix(".json").write_text(json.dumps({"profile": "default H200", "host_gib": args.host_gib,
-                                                    "planned": planned, "measured": measured}, indent=1))
+                                                    "planned": planned, "measured": measured, "h100": h100},
+                                                   indent=1))
     print(f"{'model':<14}{'tokens':>9}  {'fits':<6}{'plan s':>8}{'plan GiB':>10}{'meas s':>8}{'meas GiB':>10}  placement")
     for r in planned:
         ms = [m for m in measured if m["model"] == r["model"] and m["tokens"] == r["tokens"]
@@ -93,6 +113,10 @@ def main() -> int:
         ms_s = f"{ms[0]['step_s']:>8.1f}{ms[0]['gpu_peak_gib']:>10.1f}" if ms else f"{'-':>8}{'-':>10}"
         print(f"{r['model']:<14}{r['tokens']:>9}  {str(r['fits']):<6}{r['step_s']:>8.1f}{r['gpu_peak_gib']:>10.1f}"
               f"{ms_s}  {r['placement'] if r['fits'] else r['why'][:90]}")
+    for m in h100:
+        p = m["plan"]
+        print(f"{m['model']:<14}{m['tokens']:>9}  {'H100':<6}{p['step_s']:>8.1f}{p['gpu_peak_gib']:>10.1f}"
+              f"{m['step_s']:>8.1f}{m['gpu_peak_gib']:>10.1f}  {m['what']}: {p['placement']}")
     return 0
 
 

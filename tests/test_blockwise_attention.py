@@ -187,3 +187,33 @@ def test_the_planner_measures_the_blocked_backward_smaller_and_chooses_it_where_
     assert short.fits and short.workload.placement.attn_block == 0
     with pytest.raises(ValueError):
         Placement(attn_block=-1)
+
+
+def test_the_planner_times_blocked_attention_at_its_measured_rate_and_probes_only_near_their_length():
+    """The blocked layers' attention at 1/BLOCKED_ATTENTION_SLOWDOWN of the attention rate (the flash op's kernels,
+    measured on the H100), the matmuls unchanged; and a layer rate probed at 4,096 tokens is not applied to a
+    524,288-token row (attention is ~10% of such a layer's FLOPs at 4,096 and ~94% at 524,288), but is to 8,192."""
+    from megatrain.planner import Workload, make_plan
+    from megatrain.planner.profile import (BLOCKED_ATTENTION_SLOWDOWN, COMPILED_SPEEDUP, LayerRate, Profile,
+                                           layer_shape)
+    from test_plan import adapter_of as real_adapter
+
+    llama = real_adapter("llama-3.1-8b", 4)
+    prof = Profile(source="t", measured=True)
+    pl = Placement(seq_tile=8192)
+    fused = make_plan(llama, Workload((1,), 524288, compile=True, clipping=False, placement=pl), prof, suggest=False)
+    blocked = make_plan(llama, Workload((1,), 524288, compile=True, clipping=False,
+                                        placement=Placement(seq_tile=8192, attn_block=65536)), prof, suggest=False)
+    attn = 2.0 * 524288 * llama.num_heads * llama.head_dim * 524288  # one layer's attention forward, one row
+    layers = len(llama.units()) - 2
+    attn_flops = attn * (layers + 3 * layers)  # forward wave, then recompute + backward
+    extra = attn_flops / (prof.attention_rate(524288) * COMPILED_SPEEDUP) * (BLOCKED_ATTENTION_SLOWDOWN - 1.0)
+    assert blocked.time["compute_s"] == pytest.approx(fused.time["compute_s"] + extra, rel=1e-6)
+    assert "BLOCKED_ATTENTION_SLOWDOWN" in blocked.time["rate_source"]
+    shape = dict(zip(("hidden", "intermediate", "heads", "kv_heads", "head_dim"), layer_shape(llama)))
+    r = LayerRate(**shape, micro=1, seq=4096, compile=True, forward_flops=650e12, backward_flops=600e12,
+                  activation_peak_bytes=0)
+    probed = Profile(source="t", measured=True, layer_rates=[r])
+    assert probed.layer_rate(llama, 1, 524288, True)[0] is None
+    assert "too far from 524288" in probed.layer_rate(llama, 1, 524288, True)[1]
+    assert probed.layer_rate(llama, 1, 8192, True)[0] == r

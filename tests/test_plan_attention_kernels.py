@@ -104,3 +104,37 @@ def test_train_measures_the_cpu_adamw_without_a_profile(tmp_path, monkeypatch):
     probed.write_text(json.dumps({"host": "elsewhere", "cpu": {"adamw_params_per_s": 1.5e9}}))
     kept = plan_mod.run_profile(load_config(None, [f"plan.profile={probed}"]), "cuda", adam_params=1 << 18)
     assert kept.measured and kept.adamw_params_per_s == 1.5e9 and kept.source == str(probed)
+
+
+def test_a_distributed_run_plans_with_the_adamw_rate_rank_0_measured(tmp_path, monkeypatch):
+    """Ranks that each measured the CPU AdamW would plan with different rates, hence maybe different placements:
+    rank 0 measures, publishes the number in the run's store (Distributed.agreed), and the other ranks, waiting for
+    it there, plan with it without measuring."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatrain.config import load_config
+    from megatrain.distributed.session import Distributed
+    from megatrain.planner import plan as plan_mod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg = load_config(None, [])
+    store = dist.HashStore()
+    ranks = [SimpleNamespace(world=SimpleNamespace(rank=r), store=store) for r in range(3)]
+    measured, got = [], {}
+
+    def run(r):
+        def agree(name, compute):
+            return Distributed.agreed(ranks[r], name, lambda: measured.append(r) or compute())
+        got[r] = plan_mod.run_profile(cfg, "cuda", adam_params=1 << 18, agree=agree).adamw_params_per_s
+
+    others = [threading.Thread(target=run, args=(r,)) for r in (1, 2)]
+    for t in others:  # they start first, and wait for rank 0's number
+        t.start()
+    run(0)
+    for t in others:
+        t.join(timeout=60)
+    assert measured == [0]
+    assert got[0] > 0 and got[1] == got[0] and got[2] == got[0]

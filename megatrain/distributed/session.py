@@ -119,6 +119,17 @@ class Distributed:
         """Until every rank of the run has reached `name`."""
         self._arrive(name, self.world.size)
 
+    def agreed(self, name: str, compute) -> float:
+        """A number every rank must use alike (the CPU AdamW rate the plan is made with: ranks planning with rates
+        measured each on its own would choose different placements): rank 0 computes it and publishes it in the
+        store, the other ranks wait for it there (the store's timeout) and read it."""
+        key = f"agreed/{name}"
+        if self.world.rank == 0:
+            value = float(compute())
+            self.store.set(key, repr(value))
+            return value
+        return float(self.store.get(key).decode())
+
     # ---- small host-side collectives -----------------------------------------------------------------
     def all_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)

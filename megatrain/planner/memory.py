@@ -59,10 +59,12 @@ GPU_RESERVE_STREAMS = 0.20  # added with spill or offload
 # One row per micro-batch of LONG_ROW tokens or more through the tiled layer: a few large same-sized buffers per
 # layer use, which the allocator reuses. Reserved / allocated measured on the H200 (2026-11-25): Llama-3.1-8B 128k
 # 1.013 (h200-reuse), Qwen2.5-7B 128k 1.020, 256k 1.083, 512k 1.152 with spilled inputs and a gradient sent to host
-# (h200-longctx-qwen); the same Llama row untiled (compiled whole layer) 1.30, which this does not cover.
+# (h200-longctx-qwen); the same Llama row untiled (compiled whole layer) 1.30, which this does not cover. On the H100
+# Llama-3.1-8B 512k with spilled inputs and the attention's backward in blocks, expandable segments on: 1.216
+# (58.9 GiB allocated, 71.6 reserved; results/2026-11-25/h100-llama512k).
 LONG_ROW = 131072
 GPU_RESERVE_LONG_ROW = 0.10
-GPU_RESERVE_LONG_ROW_STREAMS = 0.10  # added with spill or offload (the 512k row: 1.152)
+GPU_RESERVE_LONG_ROW_STREAMS = 0.12  # added with spill or offload (the 512k rows: 1.152, 1.216)
 CUDA_CONTEXT = int(0.6 * GiB)  # outside the caching allocator
 COMPILED_ACTIVATIONS = 0.67  # compiled / eager layer backward peak, fitted to the 2026-11-21 compiled runs
 

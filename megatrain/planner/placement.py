@@ -325,23 +325,24 @@ def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None
                  f"{s.memory(w.placement)[1] / GiB:.1f} GiB")
         if s.gpu_ok(w.placement) and s.host_ok(w.placement):
             return w, f"the default placement needs {default_gpu / GiB:.1f} GiB of GPU memory{tiled} and fits", True
-    if "attn_block" in free and attn_block_for(adapter, w):  # then the attention's backward in blocks
-        w = replace(w, placement=replace(w.placement, attn_block=attn_block_for(adapter, w)))
-        free = free - {"attn_block"}
-        s = _Search(adapter, units, w, prof, host_limit, gpu_limit, free)
-        tiled += (f"; with the attention's backward over blocks of {w.placement.attn_block} tokens "
-                  f"{s.memory(w.placement)[1] / GiB:.1f} GiB")
-        if s.gpu_ok(w.placement) and s.host_ok(w.placement):
-            return w, f"the default placement needs {default_gpu / GiB:.1f} GiB of GPU memory{tiled} and fits", True
-    candidates, tried = _candidates(s, w), s.tried
-    if "stream_dtype" in free and w.precision == "bf16" and "master" not in w.disk_states:  # also without the bf16
-        #                                                  copy (12 B/param): more room
-        w32 = replace(w, placement=replace(w.placement, stream_dtype="fp32"))  # for checkpoints and gradients
-        s32 = _Search(adapter, units, w32, prof, host_limit, gpu_limit, free)
-        if not candidates and s32.gpu_ok(w32.placement) and s32.host_ok(w32.placement):
-            return w32, "the default placement fits once the fp32 master streams (no bf16 copy on the host)", True
-        candidates += _candidates(s32, w32)
-        tried += s32.tried
+    bases = [w]  # the attention's fused backward, and (slower: profile.BLOCKED_ATTENTION_SLOWDOWN, less memory)
+    if "attn_block" in free and attn_block_for(adapter, w):  # its backward over blocks, both searched
+        wb = replace(w, placement=replace(w.placement, attn_block=attn_block_for(adapter, w)))
+        bases.append(wb)
+        need = _Search(adapter, units, wb, prof, host_limit, gpu_limit, free).memory(wb.placement)[1]
+        tiled += f"; with the attention's backward over blocks of {wb.placement.attn_block} tokens {need / GiB:.1f} GiB"
+    free = free - {"attn_block"}
+    candidates, tried = [], 0
+    for base in bases:
+        sb = _Search(adapter, units, base, prof, host_limit, gpu_limit, free)
+        candidates += _candidates(sb, base)
+        tried += sb.tried
+        if "stream_dtype" in free and base.precision == "bf16" and "master" not in base.disk_states:  # also without
+            #                                          the bf16 copy (12 B/param): more room for checkpoints and gradients
+            w32 = replace(base, placement=replace(base.placement, stream_dtype="fp32"))
+            s32 = _Search(adapter, units, w32, prof, host_limit, gpu_limit, free)
+            candidates += _candidates(s32, w32)
+            tried += s32.tried
     if not candidates:
         return w, (f"no placement fits (tried {tried}): the default needs {default_gpu / GiB:.1f} GiB of GPU "
                    f"memory{tiled}, and {s.memory(w.placement)[0] / GiB:.1f} GiB of host RAM"), False
@@ -353,5 +354,6 @@ def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None
     why = (f"the default placement needs {default_gpu / GiB:.1f} GiB of GPU memory{tiled}; {len(candidates)} "
            f"placements fit (of {tried} planned); this one is predicted within {NEAR_FASTEST:.0%} of the fastest "
            f"({fastest:.1f} s/step) with the least host RAM of those" +
-           (", the fp32 master streamed" if pl.stream_dtype == "fp32" else ""))
+           (", the fp32 master streamed" if pl.stream_dtype == "fp32" else "") +
+           (", the attention's backward over blocks" if pl.attn_block else ""))
     return replace(w, placement=pl), why, True

@@ -311,11 +311,13 @@ def plan_command(cfg, as_json: bool = False, world: World = World()) -> int:
 QUICK_ADAMW_PARAMS = 64 * 2**20
 
 
-def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS) -> Profile:
+def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=None) -> Profile:
     """The profile `megatrain train` plans with: cfg.plan.profile (or the probe's default file); when that is the
     built-in defaults and the run is on a GPU, with this machine's CPU AdamW rate measured now on a small tile:
     the one rate the default profile cannot know (H200 hosts measured 2.96 and 4.55 Gparam/s), and the one that
-    sets a step whose forward is shorter than the updates it waits for (one row of 32k tokens on a 7B model)."""
+    sets a step whose forward is shorter than the updates it waits for (one row of 32k tokens on a 7B model).
+    agree(name, compute): a distributed run's Distributed.agreed, so that rank 0 measures and every rank plans with
+    its number (each measuring its own would plan different placements)."""
     import dataclasses
 
     import torch
@@ -326,21 +328,25 @@ def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS) -> Prof
     prof = load_profile(cfg.plan.profile)
     if prof.measured or device != "cuda":
         return prof
-    rate = adamw_rate(adam_params, torch.bfloat16, reps=2)
+    def measure() -> float:
+        return adamw_rate(adam_params, torch.bfloat16, reps=2)
+
+    rate = agree("adamw_params_per_s", measure) if agree is not None else measure()
     return dataclasses.replace(prof, adamw_params_per_s=rate,
                                source=f"defaults, CPU AdamW measured here at start: {rate / 1e9:.2f} Gparam/s")
 
 
-def check_before_run(cfg, adapter, device: str, world: tuple[int, int] = (1, 1)) -> Plan | None:
+def check_before_run(cfg, adapter, device: str, world: tuple[int, int] = (1, 1), agree=None) -> Plan | None:
     """`megatrain train`'s check, before any weight is loaded: raises MegatrainError when the run cannot fit.
     Returns the plan (None when it could not be computed: the run goes ahead, with a warning). world: (nodes,
-    ranks per node) of a distributed run."""
+    ranks per node) of a distributed run; agree: its Distributed.agreed (run_profile)."""
     import warnings
 
     from ..errors import MegatrainError
 
     try:
-        plan = plan_for_config(cfg, adapter, device, profile=run_profile(cfg, device), world=World(*world))
+        plan = plan_for_config(cfg, adapter, device, profile=run_profile(cfg, device, agree=agree),
+                               world=World(*world))
     except MegatrainError:
         raise
     except Exception as e:  # the planner must never be the reason a valid run cannot start

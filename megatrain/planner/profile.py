@@ -89,6 +89,7 @@ def layer_shape(adapter) -> tuple[int, ...]:
 # anchor, SDPA's forward decline 674 -> 564 TFLOP/s from 32k, planned 59.3 s): per FLOP the step's attention runs
 # at 128k as at 32k. 256k: the 128k anchor times SDPA's forward decline from 128k (564 -> 526, measured on the
 # H200), not yet checked against a run.
+RATE_SEQ_RANGE = 4.0  # a probed layer's rate applies to rows within this factor of its own (Profile.layer_rate)
 ATTENTION_BY_SEQ = ((4096, 1.0), (32768, 390 / 170), (131072, 2.34), (262144, 2.34 * 526 / 564))
 
 # FlexAttention against SDPA's causal flash kernel at the same shape, by the score FlexAttention applies and
@@ -108,6 +109,15 @@ FLEX_SHAPE_FLOPS = 2.0 * 4096 * 4096 * 8 * 4096
 # FlexAttention computes whole blocks of 128 queries x 128 keys: a sliding window of W keys costs the blocks it
 # touches, W rounded up to blocks plus one.
 FLEX_BLOCK = 128
+
+# The attention whose backward runs over blocks (Placement.attn_block, models/attention.blockwise_causal) calls the
+# flash op itself, forward over the row and backward per block pair, where the planner's attention rate is that of
+# SDPA's default kernel for the same call (a faster one on Hopper: at 16 x 4096 on the H200 it ran the forward at
+# 615 TFLOP/s against 254 for the flash op with expanded K/V, results/2026-11-21/call8/head_attn_variants.json).
+# Measured on the H100 (results/2026-11-25/h100-llama512k, tests/gpu/test_blockwise_cuda.py; Llama-3.1-8B's heads,
+# blocks of 65,536): the blocked backward took 1.66x and 1.67x SDPA's at 131,072 and 262,144 tokens (1.10 s
+# against 0.665 s; 4.44 against 2.66). Its forward was not timed alone; it is taken as slow by the same factor.
+BLOCKED_ATTENTION_SLOWDOWN = 1.66
 
 # A MoE layer with no measured rate runs at this share of the default (dense) layer rate: routing, the token
 # permutation and grouped GEMMs over a few thousand tokens per expert are slower than one dense GEMM. Fitted to
@@ -153,10 +163,19 @@ class Profile:
     disk_write_bps: float = 1.6e9
 
     def layer_rate(self, adapter, micro: int, seq: int, compile: bool) -> tuple[LayerRate | None, str]:
-        """The measured rate for this layer shape, nearest micro-batch size (and compile mode) first."""
+        """The measured rate for this layer shape, nearest micro-batch size (and compile mode) first, among those
+        probed at rows within RATE_SEQ_RANGE of `seq`: a layer's rate mixes its matmuls and its attention, whose
+        share of the FLOPs grows with the row (a Llama-3.1-8B layer: ~10% at 4,096 tokens, ~94% at 524,288), so
+        a rate probed at another length says nothing of this one (the default branch then times the matmuls and
+        the attention apart: timing.step_time)."""
         same = [r for r in self.layer_rates if r.shape == layer_shape(adapter)]
         if not same:
             return None, "no measured layer of this shape"
+        near = [r for r in same if r.seq <= seq * RATE_SEQ_RANGE and seq <= r.seq * RATE_SEQ_RANGE]
+        if not near:
+            return None, (f"the layer probed at rows of {', '.join(str(r.seq) for r in same)} tokens, too far from "
+                          f"{seq} to take its rate")
+        same = near
         tokens = micro * seq
         best = min(same, key=lambda r: (r.compile != compile, abs(r.seq - seq) / seq, abs(r.tokens - tokens) / tokens))
         exact = best.compile == compile and best.seq == seq and best.micro == micro

@@ -50,7 +50,8 @@ import math
 from ..runtime.optimizer_pipeline import DEVICE_GRADS, landing_piece, update_order
 from ..runtime.schedule import grads_to_host, kept, stashes, step_schedule
 from .flops import attention_span, flops_per_token, kind_span
-from .profile import COMPILED_SPEEDUP, FLEX_BLOCK, FLEX_MEASURED, FLEX_SHAPE_FLOPS, MOE_DEFAULT_SHARE, Profile
+from .profile import (BLOCKED_ATTENTION_SLOWDOWN, COMPILED_SPEEDUP, FLEX_BLOCK, FLEX_MEASURED, FLEX_SHAPE_FLOPS,
+                      MOE_DEFAULT_SHARE, Profile)
 from .workload import Workload
 
 # The CPU AdamW inside a training step runs at this share of the probe's rate (measured alone on an idle machine):
@@ -106,6 +107,15 @@ def flex_seconds(adapter, seq_len: int, packed: bool) -> tuple[float, float]:
     return f / n, fb / n
 
 
+def blocked_share(adapter, w: Workload) -> float:
+    """The share of the layers whose attention runs blocked (Placement.attn_block: plain causal rows longer than the
+    block, on the layers that run the flash kernel; models/attention.causal_attention): 0 when none does."""
+    if w.device != "cuda" or w.packed or not 0 < w.placement.attn_block < w.seq_len:
+        return 0.0
+    kinds = adapter.layer_kinds
+    return sum(adapter.cuda_attention(k, w.seq_len, False)[0] == "flash" for k in kinds) / len(kinds)
+
+
 def _use_tokens(w: Workload) -> list[int]:
     """Tokens of each wave group."""
     return [sum(w.micro_batches[m] for m in g) * w.seq_len for g in w.groups]
@@ -139,6 +149,9 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
     f6, fmodel = flops_per_token(adapter, w.seq_len)
     micro = max(w.micro_batches)
     rate, how = prof.layer_rate(adapter, micro, w.seq_len, w.compile)
+    blocked = blocked_share(adapter, w)
+    if blocked and rate is not None:  # the probe ran the fused kernel: time the blocked attention apart
+        rate, how = None, "the probed layer ran the attention's fused backward"
     attn_tok = 2.0 * attention_span(adapter, w.seq_len) * adapter.num_heads * adapter.head_dim  # a layer's, a token's
     if rate is not None:  # measured on this layer shape: matmuls and attention together
         # measured only in the other compile mode: converted by the compiled/eager ratio of the H200 runs
@@ -157,9 +170,13 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
     else:
         speed = COMPILED_SPEEDUP if w.compile else 1.0
         r_mm, r_attn = prof.layer_flops * speed, prof.attention_rate(w.seq_len) * speed
-        how = ("the profile's largest probed layer's rate" if prof.layer_rates else "default rate") + \
-            (" (compiled)" if w.compile else "")
+        how = ("matmuls at the profile's largest probed layer's rate, attention at its rate for these rows "
+               f"({how})" if prof.layer_rates else "default rate") + (" (compiled)" if w.compile else "")
         xf, xb = flex_seconds(adapter, w.seq_len, w.packed) if w.device == "cuda" else (0.0, 0.0)
+        if blocked:  # the flash op's own kernels, slower than SDPA's default (profile.BLOCKED_ATTENTION_SLOWDOWN)
+            r_attn /= 1.0 + blocked * (BLOCKED_ATTENTION_SLOWDOWN - 1.0)
+            how += (f", the attention blocked for its backward (memory.attn_block) at 1/{BLOCKED_ATTENTION_SLOWDOWN}"
+                    " of it (BLOCKED_ATTENTION_SLOWDOWN)")
         if xb:
             how += ", FlexAttention's measured extra time over flash's (FLEX_MEASURED)"
         if adapter.moe:

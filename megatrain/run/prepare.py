@@ -130,7 +130,8 @@ def check_inputs(cfg: Config, dist=None) -> Inputs:
     from ..planner import check_before_run
 
     world = (dist.world.nodes, dist.world.local_size) if dist is not None else (1, 1)
-    plan = check_before_run(cfg, adapter, device.type, world)  # refuses what cannot fit, before a weight is read
+    plan = check_before_run(cfg, adapter, device.type, world,  # refuses what cannot fit, before a weight is read
+                            agree=dist.agreed if dist is not None else None)
     data_lib.validate_inputs(cfg.data)
     exact = load_exact_match(cfg.train.exact_match_path) if cfg.train.exact_match_path else None
     out_dir = Path(cfg.output.dir)

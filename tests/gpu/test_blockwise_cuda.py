@@ -3,14 +3,16 @@ kernels CPU cannot run.
 
     python3 -m pytest -q -m gpu tests/gpu/test_blockwise_cuda.py     (MEGATRAIN_GPU_RESULTS=DIR: JSON there)
 
-1. Exactness, bf16, Llama-3.1-8B's heads (32 query, 8 KV, 128 dims) over an 8,192-token row, blocks of 1,024 (36
-   pairs): against the float64 truth (the same bf16 inputs, SDPA's math path in float64), the blocked backward's
-   d(q), d(k), d(v) are as close as the fused kernel's own (within 2x its error; the output is the same kernel's,
-   bit for bit); d(q) written over d(output) when allowed.
-2. Memory and time at length: the same heads over 131,072 and 262,144 tokens (blocks of 65,536): the backward's
-   allocated peak above its inputs for the fused kernel and the blocked one, and what the planner's meta device
-   measures for each (planner.activations: the same function on the meta device), and each backward's time
-   (recorded: the planner times the blocked backward at the fused kernel's rate).
+1. Exactness, bf16, 8 query and 2 KV heads of 128 dims over an 8,192-token row, blocks of 1,024 (36 pairs): against
+   the float64 truth (the same bf16 inputs, SDPA's math path in float64), the blocked attention's output and its
+   d(q), d(k), d(v) are as close as SDPA's default kernel's (within 2x its error: a different kernel, so not bit
+   for bit); d(q) written over d(output) when allowed, within what two runs of the blocked backward differ by (the
+   flash backward sums d(q) with atomics).
+2. Memory and time at length: Llama-3.1-8B's heads (32 query, 8 KV) over 131,072 and 262,144 tokens (blocks of
+   65,536): the backward's allocated peak above its inputs for SDPA's kernel and the blocked one, against what the
+   planner's meta device measures for each (planner.activations: the same functions on the meta device; at two
+   blocks the blocked one holds more, the fp32 sums of d(k) and d(v), from four it holds less), and each backward's
+   time (recorded: profile.BLOCKED_ATTENTION_SLOWDOWN).
 """
 
 from __future__ import annotations
@@ -61,22 +63,26 @@ def test_blocked_backward_on_cuda_is_as_exact_as_the_fused_kernel():
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         truth_out = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale, enable_gqa=True)
         truth = torch.autograd.grad(truth_out, leaves, do.double())
-    del truth_out, leaves
+    truth_out = truth_out.detach()
+    del leaves
     fused_out, fused = _fused(q, k, v, do, scale)
     out, blocked = _blocked(q, k, v, do, scale, block)
+    _, again = _blocked(q, k, v, do, scale, block)
     d = do.clone()
     _, in_place = _blocked(q, k, v, d, scale, block, in_place=True)
     res = {"seq": T, "block": block, "heads": 8, "kv_heads": 2,
-           "output_equal": bool(torch.equal(out, fused_out)),
-           "in_place_dq_aliases_dout": in_place[0].untyped_storage().data_ptr() == d.untyped_storage().data_ptr(),
-           "in_place_equal": all(torch.equal(a, b) for a, b in zip(in_place, blocked))}
-    for name, t, f, b in zip("qkv", truth, fused, blocked):
+           "out_rel_fused": rel(fused_out, truth_out), "out_rel_blocked": rel(out, truth_out),
+           "in_place_dq_aliases_dout": in_place[0].untyped_storage().data_ptr() == d.untyped_storage().data_ptr()}
+    for name, t, f, b, a, i in zip("qkv", truth, fused, blocked, again, in_place):
         res[f"d{name}_rel_fused"], res[f"d{name}_rel_blocked"] = rel(f, t), rel(b, t)
+        res[f"d{name}_rel_in_place"], res[f"d{name}_rel_two_runs"] = rel(i, b), rel(a, b)
     write_result("blockwise_exact_cuda", __file__, res)
     print(res)
-    assert res["output_equal"] and res["in_place_dq_aliases_dout"] and res["in_place_equal"], res
+    assert res["in_place_dq_aliases_dout"], res
+    assert res["out_rel_blocked"] <= 2 * res["out_rel_fused"], res
     for name in "qkv":
         assert res[f"d{name}_rel_blocked"] <= 2 * res[f"d{name}_rel_fused"], res
+        assert res[f"d{name}_rel_in_place"] <= 2 * res[f"d{name}_rel_two_runs"] + 1e-6, res
 
 
 def _timed_backward(fn, q, k, v, do, scale):
@@ -135,7 +141,8 @@ def test_blocked_backward_memory_and_time_at_length(T):
     res["blocked_over_fused_time"] = res["blocked_backward_s"] / res["fused_backward_s"]
     write_result(f"blockwise_length_cuda_{T}", __file__, res)
     print(res)
-    assert res["blocked_backward_peak_gib"] < res["fused_backward_peak_gib"], res
+    if T >= 4 * block:  # from four blocks on, what the blocks leave out outweighs the fp32 sums of d(k), d(v)
+        assert res["blocked_backward_peak_gib"] < res["fused_backward_peak_gib"], res
     for name in ("fused", "blocked"):
         assert abs(res[f"{name}_backward_peak_gib"] - res[f"{name}_planned_peak_gib"]) <= \
             0.1 * res[f"{name}_planned_peak_gib"] + 0.1, res

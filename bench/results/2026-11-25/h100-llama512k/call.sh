@@ -56,7 +56,7 @@ YAML
   date +%s > $L/start
   echo "llama8b_512k_h100 launched (setsid, pid $(cat $L/pid))" | tee -a "$OUT/status.txt"
 fi
-LIMIT=$(( T0 + 570 ))
+LIMIT=$(( T0 + ${WAIT_S:-570} ))
 while [ ! -f $L/rc ] && [ "$(date +%s)" -lt $LIMIT ]; do
   sleep 15
 done

@@ -1,0 +1,164 @@
+"""Which kernels the attention blocked for its backward (memory.attn_block) should call on CUDA: SDPA's default for a
+causal GQA call against the flash op and the cuDNN op called directly, forward alone and the backward over block
+pairs, at Llama-3.1-8B's heads over long rows.
+
+megatrain's blocked attention (models/attention.blockwise_causal) calls the flash op: on the H100 its backward took
+1.66x SDPA's (results/2026-11-25/h100-llama512k), and a 524,288-token Llama-3.1-8B step 1,270 s where SDPA's rate
+gives ~830 s. This measures, per row length:
+
+    sdpa      F.scaled_dot_product_attention(is_causal, enable_gqa): the backend SDPA picks (torch._fused_sdp_choice,
+              recorded), forward alone and forward + backward over the whole row (what the planner's rate is)
+    flash     the flash op forward alone, and the engine's blocked backward (flash backward per pair)
+    cudnn     the cuDNN op forward alone (with its log-sum-exp), and the same decomposition with the cuDNN backward
+              per pair, given the row's output and log-sum-exp slices; its gradients against the flash pairs'
+              (relative error: whether the decomposition holds for that kernel) or the error it raised
+
+    python bench/blocked_attention.py [--seqs 131072 262144] [--block 65536] [--json OUT.json]
+
+A table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from common import git_rev, machine, table, write_json  # noqa: E402
+from megatrain.models.attention import attention_blocks, blockwise_causal  # noqa: E402
+
+H, KH, D = 32, 8, 128
+
+
+def timed(fn, reps: int) -> float:
+    """Median seconds of fn() over reps, after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def cudnn_pairs_backward(q, k, v, do, scale: float, block: int):
+    """The blocked backward with the cuDNN op: forward over the row for its output and log-sum-exp, then the cuDNN
+    backward per (query block, key block) pair given their slices, summed in fp32."""
+    o, lse, cq, ck, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False, scale=scale)
+    T = q.shape[2]
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    blocks = attention_blocks(T, block)
+    for i, (qs, qe) in enumerate(blocks):
+        acc = None
+        lse_i = lse[:, :, qs:qe].contiguous()
+        for j, (ks, ke) in enumerate(blocks[:i + 1]):
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                do[:, :, qs:qe], q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], o[:, :, qs:qe], lse_i, seed, offset,
+                None, cq, ck, qe - qs, ke - ks, 0.0, i == j, scale=scale)
+            acc = gq.float() if acc is None else acc.add_(gq)
+            dk[:, :, ks:ke] += gk
+            dv[:, :, ks:ke] += gv
+        dq[:, :, qs:qe] = acc
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def row(T: int, block: int, reps: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, T, n, D, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)
+               for n in (H, KH, KH))
+    do = (torch.randn(1, T, H, D, device="cuda", generator=g) * 0.1).to(torch.bfloat16).transpose(1, 2)
+    scale = D ** -0.5
+    fwd_flops = 2.0 * T * T * H * D  # causal: T²/2 pairs, 4 FLOPs each per head dim
+    out = {"tokens": T, "block": block}
+    try:
+        out["sdpa_backend"] = int(torch._fused_sdp_choice(q, k, v, is_causal=True, scale=scale, enable_gqa=True))
+    except Exception as e:  # the private probe may move between versions
+        out["sdpa_backend"] = f"unknown ({type(e).__name__})"
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+
+    def sdpa_fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+    def sdpa_both():
+        o = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale, enable_gqa=True)
+        torch.autograd.grad(o, leaves, do)
+
+    def flash_fwd():
+        torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+
+    def blocked_both():
+        o = blockwise_causal(*leaves, scale, block)
+        torch.autograd.grad(o, leaves, do)
+
+    def cudnn_fwd():
+        torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+
+    for name, fn in (("sdpa_fwd", sdpa_fwd), ("sdpa_fwd_bwd", sdpa_both), ("flash_fwd", flash_fwd),
+                     ("blocked_flash_fwd_bwd", blocked_both), ("cudnn_fwd", cudnn_fwd)):
+        try:
+            out[f"{name}_s"] = timed(fn, reps)
+        except Exception as e:
+            out[f"{name}_s"] = None
+            out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+        torch.cuda.empty_cache()
+    try:
+        o = blockwise_causal(*leaves, scale, block)
+        want = torch.autograd.grad(o, leaves, do)
+        got = cudnn_pairs_backward(q, k, v, do, scale, block)
+        out.update({f"cudnn_pairs_d{n}_rel": rel(a, b) for n, a, b in zip("qkv", got, want)})
+        out["cudnn_pairs_fwd_bwd_s"] = timed(lambda: cudnn_pairs_backward(q, k, v, do, scale, block), reps)
+    except Exception as e:
+        out["cudnn_pairs_fwd_bwd_s"] = None
+        out["cudnn_pairs_error"] = "".join(traceback.format_exception_only(type(e), e))[:400]
+    for name in ("sdpa_fwd", "flash_fwd", "cudnn_fwd"):
+        s = out.get(f"{name}_s")
+        out[f"{name}_tflops"] = fwd_flops / s / 1e12 if s else None
+    for name in ("sdpa_fwd_bwd", "blocked_flash_fwd_bwd", "cudnn_pairs_fwd_bwd"):
+        s = out.get(f"{name}_s")
+        out[f"{name}_tflops"] = 3.5 * fwd_flops / s / 1e12 if s else None
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[131072, 262144])
+    ap.add_argument("--block", type=int, default=65536)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("blocked_attention: needs CUDA", file=sys.stderr)
+        return 2
+    rows = []
+    for T in args.seqs:
+        rows.append(row(T, args.block, args.reps))
+        print(rows[-1], flush=True)
+    write_json(args.json, {"machine": machine(), "git": git_rev(), "command": " ".join(sys.argv), "results": rows})
+    print(table(rows, ["tokens", "sdpa_backend", "sdpa_fwd_tflops", "flash_fwd_tflops", "cudnn_fwd_tflops",
+                       "sdpa_fwd_bwd_tflops", "blocked_flash_fwd_bwd_tflops", "cudnn_pairs_fwd_bwd_tflops",
+                       "cudnn_pairs_dq_rel"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
