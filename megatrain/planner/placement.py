@@ -21,7 +21,8 @@ The knobs, cheapest first in step time (DESIGN.md rules 9-11):
     attn_block b        plain causal rows longer than b tokens run the attention's backward over (query block, key
                         block) pairs of b tokens (models/attention.blockwise_causal): the same FLOPs, without the
                         fused kernel's row-sized fp32 d(q) and per-query-head d(k), d(v) (16 GiB of a 7-8B layer at
-                        512k tokens); tried with seq_tile when the tiled layer does not fit (ATTN_BLOCK tokens)
+                        512k tokens), but slower (profile.BLOCKED_ATTENTION_SLOWDOWN): when the tiled layer does not
+                        fit, the placements with it (ATTN_BLOCK tokens) are searched beside those without
     reuse_attention N   the top N layers keep their attention (q, k, v, output) on the GPU from the forward wave to
                         their backward, which does not run it again: a knob that buys time with spare GPU memory,
                         tried last, on the placement chosen, at rows of REUSE_FROM tokens or more (`with_reuse`)
@@ -62,7 +63,8 @@ SEQ_TILE = 8192
 # would trade the whole compiled layer for the split one (q/k/v, attention, the rest) for about 1%.
 REUSE_FROM = 32768
 # Queries and keys per block of the attention's backward when the planner blocks it: a 65,536 x 65,536 pair is
-# ~10^14 FLOPs for a 32-head layer (the kernel at its full rate), and the pair's working set ~2.75 GiB.
+# ~10^14 FLOPs for a 32-head layer (a kernel call long enough to run at the kernel's rate), and the pair's working
+# set ~2.75 GiB (fp32 d(q) accumulator, per-query-head d(k), d(v)), against 16 GiB for the fused one at 512k.
 ATTN_BLOCK = 65536
 NEAR_FASTEST = 0.05  # placements predicted this close to the fastest count as fast: the least host RAM wins
 GROUP_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -337,8 +339,8 @@ def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None
         sb = _Search(adapter, units, base, prof, host_limit, gpu_limit, free)
         candidates += _candidates(sb, base)
         tried += sb.tried
-        if "stream_dtype" in free and base.precision == "bf16" and "master" not in base.disk_states:  # also without
-            #                                          the bf16 copy (12 B/param): more room for checkpoints and gradients
+        if "stream_dtype" in free and base.precision == "bf16" and "master" not in base.disk_states:
+            # also without the bf16 copy (12 B/param): more room for checkpoints and gradients
             w32 = replace(base, placement=replace(base.placement, stream_dtype="fp32"))
             s32 = _Search(adapter, units, w32, prof, host_limit, gpu_limit, free)
             candidates += _candidates(s32, w32)

@@ -7,7 +7,10 @@
     rates   a layer rate the probe measured at this shape (profile.py), converted by COMPILED_SPEEDUP when it
             was probed only in the other compile mode; else the profile's matmul and attention rates (flash's),
             plus for each layer that runs FlexAttention on CUDA (packed rows, a window shorter than the row, a
-            score SDPA cannot apply: ModelAdapter.cuda_attention) its measured extra time (`flex_seconds`).
+            score SDPA cannot apply: ModelAdapter.cuda_attention) its measured extra time (`flex_seconds`), and for
+            the layers whose attention runs blocked for its backward (Placement.attn_block: `blocked_share`) the
+            attention at 1/BLOCKED_ATTENTION_SLOWDOWN of the rate. A probed layer rate is used only for rows near
+            its own length (Profile.layer_rate) and not for blocked attention (the probe ran the fused kernel).
     time    `_simulate`, a small event simulation of one steady-state CUDA step that walks the runtime's own
             `step_schedule` (runtime/schedule.py) with the workload's placement, as Engine.train_step
             (runtime/engine.py) executes it: per use, H2D weight copies into the slot ring (skipped when the slot
