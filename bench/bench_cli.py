@@ -290,6 +290,17 @@ def summarise(args, steps: list[dict], params: int) -> dict:
     }
 
 
+def planned(path: Path) -> dict:
+    """What the run planned at its start (output.dir/plan.json, which `megatrain train` writes): the placement it ran
+    and the plan's step time, GPU peak and host peak, for bench/plan_vs_measured.py; empty when there is none."""
+    if not path.is_file():
+        return {}
+    p = json.loads(path.read_text())
+    return {"placement": p["placement"], "clipping": p["clipping"],
+            "plan": {k: p[k] for k in ("step_time_s", "gpu_peak_gib", "gpu_needed_gib", "host_peak_gib", "bound",
+                                       "fits", "placement_why")}}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="folder with config.json")
@@ -352,6 +363,7 @@ def main() -> int:
         res = summarise(args, steps, num_params(work / "model"))
         res.update(cli_exit_status=rc, cli_total_s=total_s, inputs_s=prep_s, cli_command=shlex.join(cmd),
                    overrides=args.set, workdir=str(work) if args.workdir else None, **memory.stop())
+        res.update(planned(out_dir / "plan.json"))
         full = args.seqs * args.seq * args.nproc_per_node
         short = [r["step"] for r in steps if r.get("tokens") != full]
         ok = rc == 0 and res["steps_measured"] == args.steps and not short

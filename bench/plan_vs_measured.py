@@ -4,7 +4,8 @@
 
 For every benchmark JSON (bench_megatrain.py --json) under the given folders (default: bench/results), the
 plan is made for the same model, shape, micro-batches, precision and compile mode, and compared with what the
-run measured: torch.cuda.max_memory_allocated, the process's peak RSS, and the mean step time. Targets: memory
+run measured; for a `megatrain train` run (bench_cli.py --json) that recorded the plan it made at its start
+(output.dir/plan.json, written since 2026-11-25), that plan, as the run printed it: torch.cuda.max_memory_allocated, the process's peak RSS, and the mean step time. Targets: memory
 within 10%, time within 15%. Without --profile the plan uses its defaults (which were fitted to the
 2026-11-21 runs: those rows are in-sample). With --profile bench/results/2026-11-21/h200_profile.json it uses
 that H200's probe instead; two planner constants were still taken from these runs (plan.ADAMW_IN_STEP, the
@@ -38,7 +39,9 @@ def load_results(*dirs: Path) -> list[dict]:
             except (OSError, json.JSONDecodeError):
                 continue
             r = payload.get("result") if isinstance(payload, dict) else None
-            if (isinstance(r, dict) and "step_s" in r and "bench_megatrain" in payload.get("command", "")
+            cmd = payload.get("command", "") if isinstance(payload, dict) else ""
+            cli = "bench_cli" in cmd and isinstance(r, dict) and isinstance(r.get("plan"), dict)
+            if (isinstance(r, dict) and "step_s" in r and ("bench_megatrain" in cmd or cli)
                     and r.get("device", "cuda") == "cuda"):  # --device cpu runs check the script only
                 out.append({**r, "file": str(f.relative_to(HERE.parent) if f.is_relative_to(HERE.parent) else f),
                             "command": payload.get("command", "")})
@@ -88,6 +91,15 @@ def adapter_of(r: dict):
 
 
 def compare(r: dict, profile=DEFAULTS) -> dict:
+    if isinstance(r.get("plan"), dict):  # a `megatrain train` run: the plan it made at its start
+        p = r["plan"]
+        gpu, host, step = p["gpu_peak_gib"], p["host_peak_gib"], p["step_time_s"]
+        return {"label": r["label"], "file": r["file"], "compile": bool(r.get("compile")),
+                "gpu_pred": gpu, "gpu_meas": r["gpu_peak_gib"], "gpu_err": gpu / r["gpu_peak_gib"] - 1,
+                "host_pred": host, "host_meas": r["host_peak_rss_gib"], "host_err": host / r["host_peak_rss_gib"] - 1,
+                "time_pred": step, "time_meas": r["step_s"], "time_err": step / r["step_s"] - 1,
+                "idle_pred": float("nan"), "idle_meas": r["step_s"] * r.get("gpu_idle", 0.0),
+                "bound": p["bound"] + " (the run's own plan)", "phase": ""}
     adapter = adapter_of(r)
     p = make_plan(adapter, workload_of(r, adapter.vocab_size), profile, suggest=False)
     assert p.params == r["params"], (p.params, r["params"])

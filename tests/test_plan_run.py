@@ -37,6 +37,34 @@ def test_start_summary_and_step_records(tmp_path, capsys):
     assert "mfu" not in steps[0] and "busy_compute" not in steps[0]  # CPU: no GPU peak, no streams
 
 
+def test_the_run_saves_its_plan_and_the_benchmark_holds_it_against_the_measurement(tmp_path):
+    """`megatrain train` writes the plan it made at its start to output.dir/plan.json (`megatrain plan --json`'s
+    object: placement, predicted step time and memory); bench/bench_cli.py records it with the run, and
+    bench/plan_vs_measured.py compares that plan with what the run measured."""
+    from pathlib import Path
+
+    from megatrain.run.trainer import train
+
+    train(default_cfg(tmp_path))
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["fits"] and plan["step_time_s"] > 0 and plan["host_peak_gib"] > 0
+    assert {"checkpoint_every", "seq_tile", "attn_block", "wave_groups"} <= set(plan["placement"])
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    from bench_cli import planned
+    from plan_vs_measured import compare, load_results
+
+    got = planned(tmp_path / "run" / "plan.json")
+    assert got["placement"] == plan["placement"] and got["plan"]["step_time_s"] == plan["step_time_s"]
+    assert planned(tmp_path / "nothing.json") == {}
+    result = {"label": "tiny-cli", "step_s": 2 * plan["step_time_s"], "gpu_peak_gib": 1.0, "gpu_idle": 0.1,
+              "host_peak_rss_gib": plan["host_peak_gib"] / 2, "device": "cuda", **got}
+    (tmp_path / "r.json").write_text(json.dumps({"command": "bench/bench_cli.py --model m", "result": result}))
+    rows = [compare(r) for r in load_results(tmp_path)]
+    assert len(rows) == 1 and rows[0]["time_err"] == pytest.approx(-0.5) and rows[0]["host_err"] == pytest.approx(1.0)
+    assert "the run's own plan" in rows[0]["bound"]
+
+
 def test_progress_line_shows_throughput_memory_and_streams(tmp_path):
     out = io.StringIO()
     log = MetricsLogger(tmp_path, total_steps=10, stream=out)

@@ -80,6 +80,9 @@ def start(run: Run) -> Session:
     if run.writes:  # one process, or rank 0 of several
         run.out_dir.mkdir(parents=True, exist_ok=True)
         (run.out_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+        if run.plan is not None:  # what the run planned at its start (placement, predicted time and memory), to
+            #                      hold against metrics.jsonl: `megatrain plan --json`'s object
+            (run.out_dir / "plan.json").write_text(json.dumps(run.plan.as_json(), indent=1))
         resume_lib.trim_metrics(run.out_dir, first if run.resumed else -1)  # continue without duplicate steps
     log = open_log(run, t.steps, first, cfg.output.tensorboard)
     log.info(f"megatrain: {run.adapter.model_type} {run.store.num_params / 1e6:.2f}M params, "
