@@ -217,3 +217,20 @@ def test_the_planner_times_blocked_attention_at_its_measured_rate_and_probes_onl
     assert probed.layer_rate(llama, 1, 524288, True)[0] is None
     assert "too far from 524288" in probed.layer_rate(llama, 1, 524288, True)[1]
     assert probed.layer_rate(llama, 1, 8192, True)[0] == r
+
+
+def test_blocked_attention_is_refused_for_fp32_on_cuda_and_not_chosen_there():
+    """The flash kernel takes bf16 on CUDA: an fp32 CUDA run with memory.attn_block is refused by name before it
+    runs; the planner does not choose it for one (fp32 CPU runs may: CPU's flash kernels take fp32)."""
+    from megatrain.errors import MegatrainError
+    from megatrain.planner import Workload, make_plan
+    from megatrain.planner.placement import attn_block_for
+    from megatrain.planner.profile import load_profile
+    from test_plan import adapter_of as real_adapter
+
+    llama = real_adapter("llama-3.1-8b", 2)
+    with pytest.raises(MegatrainError, match="memory.attn_block: 65536, but train.precision is fp32"):
+        make_plan(llama, Workload((1,), 262144, precision="fp32", placement=Placement(attn_block=65536)),
+                  load_profile(None), suggest=False)
+    assert attn_block_for(llama, Workload((1,), 262144, precision="fp32")) == 0
+    assert attn_block_for(llama, Workload((1,), 262144, precision="fp32", device="cpu")) == 65536

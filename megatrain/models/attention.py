@@ -145,6 +145,9 @@ def _flash_forward(q, k, v, scale: float, causal: bool):
         B, h, T, d = q.shape
         return (q.new_empty(B, T, h, d).transpose(1, 2), q.new_empty(B, h, T, dtype=torch.float32), ())
     if q.is_cuda:
+        if q.dtype not in (torch.bfloat16, torch.float16):  # the planner refuses memory.attn_block for such runs
+            raise ValueError(f"the attention blocked for its backward runs the flash kernel, which takes bf16 or "
+                             f"fp16 on CUDA, not {q.dtype} (memory.attn_block: 0)")
         o, lse, cq, ck, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale)
         return o, lse, (cq, ck, seed, offset)

@@ -159,6 +159,12 @@ def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float |
         raise MegatrainError(f"memory.reuse_attention: {w.placement.reuse_attention}, but {adapter.model_type}'s "
                              "attention does not split into q/k/v, attention and output (its attention reads weights "
                              "of its own), so its layers cannot keep it for the backward: set 0 or leave it unset")
+    if w.placement.attn_block and w.device == "cuda" and w.precision != "bf16":
+        from ..errors import MegatrainError
+
+        raise MegatrainError(f"memory.attn_block: {w.placement.attn_block}, but train.precision is {w.precision}: the "
+                             "attention blocked for its backward runs the flash kernel, which takes bf16 on CUDA; set "
+                             "memory.attn_block: 0 or leave it unset")
     if not profile.measured:
         notes.append("no machine profile: rates are the H200 defaults (DESIGN.md, bench 2026-11-21); "
                      "run `megatrain probe` on the training machine for its own")
