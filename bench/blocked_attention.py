@@ -12,6 +12,8 @@ gives ~830 s. This measures, per row length:
     cudnn     the cuDNN op forward alone (with its log-sum-exp), and the same decomposition with the cuDNN backward
               per pair, given the row's output and log-sum-exp slices; its gradients against the flash pairs'
               (relative error: whether the decomposition holds for that kernel) or the error it raised
+    mixed     the cuDNN forward's output and log-sum-exp fed to the flash backward per pair (whether the two
+              kernels' log-sum-exp agree; the forward is 3 of a blocked layer's 5 attention passes)
 
     python bench/blocked_attention.py [--seqs 131072 262144] [--block 65536] [--json OUT.json]
 
@@ -77,6 +79,33 @@ def cudnn_pairs_backward(q, k, v, do, scale: float, block: int):
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
+def cudnn_forward_flash_pairs(q, k, v, do, scale: float, block: int):
+    """The cuDNN op's forward (its output and log-sum-exp) and the flash op's backward per block pair: whether the
+    two kernels' log-sum-exp agree (the forward is 3 of a blocked layer's 5 attention passes)."""
+    from megatrain.models.attention import _flash_backward
+
+    o, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+    lse = lse.reshape(q.shape[:3]).contiguous()  # cuDNN's [B, heads, T, 1]: the flash op takes [B, heads, T]
+    _, _, cq, ck, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q[:, :, :128], k[:, :, :128], v[:, :, :128], 0.0, True, False, scale=scale)  # its placeholders
+    T = q.shape[2]
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    blocks = attention_blocks(T, block)
+    for i, (qs, qe) in enumerate(blocks):
+        acc = None
+        lse_i = lse[:, :, qs:qe].contiguous()
+        for j, (ks, ke) in enumerate(blocks[:i + 1]):
+            gq, gk, gv = _flash_backward(do[:, :, qs:qe], q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke],
+                                         o[:, :, qs:qe], lse_i, scale, i == j, (cq, ck, seed, offset))
+            acc = gq.float() if acc is None else acc.add_(gq)
+            dk[:, :, ks:ke] += gk
+            dv[:, :, ks:ke] += gv
+        dq[:, :, qs:qe] = acc
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
 def rel(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -121,19 +150,23 @@ def row(T: int, block: int, reps: int) -> dict:
             out[f"{name}_s"] = None
             out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
         torch.cuda.empty_cache()
-    try:
-        o = blockwise_causal(*leaves, scale, block)
-        want = torch.autograd.grad(o, leaves, do)
-        got = cudnn_pairs_backward(q, k, v, do, scale, block)
-        out.update({f"cudnn_pairs_d{n}_rel": rel(a, b) for n, a, b in zip("qkv", got, want)})
-        out["cudnn_pairs_fwd_bwd_s"] = timed(lambda: cudnn_pairs_backward(q, k, v, do, scale, block), reps)
-    except Exception as e:
-        out["cudnn_pairs_fwd_bwd_s"] = None
-        out["cudnn_pairs_error"] = "".join(traceback.format_exception_only(type(e), e))[:400]
+    o = blockwise_causal(*leaves, scale, block)
+    want = torch.autograd.grad(o, leaves, do)  # the engine's blocked backward: what the variants are held against
+    del o
+    for name, fn in (("cudnn_pairs", cudnn_pairs_backward), ("cudnn_fwd_flash_pairs", cudnn_forward_flash_pairs)):
+        try:
+            got = fn(q, k, v, do, scale, block)
+            out.update({f"{name}_d{n}_rel": rel(a, b) for n, a, b in zip("qkv", got, want)})
+            del got
+            out[f"{name}_fwd_bwd_s"] = timed(lambda: fn(q, k, v, do, scale, block), reps)
+        except Exception as e:
+            out[f"{name}_fwd_bwd_s"] = None
+            out[f"{name}_error"] = "".join(traceback.format_exception_only(type(e), e))[:400]
+        torch.cuda.empty_cache()
     for name in ("sdpa_fwd", "flash_fwd", "cudnn_fwd"):
         s = out.get(f"{name}_s")
         out[f"{name}_tflops"] = fwd_flops / s / 1e12 if s else None
-    for name in ("sdpa_fwd_bwd", "blocked_flash_fwd_bwd", "cudnn_pairs_fwd_bwd"):
+    for name in ("sdpa_fwd_bwd", "blocked_flash_fwd_bwd", "cudnn_pairs_fwd_bwd", "cudnn_fwd_flash_pairs_fwd_bwd"):
         s = out.get(f"{name}_s")
         out[f"{name}_tflops"] = 3.5 * fwd_flops / s / 1e12 if s else None
     return out
@@ -156,7 +189,7 @@ def main() -> int:
     write_json(args.json, {"machine": machine(), "git": git_rev(), "command": " ".join(sys.argv), "results": rows})
     print(table(rows, ["tokens", "sdpa_backend", "sdpa_fwd_tflops", "flash_fwd_tflops", "cudnn_fwd_tflops",
                        "sdpa_fwd_bwd_tflops", "blocked_flash_fwd_bwd_tflops", "cudnn_pairs_fwd_bwd_tflops",
-                       "cudnn_pairs_dq_rel"]))
+                       "cudnn_fwd_flash_pairs_fwd_bwd_tflops", "cudnn_pairs_dq_rel", "cudnn_fwd_flash_pairs_dq_rel"]))
     return 0
 
 
