@@ -165,7 +165,7 @@ class Profile:
     def layer_rate(self, adapter, micro: int, seq: int, compile: bool) -> tuple[LayerRate | None, str]:
         """The measured rate for this layer shape, nearest micro-batch size (and compile mode) first, among those
         probed at rows within RATE_SEQ_RANGE of `seq`: a layer's rate mixes its matmuls and its attention, whose
-        share of the FLOPs grows with the row (a Llama-3.1-8B layer: ~10% at 4,096 tokens, ~94% at 524,288), so
+        share of the FLOPs grows with the row (a Llama-3.1-8B layer: ~7% at 4,096 tokens, ~91% at 524,288), so
         a rate probed at another length says nothing of this one (the default branch then times the matmuls and
         the attention apart: timing.step_time)."""
         same = [r for r in self.layer_rates if r.shape == layer_shape(adapter)]
