@@ -35,75 +35,47 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from common import git_rev, machine, table, write_json  # noqa: E402
-from megatrain.models.attention import attention_blocks, blockwise_causal  # noqa: E402
+from attention_kernels import timed  # noqa: E402
+from megatrain.models.attention import blockwise_backward, blockwise_causal  # noqa: E402
 
 H, KH, D = 32, 8, 128
 
 
-def timed(fn, reps: int) -> float:
-    """Median seconds of fn() over reps, after one warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
+def _cudnn_forward(q, k, v, scale: float):
+    """The cuDNN op's output, log-sum-exp ([B, heads, T, 1] there: as [B, heads, T], the flash op's layout) and what
+    its backward takes besides (cumulative lengths, rng state)."""
+    o, lse, cq, ck, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False, scale=scale)
+    return o, lse.reshape(q.shape[:3]), (cq, ck, seed, offset)
 
 
 def cudnn_pairs_backward(q, k, v, do, scale: float, block: int):
-    """The blocked backward with the cuDNN op: forward over the row for its output and log-sum-exp, then the cuDNN
-    backward per (query block, key block) pair given their slices, summed in fp32."""
-    o, lse, cq, ck, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, 0.0, True, False, scale=scale)
-    T = q.shape[2]
-    dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    blocks = attention_blocks(T, block)
-    for i, (qs, qe) in enumerate(blocks):
-        acc = None
-        lse_i = lse[:, :, qs:qe].contiguous()
-        for j, (ks, ke) in enumerate(blocks[:i + 1]):
-            gq, gk, gv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                do[:, :, qs:qe], q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], o[:, :, qs:qe], lse_i, seed, offset,
-                None, cq, ck, qe - qs, ke - ks, 0.0, i == j, scale=scale)
-            acc = gq.float() if acc is None else acc.add_(gq)
-            dk[:, :, ks:ke] += gk
-            dv[:, :, ks:ke] += gv
-        dq[:, :, qs:qe] = acc
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    """The blocked backward with the cuDNN op: its forward over the row for the output and log-sum-exp, then its
+    backward per (query block, key block) pair given their slices (megatrain's pair loop, blockwise_backward)."""
+    o, lse, (cq, ck, seed, offset) = _cudnn_forward(q, k, v, scale)
+    no_bias = torch.empty(0, device=q.device)  # (the op takes a tensor: an empty one where autograd passes none)
+
+    def pair(do_i, q_i, k_j, v_j, o_i, lse_i, causal):
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            do_i, q_i, k_j, v_j, o_i, lse_i.unsqueeze(-1), seed, offset, no_bias, cq, ck, q_i.shape[2],
+            k_j.shape[2], 0.0, causal, scale=scale)
+
+    return blockwise_backward(do, q, k, v, o, lse, block, pair)
 
 
 def cudnn_forward_flash_pairs(q, k, v, do, scale: float, block: int):
     """The cuDNN op's forward (its output and log-sum-exp) and the flash op's backward per block pair: whether the
     two kernels' log-sum-exp agree (the forward is 3 of a blocked layer's 5 attention passes)."""
-    from megatrain.models.attention import _flash_backward
-
-    o, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
-    lse = lse.reshape(q.shape[:3]).contiguous()  # cuDNN's [B, heads, T, 1]: the flash op takes [B, heads, T]
+    o, lse, _ = _cudnn_forward(q, k, v, scale)
     _, _, cq, ck, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
         q[:, :, :128], k[:, :, :128], v[:, :, :128], 0.0, True, False, scale=scale)  # its placeholders
-    T = q.shape[2]
-    dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    blocks = attention_blocks(T, block)
-    for i, (qs, qe) in enumerate(blocks):
-        acc = None
-        lse_i = lse[:, :, qs:qe].contiguous()
-        for j, (ks, ke) in enumerate(blocks[:i + 1]):
-            gq, gk, gv = _flash_backward(do[:, :, qs:qe], q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke],
-                                         o[:, :, qs:qe], lse_i, scale, i == j, (cq, ck, seed, offset))
-            acc = gq.float() if acc is None else acc.add_(gq)
-            dk[:, :, ks:ke] += gk
-            dv[:, :, ks:ke] += gv
-        dq[:, :, qs:qe] = acc
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+    def pair(do_i, q_i, k_j, v_j, o_i, lse_i, causal):
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do_i, q_i, k_j, v_j, o_i, lse_i, cq, ck, q_i.shape[2], k_j.shape[2], 0.0, causal, seed, offset,
+            scale=scale)
+
+    return blockwise_backward(do, q, k, v, o, lse, block, pair)
 
 
 def rel(a, b) -> float:

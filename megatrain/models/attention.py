@@ -178,6 +178,33 @@ def attention_blocks(T: int, block: int) -> list[tuple[int, int]]:
     return [(s, min(s + block, T)) for s in range(0, T, block)]
 
 
+def blockwise_backward(do, q, k, v, o, lse, block: int, pair, dq=None):
+    """d(q), d(k), d(v) of causal attention from the row's output `o` and log-sum-exp `lse` [B, heads, T] and
+    d(output) `do`, over (query block, key block) pairs of `block` tokens: `pair(do_i, q_i, k_j, v_j, o_i, lse_i,
+    causal)` gives one pair's (dq, dk, dv) (kv heads for dk, dv), summed here in fp32 (see above). The results are
+    laid out [B, T, heads, d] as q, k, v are; `dq`: where d(q) goes (a buffer laid out so; block i is written once
+    block i's pairs are done, so it may be `do` itself)."""
+    B, h, T, d = q.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
+    if dq is None:
+        dq = q.new_empty(B, T, h, d).transpose(1, 2)
+    dk = torch.zeros(B, T, k.shape[1], d, dtype=acc, device=k.device).transpose(1, 2)
+    dv = torch.zeros(B, T, v.shape[1], d, dtype=acc, device=v.device).transpose(1, 2)
+    blocks = attention_blocks(T, block)
+    for i, (qs, qe) in enumerate(blocks):
+        do_i, q_i, o_i, lse_i = do[:, :, qs:qe], q[:, :, qs:qe], o[:, :, qs:qe], lse[:, :, qs:qe].contiguous()
+        dq_i = None
+        for j, (ks, ke) in enumerate(blocks[:i + 1]):
+            gq, gk, gv = pair(do_i, q_i, k[:, :, ks:ke], v[:, :, ks:ke], o_i, lse_i, i == j)
+            dq_i = gq.to(acc) if dq_i is None else dq_i.add_(gq)
+            dk[:, :, ks:ke].add_(gk)
+            dv[:, :, ks:ke].add_(gv)
+            del gq, gk, gv
+        dq[:, :, qs:qe] = dq_i
+        del dq_i, lse_i
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
 class _BlockwiseCausal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale: float, block: int, grad_in_place: bool):
@@ -190,28 +217,15 @@ class _BlockwiseCausal(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         scale, extra = ctx.scale, ctx.extra
-        B, h, T, d = q.shape
-        acc = torch.promote_types(q.dtype, torch.float32)
-        # the results laid out [B, T, heads, d] as q, k, v are (views back to the layer's [B·T, heads, d] buffers);
-        # d(q) over d(output) when allowed and laid out so: block i's d(output) is read by block i's pairs only
+        # d(q) over d(output) when allowed and laid out as q: block i's d(output) is read by block i's pairs only
         same = do.dtype == q.dtype and do.shape == q.shape and do.transpose(1, 2).is_contiguous()
-        dq = do if ctx.in_place and same else q.new_empty(B, T, h, d).transpose(1, 2)
-        dk = torch.zeros(B, T, k.shape[1], d, dtype=acc, device=k.device).transpose(1, 2)
-        dv = torch.zeros(B, T, v.shape[1], d, dtype=acc, device=v.device).transpose(1, 2)
-        blocks = attention_blocks(T, ctx.block)
-        for i, (qs, qe) in enumerate(blocks):
-            do_i, q_i, o_i, lse_i = do[:, :, qs:qe], q[:, :, qs:qe], o[:, :, qs:qe], lse[:, :, qs:qe].contiguous()
-            dq_i = None
-            for j, (ks, ke) in enumerate(blocks[:i + 1]):
-                gq, gk, gv = _flash_backward(do_i, q_i, k[:, :, ks:ke], v[:, :, ks:ke], o_i, lse_i, scale, i == j,
-                                             extra)
-                dq_i = gq.to(acc) if dq_i is None else dq_i.add_(gq)
-                dk[:, :, ks:ke].add_(gk)
-                dv[:, :, ks:ke].add_(gv)
-                del gq, gk, gv
-            dq[:, :, qs:qe] = dq_i
-            del dq_i, lse_i
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+        def pair(do_i, q_i, k_j, v_j, o_i, lse_i, causal):
+            return _flash_backward(do_i, q_i, k_j, v_j, o_i, lse_i, scale, causal, extra)
+
+        dq, dk, dv = blockwise_backward(do, q, k, v, o, lse, ctx.block, pair,
+                                        dq=do if ctx.in_place and same else None)
+        return dq, dk, dv, None, None, None
 
 
 def blockwise_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int,

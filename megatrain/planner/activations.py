@@ -91,7 +91,9 @@ class FlashLike(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def fused_sdpa_meta(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention as the planner's meta device runs it: the fused CUDA kernels' allocations
+    (FlashLike)."""
     bias = None if attn_mask is None else (q.shape[0], 1, q.shape[2], k.shape[2])
     return FlashLike.apply(q, k, v, bias)
 
@@ -102,7 +104,7 @@ def _cuda_attention(enabled: bool):
         yield
         return
     orig = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _fused_sdpa
+    F.scaled_dot_product_attention = fused_sdpa_meta
     try:
         yield
     finally:

@@ -329,16 +329,15 @@ def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None
                  f"{s.memory(w.placement)[1] / GiB:.1f} GiB")
         if s.gpu_ok(w.placement) and s.host_ok(w.placement):
             return w, f"the default placement needs {default_gpu / GiB:.1f} GiB of GPU memory{tiled} and fits", True
-    bases = [w]  # the attention's fused backward, and (slower: profile.BLOCKED_ATTENTION_SLOWDOWN, less memory)
-    if "attn_block" in free and attn_block_for(adapter, w):  # its backward over blocks, both searched
+    searches = [(w, s)]  # the attention's fused backward, and (slower: profile.BLOCKED_ATTENTION_SLOWDOWN, less
+    if "attn_block" in free and attn_block_for(adapter, w):  # memory) its backward over blocks, both searched
         wb = replace(w, placement=replace(w.placement, attn_block=attn_block_for(adapter, w)))
-        bases.append(wb)
-        need = _Search(adapter, units, wb, prof, host_limit, gpu_limit, free).memory(wb.placement)[1]
+        searches.append((wb, _Search(adapter, units, wb, prof, host_limit, gpu_limit, free - {"attn_block"})))
+        need = searches[1][1].memory(wb.placement)[1]
         tiled += f"; with the attention's backward over blocks of {wb.placement.attn_block} tokens {need / GiB:.1f} GiB"
     free = free - {"attn_block"}
     candidates, tried = [], 0
-    for base in bases:
-        sb = _Search(adapter, units, base, prof, host_limit, gpu_limit, free)
+    for base, sb in searches:
         candidates += _candidates(sb, base)
         tried += sb.tried
         if "stream_dtype" in free and base.precision == "bf16" and "master" not in base.disk_states:

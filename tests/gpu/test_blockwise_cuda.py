@@ -103,7 +103,7 @@ def _timed_backward(fn, q, k, v, do, scale):
 
 @pytest.mark.parametrize("T", [131072, 262144])
 def test_blocked_backward_memory_and_time_at_length(T):
-    from megatrain.planner.activations import LiveBytes, _fused_sdpa
+    from megatrain.planner.activations import LiveBytes, fused_sdpa_meta
 
     block, scale = 65536, D ** -0.5
     q, k, v, do = _inputs(T, seed=1)
@@ -131,7 +131,7 @@ def test_blocked_backward_memory_and_time_at_length(T):
             del g
         return mode.peak
 
-    planned = {"fused": meta_peak(lambda lv: _fused_sdpa(*lv, is_causal=True, scale=scale, enable_gqa=True)),
+    planned = {"fused": meta_peak(lambda lv: fused_sdpa_meta(*lv, is_causal=True, scale=scale, enable_gqa=True)),
                "blocked": meta_peak(blocked)}
     res = {"seq": T, "block": block, "heads": H, "kv_heads": KH}
     for name in ("fused", "blocked"):
