@@ -52,9 +52,9 @@ GPU_WORKSPACE = int(0.25 * GiB)  # cuBLAS/cuDNN workspaces in the caching alloca
 # offload, whose record_stream delays reuse); compiled 1.18-1.49
 GPU_RESERVE = 0.10
 GPU_RESERVE_COMPILED = 0.35
-# Not lower for a tiled layer: reserved / allocated was 1.013 for one 131,072-token row with tiles of 8,192
-# (results/2026-11-25/h200-reuse) but 1.43 for Gemma-2-9B's 8 x 4,096-token micro-batches with the same tiles
-# (h200-gptoss-gemma): what fragments the allocator is not the tiling alone; one row is not enough to fit a rule.
+# Not lower for every tiled layer: Gemma-2-9B's 8 x 4,096-token micro-batches through tiles of 8,192 reserved 1.43x
+# their allocated peak (h200-gptoss-gemma): the tiling alone does not stop fragmentation. One long row per
+# micro-batch does (GPU_RESERVE_LONG_ROW below).
 GPU_RESERVE_STREAMS = 0.20  # added with spill or offload
 # One row per micro-batch of LONG_ROW tokens or more through the tiled layer: a few large same-sized buffers per
 # layer use, which the allocator reuses. Reserved / allocated measured on the H200 (2026-11-25): Llama-3.1-8B 128k

@@ -334,6 +334,7 @@ def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=N
     prof = load_profile(cfg.plan.profile)
     if prof.measured or device != "cuda":
         return prof
+
     def measure() -> float:
         return adamw_rate(adam_params, torch.bfloat16, reps=2)
 
