@@ -152,11 +152,19 @@ def write_config(path: Path, args, model_dir: Path, tokenizer: Path, data: Path,
 
 class NodeMemory:
     """Peaks of a process tree's summed PSS and of the machine's used memory above a baseline, sampled on a thread
-    from /proc (no psutil on the device images)."""
+    from /proc (no psutil on the device images); and what the launched process's own resident set is made of at
+    its peak (`host_rss_parts_gib`: smaps_rollup's anonymous, file-backed and shared-memory shares: shared
+    libraries' pages are file-backed and reclaimable, the store and pinned buffers anonymous) with its largest
+    mappings by resident size (`host_rss_top`, anonymous ones summed as "[anon]"), refreshed whenever the peak has
+    grown by RESAMPLE bytes (or a tenth); and the peak summed RSS of its descendants (torch.compile's workers) apart."""
+
+    RESAMPLE = 2**29
 
     def __init__(self):
         self.base = self._used()
         self.pss = self.used = 0.0
+        self.rss, self.parts, self.top, self.children = 0.0, {}, [], 0.0
+        self._top_at = -float(self.RESAMPLE)
         self._stop = None
 
     @staticmethod
@@ -181,14 +189,46 @@ class NodeMemory:
         return out
 
     @staticmethod
-    def _pss(pid: int) -> float:
+    def _rollup(pid: int) -> dict[str, float]:
+        """/proc/PID/smaps_rollup's fields in bytes (empty once the process is gone)."""
+        out = {}
         try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024.0
-        except OSError:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+                k, v = line.split(":", 1)
+                out[k] = int(v.split()[0]) * 1024.0
+        except (OSError, ValueError, IndexError):
             pass
-        return 0.0
+        return out
+
+    @classmethod
+    def _pss(cls, pid: int) -> float:
+        return cls._rollup(pid).get("Pss", 0.0)
+
+    @staticmethod
+    def _mappings(pid: int, n: int = 12) -> list[dict]:
+        """The n largest mappings of PID by resident bytes, summed by path ("[anon]": no path)."""
+        by, name = {}, None
+        try:
+            for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+                head = line.split(None, 5)
+                if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                    name = head[5].strip() if len(head) == 6 else "[anon]"
+                elif line.startswith("Rss:") and name is not None:
+                    by[name] = by.get(name, 0) + int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            return []
+        top = sorted(by.items(), key=lambda kv: -kv[1])[:n]
+        return [{"mapping": k, "rss_gib": round(v / 2**30, 3)} for k, v in top]
+
+    def _sample_parts(self, pid: int) -> None:
+        r = self._rollup(pid)
+        if r.get("Rss", 0.0) > self.rss:
+            self.rss = r["Rss"]
+            self.parts = {k: r.get(f, 0.0) / 2**30 for k, f in (("rss", "Rss"), ("anon", "Pss_Anon"),
+                                                                 ("file", "Pss_File"), ("shmem", "Pss_Shmem"))}
+            if self.rss - self._top_at >= min(self.RESAMPLE, 0.1 * self.rss):
+                self._top_at = self.rss
+                self.top = self._mappings(pid)
 
     def start(self, pid: int) -> None:
         import threading
@@ -197,7 +237,10 @@ class NodeMemory:
 
         def sample():
             while not self._stop.wait(0.5):
-                self.pss = max(self.pss, sum(self._pss(p) for p in self._tree(pid)))
+                tree = self._tree(pid)
+                self.pss = max(self.pss, sum(self._pss(p) for p in tree))
+                self._sample_parts(pid)
+                self.children = max(self.children, sum(self._rollup(p).get("Rss", 0.0) for p in tree[1:]))
                 self.used = max(self.used, self._used() - self.base)
 
         self._thread = threading.Thread(target=sample, daemon=True)
@@ -207,7 +250,9 @@ class NodeMemory:
         if self._stop is not None:
             self._stop.set()
             self._thread.join(timeout=5)
-        return {"host_node_pss_gib": self.pss / 2**30, "host_node_used_gib": self.used / 2**30}
+        return {"host_node_pss_gib": self.pss / 2**30, "host_node_used_gib": self.used / 2**30,
+                "host_rss_parts_gib": self.parts, "host_rss_top": self.top,
+                "host_children_rss_gib": self.children / 2**30}
 
 
 def run_cli(config: Path, overrides: list[str], log: Path, nproc: int = 1,
@@ -298,7 +343,7 @@ def planned(path: Path) -> dict:
     p = json.loads(path.read_text())
     return {"placement": p["placement"], "clipping": p["clipping"],
             "plan": {k: p[k] for k in ("step_time_s", "gpu_peak_gib", "gpu_needed_gib", "host_peak_gib", "bound",
-                                       "fits", "placement_why")}}
+                                       "fits", "placement_why", "host")}}
 
 
 def main() -> int:
@@ -374,6 +419,9 @@ def main() -> int:
         elif short:  # rows not full: the comparison with bench_megatrain.py would not hold
             res["error"] = f"steps {short} did not have {full} real tokens ({args.seqs} full rows of {args.seq})"
         write_json(args.json, {"command": " ".join(sys.argv), "result": res})
+        print("host RSS at its peak (GiB):", {k: round(v, 2) for k, v in res["host_rss_parts_gib"].items()},
+              f"descendants {res['host_children_rss_gib']:.2f}; largest mappings:",
+              ", ".join(f"{m['mapping']} {m['rss_gib']:.2f}" for m in res["host_rss_top"][:8]))
         print(table([res], ["label", "params", "tokens_per_step", "step_s", "wall_step_s", "tokens_per_s",
                             "tflops_6n", "tflops_6n_active", "mfu", "gpu_idle", "busy_h2d", "busy_d2h", "gpu_peak_gib",
                             "host_peak_rss_gib", "host_node_pss_gib", "host_node_used_gib",
