@@ -53,7 +53,7 @@ def cudnn_pairs_backward(q, k, v, do, scale: float, block: int):
     """The blocked backward with the cuDNN op: its forward over the row for the output and log-sum-exp, then its
     backward per (query block, key block) pair given their slices (megatrain's pair loop, blockwise_backward)."""
     o, lse, (cq, ck, seed, offset) = _cudnn_forward(q, k, v, scale)
-    no_bias = torch.empty(0, device=q.device)  # (the op takes a tensor: an empty one where autograd passes none)
+    no_bias = None  # (a Tensor argument: None reaches the op as an undefined tensor, as autograd passes it)
 
     def pair(do_i, q_i, k_j, v_j, o_i, lse_i, causal):
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(

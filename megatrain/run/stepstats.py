@@ -49,6 +49,9 @@ class StepStats:
         if self.cuda:
             out["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / GiB
             out["gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
+            # page-locked host memory held by torch's own caching host allocator (pin_memory(), non_blocking
+            # copies to host): outside megatrain's PinnedHost and the planner's books
+            out["host_pinned_cache_gib"] = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) / GiB
             if self._window and self._window[1] is not None:
                 shares = self.timeline.shares(*self._window)
                 out.update(busy_compute=shares.get("compute", 0.0), busy_h2d=shares.get("h2d", 0.0),
