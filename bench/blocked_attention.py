@@ -2,16 +2,19 @@
 causal GQA call against the flash op and the cuDNN op called directly, forward alone and the backward over block
 pairs, at Llama-3.1-8B's heads over long rows.
 
-megatrain's blocked attention (models/attention.blockwise_causal) calls the flash op: on the H100 its backward took
-1.66x SDPA's (results/2026-11-25/h100-llama512k), and a 524,288-token Llama-3.1-8B step 1,270 s where SDPA's rate
-gives ~830 s. This measures, per row length:
+megatrain's blocked attention (models/attention.blockwise_causal) called the flash op until 2026-11-25: on the H100
+its backward took 1.66x SDPA's (results/2026-11-25/h100-llama512k), and a 524,288-token Llama-3.1-8B step 1,270 s
+where SDPA's rate gives ~830 s. On the H200 the cuDNN op per block pair ran at SDPA's speed (results/2026-11-25/
+h200-rss-diag), and the engine now runs the kernel SDPA picks (models/attention._cuda_kernel). This measures, per row
+length:
 
     sdpa      F.scaled_dot_product_attention(is_causal, enable_gqa): the backend SDPA picks (torch._fused_sdp_choice,
               recorded), forward alone and forward + backward over the whole row (what the planner's rate is)
-    flash     the flash op forward alone, and the engine's blocked backward (flash backward per pair)
+    blocked   the engine's blocked forward + backward (its kernel recorded: cudnn or flash)
+    flash     the flash op forward alone, and the same decomposition with the flash backward per pair
     cudnn     the cuDNN op forward alone (with its log-sum-exp), and the same decomposition with the cuDNN backward
-              per pair, given the row's output and log-sum-exp slices; its gradients against the flash pairs'
-              (relative error: whether the decomposition holds for that kernel) or the error it raised
+              per pair, given the row's output and log-sum-exp slices; each variant's gradients against the
+              engine's (relative error: whether the decomposition holds for that kernel) or the error it raised
     mixed     the cuDNN forward's output and log-sum-exp fed to the flash backward per pair (whether the two
               kernels' log-sum-exp agree; the forward is 3 of a blocked layer's 5 attention passes)
 
@@ -36,7 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from common import git_rev, machine, table, write_json  # noqa: E402
 from attention_kernels import timed  # noqa: E402
-from megatrain.models.attention import blockwise_backward, blockwise_causal  # noqa: E402
+from megatrain.models.attention import _cuda_kernel, blockwise_backward, blockwise_causal  # noqa: E402
 
 H, KH, D = 32, 8, 128
 
@@ -63,19 +66,32 @@ def cudnn_pairs_backward(q, k, v, do, scale: float, block: int):
     return blockwise_backward(do, q, k, v, o, lse, block, pair)
 
 
-def cudnn_forward_flash_pairs(q, k, v, do, scale: float, block: int):
-    """The cuDNN op's forward (its output and log-sum-exp) and the flash op's backward per block pair: whether the
-    two kernels' log-sum-exp agree (the forward is 3 of a blocked layer's 5 attention passes)."""
-    o, lse, _ = _cudnn_forward(q, k, v, scale)
+def _flash_placeholders(q, k, v, scale: float):
+    """What the flash backward takes besides the output and log-sum-exp (cumulative lengths, rng state)."""
     _, _, cq, ck, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-        q[:, :, :128], k[:, :, :128], v[:, :, :128], 0.0, True, False, scale=scale)  # its placeholders
+        q[:, :, :128], k[:, :, :128], v[:, :, :128], 0.0, True, False, scale=scale)
+    return cq, ck, seed, offset
 
+
+def _flash_pair(scale: float, cq, ck, seed, offset):
     def pair(do_i, q_i, k_j, v_j, o_i, lse_i, causal):
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             do_i, q_i, k_j, v_j, o_i, lse_i, cq, ck, q_i.shape[2], k_j.shape[2], 0.0, causal, seed, offset,
             scale=scale)
+    return pair
 
-    return blockwise_backward(do, q, k, v, o, lse, block, pair)
+
+def flash_pairs_backward(q, k, v, do, scale: float, block: int):
+    """The flash op's forward over the row and its backward per block pair (the engine's kernels before cuDNN)."""
+    o, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+    return blockwise_backward(do, q, k, v, o, lse, block, _flash_pair(scale, *_flash_placeholders(q, k, v, scale)))
+
+
+def cudnn_forward_flash_pairs(q, k, v, do, scale: float, block: int):
+    """The cuDNN op's forward (its output and log-sum-exp) and the flash op's backward per block pair: whether the
+    two kernels' log-sum-exp agree (the forward is 3 of a blocked layer's 5 attention passes)."""
+    o, lse, _ = _cudnn_forward(q, k, v, scale)
+    return blockwise_backward(do, q, k, v, o, lse, block, _flash_pair(scale, *_flash_placeholders(q, k, v, scale)))
 
 
 def rel(a, b) -> float:
@@ -89,7 +105,7 @@ def row(T: int, block: int, reps: int) -> dict:
     do = (torch.randn(1, T, H, D, device="cuda", generator=g) * 0.1).to(torch.bfloat16).transpose(1, 2)
     scale = D ** -0.5
     fwd_flops = 2.0 * T * T * H * D  # causal: T²/2 pairs, 4 FLOPs each per head dim
-    out = {"tokens": T, "block": block}
+    out = {"tokens": T, "block": block, "engine_kernel": _cuda_kernel(q, k, v, scale)}
     try:
         out["sdpa_backend"] = int(torch._fused_sdp_choice(q, k, v, is_causal=True, scale=scale, enable_gqa=True))
     except Exception as e:  # the private probe may move between versions
@@ -115,7 +131,7 @@ def row(T: int, block: int, reps: int) -> dict:
         torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
 
     for name, fn in (("sdpa_fwd", sdpa_fwd), ("sdpa_fwd_bwd", sdpa_both), ("flash_fwd", flash_fwd),
-                     ("blocked_flash_fwd_bwd", blocked_both), ("cudnn_fwd", cudnn_fwd)):
+                     ("blocked_fwd_bwd", blocked_both), ("cudnn_fwd", cudnn_fwd)):
         try:
             out[f"{name}_s"] = timed(fn, reps)
         except Exception as e:
@@ -125,7 +141,8 @@ def row(T: int, block: int, reps: int) -> dict:
     o = blockwise_causal(*leaves, scale, block)
     want = torch.autograd.grad(o, leaves, do)  # the engine's blocked backward: what the variants are held against
     del o
-    for name, fn in (("cudnn_pairs", cudnn_pairs_backward), ("cudnn_fwd_flash_pairs", cudnn_forward_flash_pairs)):
+    for name, fn in (("flash_pairs", flash_pairs_backward), ("cudnn_pairs", cudnn_pairs_backward),
+                     ("cudnn_fwd_flash_pairs", cudnn_forward_flash_pairs)):
         try:
             got = fn(q, k, v, do, scale, block)
             out.update({f"{name}_d{n}_rel": rel(a, b) for n, a, b in zip("qkv", got, want)})
@@ -138,7 +155,8 @@ def row(T: int, block: int, reps: int) -> dict:
     for name in ("sdpa_fwd", "flash_fwd", "cudnn_fwd"):
         s = out.get(f"{name}_s")
         out[f"{name}_tflops"] = fwd_flops / s / 1e12 if s else None
-    for name in ("sdpa_fwd_bwd", "blocked_flash_fwd_bwd", "cudnn_pairs_fwd_bwd", "cudnn_fwd_flash_pairs_fwd_bwd"):
+    for name in ("sdpa_fwd_bwd", "blocked_fwd_bwd", "flash_pairs_fwd_bwd", "cudnn_pairs_fwd_bwd",
+                 "cudnn_fwd_flash_pairs_fwd_bwd"):
         s = out.get(f"{name}_s")
         out[f"{name}_tflops"] = 3.5 * fwd_flops / s / 1e12 if s else None
     return out
@@ -159,9 +177,10 @@ def main() -> int:
         rows.append(row(T, args.block, args.reps))
         print(rows[-1], flush=True)
     write_json(args.json, {"machine": machine(), "git": git_rev(), "command": " ".join(sys.argv), "results": rows})
-    print(table(rows, ["tokens", "sdpa_backend", "sdpa_fwd_tflops", "flash_fwd_tflops", "cudnn_fwd_tflops",
-                       "sdpa_fwd_bwd_tflops", "blocked_flash_fwd_bwd_tflops", "cudnn_pairs_fwd_bwd_tflops",
-                       "cudnn_fwd_flash_pairs_fwd_bwd_tflops", "cudnn_pairs_dq_rel", "cudnn_fwd_flash_pairs_dq_rel"]))
+    print(table(rows, ["tokens", "sdpa_backend", "engine_kernel", "sdpa_fwd_tflops", "flash_fwd_tflops",
+                       "cudnn_fwd_tflops", "sdpa_fwd_bwd_tflops", "blocked_fwd_bwd_tflops", "flash_pairs_fwd_bwd_tflops",
+                       "cudnn_pairs_fwd_bwd_tflops", "cudnn_fwd_flash_pairs_fwd_bwd_tflops", "flash_pairs_dq_rel",
+                       "cudnn_pairs_dq_rel"]))
     return 0
 
 

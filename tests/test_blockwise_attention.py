@@ -190,8 +190,8 @@ def test_the_planner_measures_the_blocked_backward_smaller_and_chooses_it_where_
 
 
 def test_the_planner_times_blocked_attention_at_its_measured_rate_and_probes_only_near_their_length():
-    """The blocked layers' attention at 1/BLOCKED_ATTENTION_SLOWDOWN of the attention rate (the flash op's kernels,
-    measured on the H100), the matmuls unchanged; and a layer rate probed at 4,096 tokens is not applied to a
+    """The blocked layers' attention at 1/BLOCKED_ATTENTION_SLOWDOWN of the attention rate (SDPA's kernels per block
+    pair, measured on the H200), the matmuls unchanged; and a layer rate probed at 4,096 tokens is not applied to a
     524,288-token row (attention is ~7% of such a layer's FLOPs at 4,096 and ~91% at 524,288), but is to 8,192."""
     from megatrain.planner import Workload, make_plan
     from megatrain.planner.profile import (BLOCKED_ATTENTION_SLOWDOWN, COMPILED_SPEEDUP, LayerRate, Profile,

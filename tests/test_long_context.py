@@ -177,8 +177,9 @@ def test_qwen_7b_fits_an_h200_from_32k_to_512k_tokens():
     """Qwen2.5-7B, one sequence per step (bench/plan_long_context.py prints the table;
     bench/results/2026-11-25/long_context_plan.txt): every length tiles the layer (memory.seq_tile: at 32k-128k to
     make room for the layers that keep their attention, from 256k on because the whole layer does not fit) and keeps
-    some layers' attention for the backward (memory.reuse_attention); 512k also rebuilds blocks; 512k within the
-    issue's 600 s."""
+    some layers' attention for the backward (memory.reuse_attention); 512k also runs the attention's backward over
+    blocks (memory.attn_block: at SDPA's speed since it calls cuDNN's kernels) or rebuilds K-blocks; 512k within
+    the issue's 600 s."""
     from megatrain.planner.profile import GiB
 
     steps = {}
@@ -187,7 +188,8 @@ def test_qwen_7b_fits_an_h200_from_32k_to_512k_tokens():
         assert p.fits, (seq, p.problems)
         assert p.host_total <= PLAN_HOST_GIB * GiB and p.gpu_needed <= 139.8 * GiB
         assert p.placement.seq_tile > 0 and p.placement.reuse_attention > 0, (seq, p.placement_keys)
-        assert (p.placement.checkpoint_every > 1) == (seq >= 524288), (seq, p.placement_keys)
+        bounded = p.placement.checkpoint_every > 1 or p.placement.attn_block > 0  # K-blocks or blocked attention
+        assert bounded == (seq >= 524288), (seq, p.placement_keys)
         steps[seq] = p.step_s
     assert steps[524288] <= 600, steps
     assert all(steps[a] < steps[b] for a, b in zip(sorted(steps), sorted(steps)[1:]))
@@ -215,7 +217,7 @@ def test_llama_8b_longest_runs_fit_with_the_attention_backward_in_blocks():
     assert not clipped.fits and clipped.problems
     free = long_plan("llama-3.1-8b", 1048576, clipping=False)
     assert free.fits and free.placement.attn_block == 65536, free.problems
-    assert 3600 < free.step_s < 7200, free.step_s  # stated: ~5,200 s a step at the blocked kernels' rate
+    assert 2400 < free.step_s < 4800, free.step_s  # stated: ~3,240 s a step (5,250 with the flash op's kernels)
 
 
 @pytest.mark.parametrize("model,layers,sizes,seq,placement", [

@@ -133,24 +133,41 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Att
 # needs no more than q, k, v and its output). What differs from the fused kernel: each pair's gradient is rounded
 # to the input dtype before the fp32 sum (the fused kernel sums in fp32 and rounds once). Measured on the H100 in
 # bf16, 8,192 tokens in blocks of 1,024, against a float64 truth: d(q), d(k), d(v) off by 2.6e-3, 3.4e-3, 3.3e-3,
-# SDPA's by 2.5e-3, 3.0e-3, 2.9e-3 (bench/results/2026-11-25/h100-llama512k). On CUDA these are the flash op's own
-# kernels, which run slower than what SDPA picks for the same call on Hopper (planner/profile.py:
-# BLOCKED_ATTENTION_SLOWDOWN): the planner blocks the attention only where nothing else fits.
+# SDPA's by 2.5e-3, 3.0e-3, 2.9e-3 (bench/results/2026-11-25/h100-llama512k). On CUDA the kernels are the ones SDPA
+# itself picks for the whole row (`_cuda_kernel`): cuDNN's fused attention on Hopper, whose backward takes the row's
+# output and log-sum-exp the same way, else the flash op. On the H200 the blocked forward + backward with cuDNN runs
+# at SDPA's speed (537 / 530 TFLOP/s against 541 / 530 at 131,072 / 262,144 tokens in blocks of 65,536); the flash
+# op's ran 323 / 320 (bench/blocked_attention.py, results/2026-11-25/h200-rss-diag; planner/profile.py:
+# BLOCKED_ATTENTION_SLOWDOWN).
+
+
+def _cuda_kernel(q, k, v, scale: float) -> str:
+    """Which fused kernel the blocked attention runs on CUDA: "cudnn" where SDPA itself would run cuDNN's attention
+    for this causal row (Hopper), else "flash" (the flash op, which takes grouped KV heads as they are)."""
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        return "cudnn" if int(choice) == int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION) else "flash"
+    except (AttributeError, RuntimeError, TypeError):  # a private probe: where it moved or refuses, the flash op
+        return "flash"
 
 
 def _flash_forward(q, k, v, scale: float, causal: bool):
     """(output [B, heads, T, d] laid out [B, T, heads, d] as the kernels write it, fp32 log-sum-exp [B, heads, T],
-    what the CUDA backward needs besides them)."""
+    what the CUDA backward needs besides them: the kernel's name first)."""
     if q.is_meta:  # the planner's memory simulation: the kernel's allocations
         B, h, T, d = q.shape
         return (q.new_empty(B, T, h, d).transpose(1, 2), q.new_empty(B, h, T, dtype=torch.float32), ())
     if q.is_cuda:
         if q.dtype not in (torch.bfloat16, torch.float16):  # the planner refuses memory.attn_block for such runs
-            raise ValueError(f"the attention blocked for its backward runs the flash kernel, which takes bf16 or "
+            raise ValueError(f"the attention blocked for its backward runs a fused kernel, which takes bf16 or "
                              f"fp16 on CUDA, not {q.dtype} (memory.attn_block: 0)")
+        if _cuda_kernel(q, k, v, scale) == "cudnn":
+            o, lse, cq, ck, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, 0.0, causal, False, scale=scale)
+            return o, lse.reshape(q.shape[:3]), ("cudnn", cq, ck, seed, offset)  # its lse: [B, heads, T, 1]
         o, lse, cq, ck, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale)
-        return o, lse, (cq, ck, seed, offset)
+        return o, lse, ("flash", cq, ck, seed, offset)
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return o, lse, ()
 
@@ -166,7 +183,11 @@ def _flash_backward(do, q, k, v, o, lse, scale: float, causal: bool, extra):
         del work
         return out
     if q.is_cuda:
-        cq, ck, seed, offset = extra
+        kernel, cq, ck, seed, offset = extra
+        if kernel == "cudnn":  # no bias: None reaches the op as the undefined tensor autograd passes
+            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                do, q, k, v, o, lse.unsqueeze(-1), seed, offset, None, cq, ck, q.shape[2], k.shape[2], 0.0, causal,
+                scale=scale)
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             do, q, k, v, o, lse, cq, ck, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, o, lse, 0.0, causal,

@@ -21,7 +21,7 @@ The knobs, cheapest first in step time (DESIGN.md rules 9-11):
     attn_block b        plain causal rows longer than b tokens run the attention's backward over (query block, key
                         block) pairs of b tokens (models/attention.blockwise_causal): the same FLOPs, without the
                         fused kernel's row-sized fp32 d(q) and per-query-head d(k), d(v) (16 GiB of a 7-8B layer at
-                        512k tokens), but slower (profile.BLOCKED_ATTENTION_SLOWDOWN): when the tiled layer does not
+                        512k tokens), at a cost (profile.BLOCKED_ATTENTION_SLOWDOWN): when the tiled layer does not
                         fit, the placements with it (ATTN_BLOCK tokens) are searched beside those without
     reuse_attention N   the top N layers keep their attention (q, k, v, output) on the GPU from the forward wave to
                         their backward, which does not run it again: a knob that buys time with spare GPU memory,
@@ -329,7 +329,7 @@ def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None
                  f"{s.memory(w.placement)[1] / GiB:.1f} GiB")
         if s.gpu_ok(w.placement) and s.host_ok(w.placement):
             return w, f"the default placement needs {default_gpu / GiB:.1f} GiB of GPU memory{tiled} and fits", True
-    searches = [(w, s)]  # the attention's fused backward, and (slower: profile.BLOCKED_ATTENTION_SLOWDOWN, less
+    searches = [(w, s)]  # the attention's fused backward, and (profile.BLOCKED_ATTENTION_SLOWDOWN, less
     if "attn_block" in free and attn_block_for(adapter, w):  # memory) its backward over blocks, both searched
         wb = replace(w, placement=replace(w.placement, attn_block=attn_block_for(adapter, w)))
         searches.append((wb, _Search(adapter, units, wb, prof, host_limit, gpu_limit, free - {"attn_block"})))

@@ -110,14 +110,14 @@ FLEX_SHAPE_FLOPS = 2.0 * 4096 * 4096 * 8 * 4096
 # touches, W rounded up to blocks plus one.
 FLEX_BLOCK = 128
 
-# The attention whose backward runs over blocks (Placement.attn_block, models/attention.blockwise_causal) calls the
-# flash op itself, forward over the row and backward per block pair, where the planner's attention rate is that of
-# SDPA's default kernel for the same call (a faster one on Hopper: at 16 x 4096 on the H200 it ran the forward at
-# 615 TFLOP/s against 254 for the flash op with expanded K/V, results/2026-11-21/call8/head_attn_variants.json).
-# Measured on the H100 (results/2026-11-25/h100-llama512k, tests/gpu/test_blockwise_cuda.py; Llama-3.1-8B's heads,
-# blocks of 65,536): the blocked backward took 1.66x and 1.67x SDPA's at 131,072 and 262,144 tokens (1.10 s
-# against 0.665 s; 4.44 against 2.66). Its forward was not timed alone; it is taken as slow by the same factor.
-BLOCKED_ATTENTION_SLOWDOWN = 1.66
+# The attention whose backward runs over blocks (Placement.attn_block, models/attention.blockwise_causal): forward
+# over the row, backward per block pair, with the kernels SDPA itself picks for the row (cuDNN's on Hopper), where
+# the planner's attention rate is SDPA's for the whole row. Measured on the H200 (bench/blocked_attention.py,
+# results/2026-11-25/h200-rss-diag; Llama-3.1-8B's heads, blocks of 65,536): forward + backward 1.0075x and 1.0002x
+# SDPA's at 131,072 and 262,144 tokens (0.917 s against 0.910; 3.717 against 3.716). Until 2026-11-25 the blocked
+# attention ran the flash op, at 1.66-1.68x (H100, results/2026-11-25/h100-llama512k; the H200: 1.68x). Where SDPA
+# picks the flash op itself (before Hopper) the blocked one runs the same kernels: not measured there.
+BLOCKED_ATTENTION_SLOWDOWN = 1.01
 
 # A MoE layer with no measured rate runs at this share of the default (dense) layer rate: routing, the token
 # permutation and grouped GEMMs over a few thousand tokens per expert are slower than one dense GEMM. Fitted to

@@ -176,7 +176,7 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
         how = ("matmuls at the profile's largest probed layer's rate, attention at its rate for these rows "
                f"({how})" if prof.layer_rates else "default rate") + (" (compiled)" if w.compile else "")
         xf, xb = flex_seconds(adapter, w.seq_len, w.packed) if w.device == "cuda" else (0.0, 0.0)
-        if blocked:  # the flash op's own kernels, slower than SDPA's default (profile.BLOCKED_ATTENTION_SLOWDOWN)
+        if blocked:  # the pair loop's cost over SDPA's whole-row kernel (profile.BLOCKED_ATTENTION_SLOWDOWN)
             r_attn /= 1.0 + blocked * (BLOCKED_ATTENTION_SLOWDOWN - 1.0)
             how += (f", the attention blocked for its backward (memory.attn_block) at 1/{BLOCKED_ATTENTION_SLOWDOWN}"
                     " of it (BLOCKED_ATTENTION_SLOWDOWN)")
