@@ -41,3 +41,31 @@ def test_offload_set_follows_backward_order(tmp_path):
                           to_host=tuple(grads_to_host(n, Placement(grads_to_host=3))))
     assert p.offload == {n - 1, n - 2, n - 3}  # head, last layer, the one below
     p.close()
+
+
+def test_torch_pinned_cache_is_released_only_when_idle_blocks_are_large(monkeypatch):
+    """runtime.pinned.release_torch_pinned_cache: returns torch's caching host allocator's idle blocks (what it holds
+    beyond the blocks in use) when they reach the threshold, once, and leaves smaller ones (cudaFreeHost waits for
+    the device). A stand-in for torch.cuda's allocator: CPU has none."""
+    import torch
+
+    from megatrain.runtime import pinned
+
+    held = {"allocated_bytes.current": 5 * 2**30, "active_bytes.current": 2**30}
+    calls = []
+
+    def empty():
+        calls.append(1)
+        held["allocated_bytes.current"] = held["active_bytes.current"]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: dict(held))
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", empty)
+    assert pinned.release_torch_pinned_cache() == 4 * 2**30 and calls == [1]
+    assert pinned.release_torch_pinned_cache() == 0 and calls == [1]  # nothing idle any more
+    held["allocated_bytes.current"] += pinned.TORCH_PINNED_IDLE - 1  # below the threshold: kept
+    assert pinned.release_torch_pinned_cache() == 0 and calls == [1]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # no CUDA context: nothing to ask
+    held["allocated_bytes.current"] += 2**30
+    assert pinned.release_torch_pinned_cache() == 0 and calls == [1]

@@ -17,6 +17,7 @@ from ..checkpoint.state import model_files_writer, restore_rng, run_state
 from ..config import Config
 from ..errors import MegatrainError
 from ..runtime.adamw import clip_coefficient, lr_at
+from ..runtime.pinned import release_torch_pinned_cache
 from ..runtime.router_loss import expert_load
 from .evaluate import evaluate
 from .metrics import MetricsLogger
@@ -139,6 +140,7 @@ def train_step(run: Run, step: int, data: PreparedStep, stats: StepStats | None 
                              f"check the data.")
     coef = clip_coefficient(grad_norm, t.max_grad_norm)
     run.pipeline.finish_step(lr=lr, clip_coef=coef)
+    released = release_torch_pinned_cache() if run.engine.device.type == "cuda" else 0
     dt = time.perf_counter() - t0 + data.wait_s
     tokens = run.tokens_of(data)  # every rank's
     # where the host thread's time went: waiting for data, queueing the step (waits for the optimizer's updates
@@ -148,6 +150,8 @@ def train_step(run: Run, step: int, data: PreparedStep, stats: StepStats | None 
               "queue_s": t_queued - t0, "gpu_wait_s": t_done - t_queued}
     if clipping:
         record["clip_coef"] = coef
+    if released:  # page-locked memory torch's allocator kept idle (after a compiled step's autotuning)
+        record["host_pinned_released_gib"] = released / 2**30
     if out.aux_loss is not None:  # MoE: the router loss (inside `loss`) and how evenly tokens went to experts
         record["router_loss"] = out.aux_loss.item()
         record.update(expert_load(out.expert_counts.cpu()))

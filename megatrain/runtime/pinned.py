@@ -88,3 +88,27 @@ class PinnedHost:
             return str(self.cudart.cudaGetErrorString(err))
         except Exception:  # the name is a courtesy
             return "unknown error"
+
+
+# torch's own caching host allocator (pin_memory(), tensors Inductor's autotuning copies to host: it keeps the
+# mutated arguments of a kernel it benchmarks in page-locked host memory when a copy on the GPU would raise the
+# GPU's peak) keeps every block it ever made. A compiled run's first step left 4 GiB there (Qwen2.5-7B, micro-batches
+# of 80,896 tokens, fp32 streaming; results/2026-11-25/h200-rss-diag), which no later step used.
+TORCH_PINNED_IDLE = 64 * 2**20
+
+
+def release_torch_pinned_cache(min_idle: int = TORCH_PINNED_IDLE) -> int:
+    """Return the idle blocks of torch's caching host allocator to the system when they hold `min_idle` bytes or
+    more (cudaFreeHost waits for the device: not every step). Returns the bytes it held idle (0: nothing done)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    stats = torch.cuda.host_memory_stats()
+    idle = stats.get("allocated_bytes.current", 0) - stats.get("active_bytes.current", 0)
+    if idle < min_idle:
+        return 0
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
+        getattr(torch._C, "_host_emptyCache", None)
+    if empty is None:
+        return 0
+    empty()
+    return idle
