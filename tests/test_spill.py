@@ -43,29 +43,32 @@ def test_offload_set_follows_backward_order(tmp_path):
     p.close()
 
 
-def test_torch_pinned_cache_is_released_only_when_idle_blocks_are_large(monkeypatch):
-    """runtime.pinned.release_torch_pinned_cache: returns torch's caching host allocator's idle blocks (what it holds
-    beyond the blocks in use) when they reach the threshold, once, and leaves smaller ones (cudaFreeHost waits for
-    the device). A stand-in for torch.cuda's allocator: CPU has none."""
+def test_torch_pinned_cache_is_released_once_it_has_grown(monkeypatch):
+    """runtime.pinned.release_torch_pinned_cache: empties torch's caching host allocator once it holds the threshold
+    more than after its last release (free blocks are returned; blocks in use stay and are not asked for again),
+    and reports what was returned. A stand-in for torch.cuda's allocator: CPU has none."""
     import torch
 
     from megatrain.runtime import pinned
 
-    held = {"allocated_bytes.current": 5 * 2**30, "active_bytes.current": 2**30}
+    in_use, held = 2**30, {"allocated_bytes.current": 5 * 2**30}
     calls = []
 
-    def empty():
+    def empty():  # returns the free blocks, keeps those in use
         calls.append(1)
-        held["allocated_bytes.current"] = held["active_bytes.current"]
+        held["allocated_bytes.current"] = in_use
 
+    monkeypatch.setattr(pinned, "_after_release", [0])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: dict(held))
     monkeypatch.setattr(torch.accelerator, "empty_host_cache", empty)
     assert pinned.release_torch_pinned_cache() == 4 * 2**30 and calls == [1]
-    assert pinned.release_torch_pinned_cache() == 0 and calls == [1]  # nothing idle any more
-    held["allocated_bytes.current"] += pinned.TORCH_PINNED_IDLE - 1  # below the threshold: kept
+    assert pinned.release_torch_pinned_cache() == 0 and calls == [1]  # the blocks in use: not asked again
+    held["allocated_bytes.current"] += pinned.TORCH_PINNED_IDLE - 1  # grown by less than the threshold: kept
     assert pinned.release_torch_pinned_cache() == 0 and calls == [1]
+    held["allocated_bytes.current"] += 1
+    assert pinned.release_torch_pinned_cache() == pinned.TORCH_PINNED_IDLE and calls == [1, 1]
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # no CUDA context: nothing to ask
     held["allocated_bytes.current"] += 2**30
-    assert pinned.release_torch_pinned_cache() == 0 and calls == [1]
+    assert pinned.release_torch_pinned_cache() == 0 and calls == [1, 1]

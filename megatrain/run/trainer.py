@@ -150,7 +150,7 @@ def train_step(run: Run, step: int, data: PreparedStep, stats: StepStats | None 
               "queue_s": t_queued - t0, "gpu_wait_s": t_done - t_queued}
     if clipping:
         record["clip_coef"] = coef
-    if released:  # page-locked memory torch's allocator kept idle (after a compiled step's autotuning)
+    if released:  # page-locked memory torch's allocator kept (a compiled step's autotuning copies)
         record["host_pinned_released_gib"] = released / 2**30
     if out.aux_loss is not None:  # MoE: the router loss (inside `loss`) and how evenly tokens went to experts
         record["router_loss"] = out.aux_loss.item()

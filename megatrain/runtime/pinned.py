@@ -97,18 +97,23 @@ class PinnedHost:
 TORCH_PINNED_IDLE = 64 * 2**20
 
 
+_after_release = [0]  # what the allocator held after the last release: freed again only once it has grown
+
+
 def release_torch_pinned_cache(min_idle: int = TORCH_PINNED_IDLE) -> int:
-    """Return the idle blocks of torch's caching host allocator to the system when they hold `min_idle` bytes or
-    more (cudaFreeHost waits for the device: not every step). Returns the bytes it held idle (0: nothing done)."""
+    """Return the free blocks of torch's caching host allocator to the system once it holds `min_idle` bytes more
+    than after the last release (its stats count a freed block as active until it processes the block's events,
+    which its empty_cache does first; cudaFreeHost waits for the device: not every step). Returns the bytes
+    released (0: nothing done)."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return 0
-    stats = torch.cuda.host_memory_stats()
-    idle = stats.get("allocated_bytes.current", 0) - stats.get("active_bytes.current", 0)
-    if idle < min_idle:
+    held = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    if held - _after_release[0] < min_idle:
         return 0
     empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
         getattr(torch._C, "_host_emptyCache", None)
     if empty is None:
         return 0
     empty()
-    return idle
+    _after_release[0] = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    return max(0, held - _after_release[0])
