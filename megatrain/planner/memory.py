@@ -76,6 +76,7 @@ SPILLED = "layer-boundary checkpoint spill (pinned on CUDA)"
 PARKED = "wave-group gradient accumulators (pinned on CUDA)"
 MASTER = "fp32 master weights"
 SSD_CACHE = "SSD tier cache (read-ahead and write-behind slots)"
+AUTOTUNE = "autotuning copies (pinned; first compiled step)"
 SSD_STAGING = "SSD tier staging (one unit: checkpoint saves, resume)"
 STATE_NAMES = {"master": MASTER, "m": "Adam m (fp32)", "v": "Adam v (fp32)"}
 DEVICE_WORK = "device work (activations, gradients; peak)"  # a CPU run: the device is the host
@@ -113,7 +114,12 @@ def ssd_traffic(units, w: Workload) -> dict[str, float]:
 # ---- host ---------------------------------------------------------------------------------------------------
 def compiled_runtime_host(tokens_per_micro_batch: int) -> float:
     """Extra peak RSS of a torch.compile'd run: 0.3 GiB at 32k tokens per micro-batch, 4.4 GiB from 81k on
-    (2026-11-21 runs; the cause, in torch.compile's host side, is not pinned down)."""
+    (2026-11-21 runs). The cause (2026-11-25, results/2026-11-25/h200-rss-diag): Inductor's autotuning copies the
+    arguments a kernel writes to page-locked host memory the first time the kernel runs, when a copy on the GPU would
+    raise the GPU's peak so far; torch's host allocator kept them (4.02 GiB at 80,896 tokens, 0.50 at 8,192). They
+    are returned after that step now (runtime/pinned.release_torch_pinned_cache), and a run whose kernels Inductor
+    has tuned before (its on-disk cache: the same shapes again, a resume) makes none: the first step's peak with a
+    cold cache, which the plan keeps."""
     share = min(1.0, max(0.0, (tokens_per_micro_batch - 32768) / (80896 - 32768)))
     return (0.3 + 4.1 * share) * GiB
 
@@ -148,10 +154,9 @@ def host_memory(units, w: Workload, tied: bool = False) -> dict[str, float]:
     # one step's rows as int64 (input ids, labels, positions), the pinned copies sent to the device, the
     # tokenizer and sampler index; the tokenised data itself stays in memory-mapped Arrow files (page cache)
     out["data (one step's batches, tokenizer)"] = 64.0 * w.tokens_per_step + 0.25 * GiB
-    runtime = RUNTIME_HOST[w.device]
+    out["runtime (python, torch" + (", CUDA" if w.device == "cuda" else "") + ")"] = RUNTIME_HOST[w.device]
     if w.compile and w.device == "cuda":
-        runtime += compiled_runtime_host(max(w.micro_batches) * w.seq_len)
-    out["runtime (python, torch" + (", CUDA" if w.device == "cuda" else "") + ")"] = runtime
+        out[AUTOTUNE] = compiled_runtime_host(max(w.micro_batches) * w.seq_len)
     return out
 
 
@@ -159,7 +164,7 @@ def pinned_bytes(host: dict[str, float], w: Workload) -> float:
     """The page-locked share of `host` (cudaHostRegister'ed by the runtime's PinnedHost)."""
     if w.device != "cuda":
         return 0.0
-    pinned = sum(host.get(k, 0) for k in (STREAM_COPY_PINNED, LANDING, OFFLOADED, SPILLED, PARKED))
+    pinned = sum(host.get(k, 0) for k in (STREAM_COPY_PINNED, LANDING, OFFLOADED, SPILLED, PARKED, AUTOTUNE))
     if w.precision == "fp32" or w.fp32_stream:
         pinned += host.get(MASTER, 0.0)  # streaming the fp32 master: it is what the runtime registers as pinned
     return pinned
