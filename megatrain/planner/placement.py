@@ -97,7 +97,7 @@ def attn_block_for(adapter, w: Workload) -> int:
     if w.packed or w.seq_len <= ATTN_BLOCK or not can_stash(adapter):
         return 0
     if w.device == "cuda" and w.precision != "bf16":
-        return 0  # on CUDA the flash kernel takes bf16: fp32 runs keep SDPA's fused kernel
+        return 0  # the fused kernels take bf16 on CUDA: fp32 runs keep SDPA's own path
     if all(adapter.cuda_attention(k, w.seq_len, False)[0] != "flash" for k in set(adapter.layer_kinds)):
         return 0  # (layers on FlexAttention keep it: its backward has no row-sized fp32 buffer)
     return ATTN_BLOCK

@@ -163,8 +163,8 @@ def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float |
         from ..errors import MegatrainError
 
         raise MegatrainError(f"memory.attn_block: {w.placement.attn_block}, but train.precision is {w.precision}: the "
-                             "attention blocked for its backward runs the flash kernel, which takes bf16 on CUDA; set "
-                             "memory.attn_block: 0 or leave it unset")
+                             "attention blocked for its backward runs a fused kernel (cuDNN's or flash's), which takes "
+                             "bf16 on CUDA; set memory.attn_block: 0 or leave it unset")
     if not profile.measured:
         notes.append("no machine profile: rates are the H200 defaults (DESIGN.md, bench 2026-11-21); "
                      "run `megatrain probe` on the training machine for its own")

@@ -1,5 +1,5 @@
-"""The attention's backward over blocks (memory.attn_block, models/attention.blockwise_causal) on CUDA: the flash
-kernels CPU cannot run.
+"""The attention's backward over blocks (memory.attn_block, models/attention.blockwise_causal) on CUDA: the fused
+kernels CPU cannot run (those SDPA picks for the row: cuDNN's on Hopper, else the flash op's).
 
     python3 -m pytest -q -m gpu tests/gpu/test_blockwise_cuda.py     (MEGATRAIN_GPU_RESULTS=DIR: JSON there)
 
@@ -7,12 +7,13 @@ kernels CPU cannot run.
    the float64 truth (the same bf16 inputs, SDPA's math path in float64), the blocked attention's output and its
    d(q), d(k), d(v) are as close as SDPA's default kernel's (within 2x its error: a different kernel, so not bit
    for bit); d(q) written over d(output) when allowed, within what two runs of the blocked backward differ by (the
-   flash backward sums d(q) with atomics).
+   fused backwards sum d(q) with atomics).
 2. Memory and time at length: Llama-3.1-8B's heads (32 query, 8 KV) over 131,072 and 262,144 tokens (blocks of
    65,536): the backward's allocated peak above its inputs for SDPA's kernel and the blocked one, against what the
    planner's meta device measures for each (planner.activations: the same functions on the meta device; at two
    blocks the blocked one holds more, the fp32 sums of d(k) and d(v), from four it holds less), and each backward's
-   time (recorded: profile.BLOCKED_ATTENTION_SLOWDOWN).
+   time (recorded: profile.BLOCKED_ATTENTION_SLOWDOWN; results/2026-11-25/h200-1m-blocked with cuDNN's kernels,
+   h100-llama512k with the flash op's).
 """
 
 from __future__ import annotations
