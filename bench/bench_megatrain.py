@@ -112,7 +112,7 @@ def run(args) -> dict:
             pipeline.finish_step(lr=1e-5, clip_coef=clip_coefficient(norm, 1.0))
             now = time.perf_counter()
             wall, last_end = now - last_end, now
-            shares = timeline.shares(start, end) if timeline else {}
+            shares = timeline.shares(start, end, gaps=args.gaps) if timeline else {}
             rec = {"step": step, "loss": loss, "grad_norm": norm, "step_s": dt, "wall_s": wall,
                    "tokens_per_s": tokens / dt, "tflops_6n": fpt6 * tokens / dt / 1e12,
                    "mfu": fpt_model * tokens / dt / H200_BF16_PEAK,
@@ -120,6 +120,10 @@ def run(args) -> dict:
                    "busy_h2d": shares.get("h2d", 0.0) if cuda else None,
                    "busy_d2h": shares.get("d2h", 0.0) if cuda else None}
             rec["gpu_idle"] = 1.0 - rec["busy_compute"] if cuda else None
+            if shares.get("gaps") is not None:  # --gaps: where the compute stream sat idle, longest first
+                rec["idle_gaps"] = shares["gaps"]
+                for gap in shares["gaps"]:
+                    print(f"  idle {gap['ms']:8.1f} ms after [{gap['after']}] before [{gap['before']}]")
             # the optimizer thread since the last step's end (it updates step t-1 during this step's forward)
             st = pipeline.take_stats()
             rec.update(adamw_s=st["update_s"], adamw_wait_s=st["copy_wait_s"],
@@ -196,6 +200,8 @@ def main():
                    "--offload, --checkpoint-every, --keep-top, --wave-groups, --group-grads, --stream-dtype)")
     p.add_argument("--profile", default=None, help="machine profile for --auto (default: as megatrain plan)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--gaps", type=int, default=0, help="record and print each step's N longest idle stretches of "
+                   "the compute stream, with the uses before and after them (CUDA)")
     p.add_argument("--stream-dtype", default="bf16", choices=["bf16", "fp32"],
                    help="bf16 runs: stream a host bf16 copy, or the fp32 master cast on the GPU (memory.stream_dtype)")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark), or cpu to check the script")

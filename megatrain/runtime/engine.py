@@ -143,6 +143,7 @@ class _Loaded:
     weights: list[dict[str, torch.Tensor]]  # per tile: views of the slot (or of the host tile on CPU)
     slot: _Slot | None = None
     busy_from: object = None  # timeline event when compute began using the slot
+    label: str = ""  # the use, in the timeline ("forward (3,)")
 
 
 class Engine:
@@ -257,7 +258,7 @@ class Engine:
         if loaded.slot is not None:
             loaded.slot.free.record(self.compute)
             if self.timeline is not None and loaded.busy_from is not None:
-                self.timeline.add("compute", loaded.busy_from, self.timeline.marker(self.compute))
+                self.timeline.add("compute", loaded.busy_from, self.timeline.marker(self.compute), loaded.label)
 
     def _span(self, name: str, stream):
         return self.timeline.span(name, stream) if self.timeline is not None else nullcontext()
@@ -310,6 +311,7 @@ class Engine:
         for k, use in enumerate(schedule):
             if g is None or g.index != groups[use.group]:
                 g = _Group(groups[use.group], *self._inputs([microbatches[m] for m in groups[use.group]]))
+            pending[k].label = f"{use.kind} {use.units}"
             w = self._acquire(pending[k])
             if use.kind == "embed":
                 with torch.no_grad():
