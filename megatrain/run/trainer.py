@@ -140,8 +140,8 @@ def train_step(run: Run, step: int, data: PreparedStep, stats: StepStats | None 
                              f"check the data.")
     coef = clip_coefficient(grad_norm, t.max_grad_norm)
     run.pipeline.finish_step(lr=lr, clip_coef=coef)
-    released = release_torch_pinned_cache() if run.engine.device.type == "cuda" else 0
     dt = time.perf_counter() - t0 + data.wait_s
+    released = release_torch_pinned_cache() if run.engine.device.type == "cuda" else 0  # (outside the step's time)
     tokens = run.tokens_of(data)  # every rank's
     # where the host thread's time went: waiting for data, queueing the step (waits for the optimizer's updates
     # included), waiting for the GPU to finish it
