@@ -126,7 +126,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Att
 # blocks of queries (i) and keys (j <= i): with P = exp(q_i·k_jᵀ·scale − lse_i) and D_i = rowsum(dO_i ∘ O_i), where
 # O and lse are the whole row's output and log-sum-exp,
 #     dV_j += P_ijᵀ·dO_i,   dS_ij = P_ij ∘ (dO_i·V_jᵀ − D_i),   dQ_i += dS_ij·K_j·scale,   dK_j += dS_ijᵀ·Q_i·scale
-# which is exactly what the flash backward kernel computes for one (q block, k block) pair when it is given the
+# which is exactly what a fused backward kernel computes for one (q block, k block) pair when it is given the
 # row's O_i and lse_i (a diagonal pair causal, a pair below the diagonal unmasked): the pieces ring attention sums.
 # So the backward runs the kernel pair by pair, summing in fp32, and its working set is one pair's plus the fp32
 # sums of d(k) and d(v) (kv heads only) and of one block's d(q). The forward is the kernel over the whole row (it

@@ -170,8 +170,8 @@ def layer_memory(adapter, batch: int, seq: int, dtype: torch.dtype = torch.bfloa
                 out["forward_stash_peak"] = mode.peak
                 del y
                 out["stash"] = mode.peak = mode.live  # what stays: the stash; then the backward that spends it
-                dx = layer_backward(layer, w, x, ctx, dh, list(grad_acc.values()), stash=kept)
-                del dx, kept
+                layer_backward(layer, w, x, ctx, dh, list(grad_acc.values()), stash=kept)  # d(input): dropped
+                del kept
             out["backward_stash_peak"] = mode.peak
     return out
 

@@ -10,6 +10,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..checkpoint import StopOnSignal
 from ..checkpoint import resume as resume_lib
@@ -26,6 +27,9 @@ from .prefetch import PreparedStep, StepPrefetcher
 from .prepare import Run, prepare
 from .roles import open_log, open_saver
 from .stepstats import StepStats, attach
+
+if TYPE_CHECKING:
+    from ..checkpoint.saver import CheckpointSaver
 
 
 def train(cfg: Config, dist=None) -> dict:
