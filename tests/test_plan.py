@@ -518,3 +518,24 @@ def test_forward_waits_for_the_optimizer_unit_by_unit():
     fast = make_plan(adapter, w, replace(DEFAULTS, adamw_params_per_s=1e15))
     assert fast.time["gpu_idle_s"] < 0.2 * slow.time["gpu_idle_s"]
     assert fast.step_s < slow.step_s - 0.8 * (slow.time["gpu_idle_s"] - fast.time["gpu_idle_s"])
+
+
+def test_autotune_host_is_the_widest_projection_output_in_power_of_two_blocks():
+    """planner.memory.autotune_host against what torch's caching host allocator held after a compiled run's first
+    step on the H200 (results/2026-11-25/h200-rss-diag, h200-1m-blocked): Qwen2.5-7B 79 x 1024 tokens 4.02 GiB,
+    8 x 1024 0.50; Llama-3.1-8B in tiles of 8,192 tokens 0.27 (the blocks, plus a few MiB of pinned batches); the
+    hosts' plans carry it as its own component of compiled CUDA runs only."""
+    from megatrain.planner import Workload
+    from megatrain.planner.memory import AUTOTUNE, autotune_host, host_memory
+
+    GiB = 2**30
+    qwen, llama = adapter_of("qwen2.5-7b", 2), adapter_of("llama-3.1-8b", 2)
+    assert autotune_host(qwen.units(), Workload((79, 79), 1024)) == 4 * GiB
+    assert autotune_host(qwen.units(), Workload((8, 8), 1024)) == GiB / 2
+    tiled = Workload((1,), 16384, placement=Placement(seq_tile=8192))
+    assert autotune_host(llama.units(), tiled) == GiB / 4
+    assert autotune_host(llama.units(), Workload((1,), 16384)) == GiB / 2  # 16,384 x 14,336 x 2 B = 0.44 GiB
+    compiled = host_memory(qwen.units(), Workload((79,), 1024, compile=True))
+    assert compiled[AUTOTUNE] == 4 * GiB
+    assert AUTOTUNE not in host_memory(qwen.units(), Workload((79,), 1024, compile=False))
+    assert AUTOTUNE not in host_memory(qwen.units(), Workload((79,), 1024, compile=True, device="cpu"))

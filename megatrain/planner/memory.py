@@ -113,15 +113,31 @@ def ssd_traffic(units, w: Workload) -> dict[str, float]:
 
 # ---- host ---------------------------------------------------------------------------------------------------
 def compiled_runtime_host(tokens_per_micro_batch: int) -> float:
-    """Extra peak RSS of a torch.compile'd run: 0.3 GiB at 32k tokens per micro-batch, 4.4 GiB from 81k on
-    (2026-11-21 runs). The cause (2026-11-25, results/2026-11-25/h200-rss-diag): Inductor's autotuning copies the
-    arguments a kernel writes to page-locked host memory the first time the kernel runs, when a copy on the GPU would
-    raise the GPU's peak so far; torch's host allocator kept them (4.02 GiB at 80,896 tokens, 0.50 at 8,192). They
-    are returned after that step now (runtime/pinned.release_torch_pinned_cache), and a run whose kernels Inductor
-    has tuned before (its on-disk cache: the same shapes again, a resume) makes none: the first step's peak with a
-    cold cache, which the plan keeps."""
+    """Extra peak RSS of a torch.compile'd MoE run (the fit of the 2026-11-21 dense runs, kept where `autotune_host`
+    has no model): 0.3 GiB at 32k tokens per micro-batch, 4.4 GiB from 81k on."""
     share = min(1.0, max(0.0, (tokens_per_micro_batch - 32768) / (80896 - 32768)))
     return (0.3 + 4.1 * share) * GiB
+
+
+def autotune_host(units, w: Workload) -> float:
+    """Page-locked host memory of a compiled run's first step (results/2026-11-25/h200-rss-diag): the first time an
+    Inductor kernel with several configurations runs, its autotuning copies the buffers the kernel writes to host
+    memory when a copy on the GPU would raise the GPU's peak so far, and torch's caching host allocator keeps them
+    in blocks rounded up to a power of two (returned after the step now: runtime/pinned.release_torch_pinned_cache;
+    none when Inductor's on-disk cache has the kernels tuned: the same shapes again, a resume). The largest such
+    buffer of a dense layer is its widest projection's output over the micro-batch (or one tile of `seq_tile`
+    tokens) in the compute dtype: measured 4.02 GiB for Qwen2.5-7B at 80,896 tokens (80,896 x 18,944 x 2 B = 2.85
+    GiB, a 4 GiB block), 0.50 at 8,192 (0.29 GiB, a 0.5 GiB block), 0.27 for Llama-3.1-8B in tiles of 8,192 (0.22,
+    a 0.25 GiB block). An upper bound: with headroom below the GPU's peak the copy stays on the GPU."""
+    tokens = max(w.micro_batches) * w.seq_len
+    if 0 < w.placement.seq_tile < tokens:
+        tokens = w.placement.seq_tile
+    specs = units[1].specs if len(units) > 2 else []
+    if not specs or any(len(s.shape) > 2 for s in specs):  # experts' stacked weights: routed tokens, not modelled
+        return compiled_runtime_host(tokens)
+    width = max(s.shape[0] for s in specs if len(s.shape) == 2)
+    nbytes = int(tokens * width * w.elem)
+    return float(1 << (nbytes - 1).bit_length())
 
 
 def host_memory(units, w: Workload, tied: bool = False) -> dict[str, float]:
@@ -156,7 +172,7 @@ def host_memory(units, w: Workload, tied: bool = False) -> dict[str, float]:
     out["data (one step's batches, tokenizer)"] = 64.0 * w.tokens_per_step + 0.25 * GiB
     out["runtime (python, torch" + (", CUDA" if w.device == "cuda" else "") + ")"] = RUNTIME_HOST[w.device]
     if w.compile and w.device == "cuda":
-        out[AUTOTUNE] = compiled_runtime_host(max(w.micro_batches) * w.seq_len)
+        out[AUTOTUNE] = autotune_host(units, w)
     return out
 
 
