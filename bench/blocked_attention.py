@@ -5,7 +5,7 @@ pairs, at Llama-3.1-8B's heads over long rows.
 megatrain's blocked attention (models/attention.blockwise_causal) called the flash op until 2026-11-25: on the H100
 its backward took 1.66x SDPA's (results/2026-11-25/h100-llama512k), and a 524,288-token Llama-3.1-8B step 1,270 s
 where SDPA's rate gives ~830 s. On the H200 the cuDNN op per block pair ran at SDPA's speed (results/2026-11-25/
-h200-rss-diag), and the engine now runs the kernel SDPA picks (models/attention._cuda_kernel). This measures, per row
+h200-rss-diag), and the engine now runs the kernel SDPA picks (models/attention.blocked_kernel). This measures, per row
 length:
 
     sdpa      F.scaled_dot_product_attention(is_causal, enable_gqa): the backend SDPA picks (torch._fused_sdp_choice,
@@ -39,7 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from common import git_rev, machine, table, write_json  # noqa: E402
 from attention_kernels import timed  # noqa: E402
-from megatrain.models.attention import _cuda_kernel, blockwise_backward, blockwise_causal  # noqa: E402
+from megatrain.models.attention import blocked_kernel, blockwise_backward, blockwise_causal  # noqa: E402
 
 H, KH, D = 32, 8, 128
 
@@ -105,7 +105,7 @@ def row(T: int, block: int, reps: int) -> dict:
     do = (torch.randn(1, T, H, D, device="cuda", generator=g) * 0.1).to(torch.bfloat16).transpose(1, 2)
     scale = D ** -0.5
     fwd_flops = 2.0 * T * T * H * D  # causal: T²/2 pairs, 4 FLOPs each per head dim
-    out = {"tokens": T, "block": block, "engine_kernel": _cuda_kernel(q, k, v, scale)}
+    out = {"tokens": T, "block": block, "engine_kernel": blocked_kernel(q, k, v, scale)}
     try:
         out["sdpa_backend"] = int(torch._fused_sdp_choice(q, k, v, is_causal=True, scale=scale, enable_gqa=True))
     except Exception as e:  # the private probe may move between versions
@@ -178,9 +178,9 @@ def main() -> int:
         print(rows[-1], flush=True)
     write_json(args.json, {"machine": machine(), "git": git_rev(), "command": " ".join(sys.argv), "results": rows})
     print(table(rows, ["tokens", "sdpa_backend", "engine_kernel", "sdpa_fwd_tflops", "flash_fwd_tflops",
-                       "cudnn_fwd_tflops", "sdpa_fwd_bwd_tflops", "blocked_fwd_bwd_tflops", "flash_pairs_fwd_bwd_tflops",
-                       "cudnn_pairs_fwd_bwd_tflops", "cudnn_fwd_flash_pairs_fwd_bwd_tflops", "flash_pairs_dq_rel",
-                       "cudnn_pairs_dq_rel"]))
+                       "cudnn_fwd_tflops", "sdpa_fwd_bwd_tflops", "blocked_fwd_bwd_tflops",
+                       "flash_pairs_fwd_bwd_tflops", "cudnn_pairs_fwd_bwd_tflops",
+                       "cudnn_fwd_flash_pairs_fwd_bwd_tflops", "flash_pairs_dq_rel", "cudnn_pairs_dq_rel"]))
     return 0
 
 

@@ -134,14 +134,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Att
 # to the input dtype before the fp32 sum (the fused kernel sums in fp32 and rounds once). Measured on the H100 in
 # bf16, 8,192 tokens in blocks of 1,024, against a float64 truth: d(q), d(k), d(v) off by 2.6e-3, 3.4e-3, 3.3e-3,
 # SDPA's by 2.5e-3, 3.0e-3, 2.9e-3 (bench/results/2026-11-25/h100-llama512k). On CUDA the kernels are the ones SDPA
-# itself picks for the whole row (`_cuda_kernel`): cuDNN's fused attention on Hopper, whose backward takes the row's
+# itself picks for the whole row (`blocked_kernel`): cuDNN's fused attention on Hopper, whose backward takes the row's
 # output and log-sum-exp the same way, else the flash op. On the H200 the blocked forward + backward with cuDNN runs
 # at SDPA's speed (537 / 530 TFLOP/s against 541 / 530 at 131,072 / 262,144 tokens in blocks of 65,536); the flash
 # op's ran 323 / 320 (bench/blocked_attention.py, results/2026-11-25/h200-rss-diag; planner/profile.py:
 # BLOCKED_ATTENTION_SLOWDOWN).
 
 
-def _cuda_kernel(q, k, v, scale: float) -> str:
+def blocked_kernel(q, k, v, scale: float) -> str:
     """Which fused kernel the blocked attention runs on CUDA: "cudnn" where SDPA itself would run cuDNN's attention
     for this causal row (Hopper), else "flash" (the flash op, which takes grouped KV heads as they are)."""
     try:
@@ -161,7 +161,7 @@ def _flash_forward(q, k, v, scale: float, causal: bool):
         if q.dtype not in (torch.bfloat16, torch.float16):  # the planner refuses memory.attn_block for such runs
             raise ValueError(f"the attention blocked for its backward runs a fused kernel, which takes bf16 or "
                              f"fp16 on CUDA, not {q.dtype} (memory.attn_block: 0)")
-        if _cuda_kernel(q, k, v, scale) == "cudnn":
+        if blocked_kernel(q, k, v, scale) == "cudnn":
             o, lse, cq, ck, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
                 q, k, v, None, True, 0.0, causal, False, scale=scale)
             return o, lse.reshape(q.shape[:3]), ("cudnn", cq, ck, seed, offset)  # its lse: [B, heads, T, 1]

@@ -379,7 +379,8 @@ def gpu_phases(adapter, units, w: Workload, notes: list[str], prof: Profile | No
                 sm = sum(st[:m]) if use.stash else 0.0  # `state` holds this layer's earlier micro-batches' stashes:
                 state -= sm  #                             counted apart, as STASHED
                 phase(f"forward, layer {use.layer}", m, {
-                    STASHED: sum(stashed.values()) + sm, CHECKPOINTS: sum(kept.values()), HIDDEN: (0.0 if use.keep == "gpu" else C) + state,
+                    STASHED: sum(stashed.values()) + sm, CHECKPOINTS: sum(kept.values()),
+                    HIDDEN: (0.0 if use.keep == "gpu" else C) + state,
                     "layer activations (1 micro-batch)": transient,
                     LAST_STEP: left_after[u] if cuda and gi == 0 else 0.0})
                 if use.stash:

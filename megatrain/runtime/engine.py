@@ -311,7 +311,7 @@ class Engine:
         for k, use in enumerate(schedule):
             if g is None or g.index != groups[use.group]:
                 g = _Group(groups[use.group], *self._inputs([microbatches[m] for m in groups[use.group]]))
-            pending[k].label = f"{use.kind} {use.units}"
+            pending[k].label = f"{use.kind} {use.units}" if self.timeline is not None else ""
             w = self._acquire(pending[k])
             if use.kind == "embed":
                 with torch.no_grad():
