@@ -37,8 +37,10 @@ MEASURED = [
 H100 = "2026-11-23/bounded-h100-2/h100_profile.json"
 MEASURED_H100 = [
     ("llama-3.1-8b", "2026-11-25/h100-llama512k/llama8b_512k_h100.json",
-     "no clipping, memory.gpu_budget_gb 74, attention backward in blocks (flash op; planned with cuDNN, as now)", 74.0,
-     False),
+     "before cuDNN: no clipping, memory.gpu_budget_gb 74, attention backward in blocks with the flash op's kernels",
+     74.0, False),
+    ("llama-3.1-8b", "2026-11-25/h100-llama512k-cudnn/llama8b_512k_h100.json",
+     "no clipping, memory.gpu_budget_gb 74, attention backward in blocks with cuDNN's kernels", 74.0, False),
 ]
 
 
@@ -84,11 +86,14 @@ def main() -> int:
         ax_t.plot([m["tokens"]], [m["step_s"]], label=label, **style)
         ax_m.plot([m["tokens"]], [m["gpu_peak_gib"]], label=label, **style)
     for m in h100:
+        before = m["what"].startswith("before")
         for key, ax in (("step_s", ax_t), ("gpu_peak_gib", ax_m)):
-            ax.plot([m["tokens"]], [m[key]], marker="s", color=colors[m["model"]], linestyle="none", markersize=8,
-                    label=f"{m['model']}, measured on the H100 80GB")
-            ax.plot([m["tokens"]], [m["plan"][key]], marker="s", mfc="none", color=colors[m["model"]],
-                    linestyle="none", markersize=11, label=f"{m['model']}, planned for that H100 run")
+            ax.plot([m["tokens"]], [m[key]], marker="x" if before else "s", color=colors[m["model"]],
+                    linestyle="none", markersize=8,
+                    label=f"{m['model']}, measured on the H100 80GB" + (" (flash op's kernels)" if before else ""))
+            if not before:  # the plan is today's (cuDNN's kernels): beside the run that used them
+                ax.plot([m["tokens"]], [m["plan"][key]], marker="s", mfc="none", color=colors[m["model"]],
+                        linestyle="none", markersize=11, label=f"{m['model']}, planned for that H100 run")
     for ax, what in ((ax_t, "step time (s)"), (ax_m, "GPU peak allocated (GiB)")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(LENGTHS, [f"{t // 1024}k" for t in LENGTHS])
