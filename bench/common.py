@@ -22,8 +22,9 @@ def hf_config(path: str, **overrides):
     for k, v in overrides.items():
         if v is not None:
             setattr(cfg, k, v)
-    if "num_hidden_layers" in overrides and getattr(cfg, "layer_types", None):
-        cfg.layer_types = [cfg.layer_types[0]] * cfg.num_hidden_layers
+    if overrides.get("num_hidden_layers") is not None and getattr(cfg, "layer_types", None):
+        types = list(cfg.layer_types)  # the first layers of the real pattern, as bench_cli.py truncates
+        cfg.layer_types = (types * (cfg.num_hidden_layers // len(types) + 1))[:cfg.num_hidden_layers]
     return cfg
 
 
