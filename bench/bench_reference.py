@@ -9,7 +9,8 @@ Mixtures of experts: the router's load-balancing loss is part of the loss (`outp
 trains them) and `--experts-impl` picks transformers' expert kernels (`grouped_mm`: torch's grouped GEMM, the
 fastest it has; `eager`: a loop over the experts that received tokens). `--layers N` truncates the depth the way
 bench_cli.py does (the first N of the real layer pattern). A run that does not fit in GPU memory is recorded as such
-(`fits: false`, the peak allocated before it failed) and exits 3.
+(`fits: false`, the peak allocated before it failed) and exits 3; a run that `timeout` stops (SIGTERM) records
+the tokens/s of the micro-batches it finished after the first (`partial: true`) and exits 124.
 
 `--device cpu` runs the same loop on the CPU (a check of the script, with a tiny config.json).
 """
@@ -17,6 +18,7 @@ bench_cli.py does (the first N of the real layer pattern). A run that does not f
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -77,8 +79,22 @@ def main():
     label = f"transformers-in-gpu {Path(args.model).name}" + (f" {args.layers}L" if args.layers else "") + (
         f" experts={getattr(model.config, '_experts_implementation', None) or 'default'}" if moe else "") + (
         f" attn={attn}" if attn != "sdpa" else "")
-    head = {"label": label, "attn_implementation": attn, "params": n_params, "params_active": n_active, "layers": cfg.num_hidden_layers,
-            "seq": args.seq, "seqs_per_step": args.seqs, "micro": args.micro, "tokens_per_step": args.seqs * args.seq}
+    head = {"label": label, "attn_implementation": attn, "params": n_params, "params_active": n_active,
+            "layers": cfg.num_hidden_layers, "seq": args.seq, "seqs_per_step": args.seqs, "micro": args.micro, "tokens_per_step": args.seqs * args.seq}
+    def on_term(signum, frame):  # `timeout` ended the run: record the rate of the micro-batches that ran
+        # fits: unknown until a step has run (torch's AdamW allocates its states, 8 B/param, at its first step)
+        res = {**head, "fits": True if PROGRESS.get("step") else None, "partial": True, **PROGRESS,
+               "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+               "host_peak_rss_gib": peak_rss_bytes() / 2**30}
+        if PROGRESS.get("tokens_per_s"):
+            res["tflops_6n"] = fpt6 * PROGRESS["tokens_per_s"] / 1e12
+            res["tflops_6n_active"] = 6 * n_active * PROGRESS["tokens_per_s"] / 1e12 if moe else None
+        write_json(args.json, {"command": " ".join(sys.argv), "result": res})
+        print(f"{label}: stopped (signal {signum}) in step {PROGRESS.get('step')} after "
+              f"{PROGRESS.get('micro_done')} micro-batches; partial result written", flush=True)
+        sys.exit(124)
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         records = train_steps(args, model, opt, cfg, dev, sync, fpt6, fpt_model, n_active)
     except torch.OutOfMemoryError as e:
@@ -99,18 +115,34 @@ def main():
                         "mfu", "gpu_peak_gib"]))
 
 
+PROGRESS: dict = {}  # where the current step is: what a run stopped by `timeout` records
+
+
 def train_steps(args, model, opt, cfg, dev, sync, fpt6, fpt_model, n_active) -> list[dict]:
     """Warm-up and measured steps: micro-batches of random token ids, autocast bf16, clip, AdamW."""
     g = torch.Generator().manual_seed(0)
     records = []
+    n_micro = args.seqs // args.micro
+    every = max(1, n_micro // 16)  # progress reports (a GPU sync each) per step
     for step in range(args.warmup + args.steps):
         sync()
         t = time.perf_counter()
-        for _ in range(args.seqs // args.micro):
+        t1 = None
+        for i in range(n_micro):
             ids = torch.randint(0, cfg.vocab_size, (args.micro, args.seq), generator=g).to(dev, non_blocking=True)
             with torch.autocast(dev.type, dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss / (args.seqs // args.micro)
+                loss = model(input_ids=ids, labels=ids).loss / n_micro
             loss.backward()
+            if i == 0 or (i + 1) % every == 0:
+                sync()
+                now = time.perf_counter()
+                t1 = now if i == 0 else t1
+                # the micro-batches after the first (its one-off costs apart), the optimizer step not included
+                rate = i * args.micro * args.seq / (now - t1) if i else None
+                PROGRESS.update(step=step, micro_done=i + 1, micro_total=n_micro, elapsed_s=now - t,
+                                first_micro_s=t1 - t, tokens_per_s=rate)
+                print(f"step {step} micro-batch {i + 1}/{n_micro}: {now - t:.1f} s"
+                      + (f", {rate:,.0f} tokens/s after the first" if rate else ""), flush=True)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
