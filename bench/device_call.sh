@@ -13,6 +13,14 @@
 #
 #   run_logged NAME SECONDS CMD ARGS...   runs CMD under `timeout SECONDS`, its output to $OUT/NAME.log (the last
 #                                         ${TAIL:-6} lines shown), and appends "NAME rc=N" to $OUT/status.txt
+#   run_detached NAME CMD ARGS...         for a run longer than one device command (10 minutes): the first call
+#                                         starts CMD in its own process session (setsid; output and exit status
+#                                         under $DETACHED/NAME, default /tmp/detached), and every call (the same
+#                                         call script issued again on the still-warm machine) waits for it until
+#                                         this command's deadline (its start + ${WAIT_S:-570} s), shows the last
+#                                         ${TAIL:-8} lines of its output, copies it to $OUT/NAME.log and, once it
+#                                         has ended, appends "NAME rc=N" to $OUT/status.txt (returns 0 while it
+#                                         runs). `detached_started NAME` says whether it was started already.
 # The runner's exit status is the call script's, or 1 if it was 0 but a command run with run_logged failed.
 set -uo pipefail
 if [ $# -ne 1 ] || [ ! -f "$1" ]; then
@@ -66,11 +74,37 @@ run_logged() {
 }
 export -f run_logged
 
+export CALL_DEADLINE=$(( $(date +%s) + ${WAIT_S:-570} )) DETACHED=${DETACHED:-/tmp/detached}
+detached_started() {
+  [ -f "$DETACHED/$1/pid" ]
+}
+run_detached() {
+  local name=$1 d=$DETACHED/$1
+  shift
+  if [ ! -f "$d/pid" ]; then
+    mkdir -p "$d"
+    date +%s > "$d/start"
+    setsid bash -c '"$@" > "$0/out.log" 2>&1; echo $? > "$0/rc"' "$d" "$@" < /dev/null > /dev/null 2>&1 &
+    echo $! > "$d/pid"
+    echo "$name launched (setsid, pid $(cat "$d/pid")): $*" | tee -a "$OUT/status.txt"
+  fi
+  while [ ! -f "$d/rc" ] && [ "$(date +%s)" -lt "$CALL_DEADLINE" ]; do
+    sleep "${POLL_S:-15}"
+  done
+  echo "$name: $(( $(date +%s) - $(cat "$d/start") )) s since launch; rc: $(cat "$d/rc" 2>/dev/null || echo running)"
+  tail -n "${TAIL:-8}" "$d/out.log"
+  cp "$d/out.log" "$OUT/$name.log"
+  [ -f "$d/rc" ] || return 0
+  echo "$name rc=$(cat "$d/rc")" | tee -a "$OUT/status.txt"
+  return "$(cat "$d/rc")"
+}
+export -f detached_started run_detached
+
 ( source "$CALL" )
 rc=$?
 echo "== call script exit status $rc"
 [ -f "$OUT/status.txt" ] && cat "$OUT/status.txt"
-if [ $rc -eq 0 ] && [ -f "$OUT/status.txt" ] && grep -qv " rc=0$" "$OUT/status.txt"; then
+if [ $rc -eq 0 ] && [ -f "$OUT/status.txt" ] && grep -qE " rc=[1-9]" "$OUT/status.txt"; then
   rc=1  # a command run with run_logged failed
 fi
 python3 bench/summarize.py "$OUT"
