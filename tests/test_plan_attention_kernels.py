@@ -138,3 +138,32 @@ def test_a_distributed_run_plans_with_the_adamw_rate_rank_0_measured(tmp_path, m
         t.join(timeout=60)
     assert measured == [0]
     assert got[0] > 0 and got[1] == got[0] and got[2] == got[0]
+
+
+def test_plan_on_the_training_machine_uses_the_rate_train_measures(tmp_path, monkeypatch, capsys):
+    """`megatrain plan` run where the training runs (a GPU here, no probed profile) plans with the CPU AdamW rate
+    measured here, as `megatrain train` does at its start, so both choose the same placement; planned from a
+    machine without a GPU, the defaults stand."""
+    import json
+
+    from megatrain.config import load_config
+    from megatrain.planner import plan as plan_mod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no probed profile at the default path
+    cfg = load_config(None, ["train.device=cuda"])
+
+    def planned() -> dict:
+        plan_mod.plan_command(cfg, as_json=True)
+        return json.loads(capsys.readouterr().out)
+
+    elsewhere = planned()
+    assert elsewhere["profile"] == DEFAULTS.source
+    assert elsewhere["cpu_adamw_params_per_s"] == DEFAULTS.adamw_params_per_s
+    import torch
+
+    monkeypatch.setattr(plan_mod, "torch_cuda_available", lambda: True)  # a GPU here, as the plan sees it
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (140 * 2**30, 141 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a GPU")
+    here = planned()
+    assert here["profile"].startswith("defaults, CPU AdamW measured here")
+    assert here["cpu_adamw_params_per_s"] > 0 and here["cpu_adamw_params_per_s"] != DEFAULTS.adamw_params_per_s

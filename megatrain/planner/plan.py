@@ -123,7 +123,8 @@ class Plan:
                         "hidden_gb_per_s": self.ssd["hidden_bps"] / 1e9, "read_gb_per_s": self.ssd["read_bps"] / 1e9,
                         "write_gb_per_s": self.ssd["write_bps"] / 1e9,
                         "free_gib": None if self.ssd_free is None else self.ssd_free / GiB} if self.ssd else None,
-                "notes": self.notes, "world": self.world_json()}
+                "notes": self.notes, "world": self.world_json(), "profile": self.profile.source,
+                "cpu_adamw_params_per_s": self.profile.adamw_params_per_s}
 
     def world_json(self) -> dict:
         w, c = self.world, self.comm
@@ -306,7 +307,12 @@ def plan_command(cfg, as_json: bool = False, world: World = World()) -> int:
 
     adapter = get_adapter(load_hf_config(cfg.model.path))
     prof = load_profile(cfg.plan.profile)
-    plan = plan_for_config(cfg, adapter, target_device(cfg, prof), prof, world)
+    device = target_device(cfg, prof)
+    if device == "cuda" and torch_cuda_available():
+        # this machine is the one that trains: plan with what `megatrain train` will measure at its start (the
+        # CPU AdamW rate, when no probed profile says it), so that both choose the same placement
+        prof = run_profile(cfg, device)
+    plan = plan_for_config(cfg, adapter, device, prof, world)
     print(json.dumps(plan.as_json(), indent=1) if as_json else plan.report())
     if not plan.fits:
         print("megatrain: the run will not fit: " + "; ".join(plan.problems), file=sys.stderr)
