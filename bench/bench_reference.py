@@ -80,7 +80,9 @@ def main():
         f" experts={getattr(model.config, '_experts_implementation', None) or 'default'}" if moe else "") + (
         f" attn={attn}" if attn != "sdpa" else "")
     head = {"label": label, "attn_implementation": attn, "params": n_params, "params_active": n_active,
-            "layers": cfg.num_hidden_layers, "seq": args.seq, "seqs_per_step": args.seqs, "micro": args.micro, "tokens_per_step": args.seqs * args.seq}
+            "layers": cfg.num_hidden_layers, "seq": args.seq, "seqs_per_step": args.seqs, "micro": args.micro,
+            "tokens_per_step": args.seqs * args.seq}
+
     def on_term(signum, frame):  # `timeout` ended the run: record the rate of the micro-batches that ran
         # fits: unknown until a step has run (torch's AdamW allocates its states, 8 B/param, at its first step)
         res = {**head, "fits": True if PROGRESS.get("step") else None, "partial": True, **PROGRESS,
