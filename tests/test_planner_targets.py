@@ -61,6 +61,24 @@ def test_gpu_memory_is_flat_in_depth_under_a_budget():
     assert max(rates) <= 1.05 * min(rates), rates
 
 
+def test_a_placement_at_the_host_limit_gives_way_to_one_with_room():
+    """Qwen2.5-32B, 158 x 1024 on one H200 with 500 GiB of host (the 4-GPU machine's host): the placements that keep
+    the bf16 copy fit only to the last GiB (499.6 of 500 before this rule: within the plan's own error of the limit),
+    while streaming the fp32 master fits with 58 GiB to spare and is as fast. The planner takes the one with room;
+    with 600 GiB the copy leaves room and is kept, and the plan says what streaming the master would save."""
+    from megatrain.planner.placement import HOST_HEADROOM, NEAR_FASTEST
+
+    short = plan("qwen2.5-32b", 79, 2, 1024, host_gib=500)
+    assert short.fits and short.placement.stream_dtype == "fp32", short.why
+    assert short.host_total <= (1 - HOST_HEADROOM) * 500 * GiB
+    assert "less than 5% of the host RAM would stay free" in short.why
+    roomy = plan("qwen2.5-32b", 79, 2, 1024, host_gib=600)
+    assert roomy.fits and roomy.placement.stream_dtype == "bf16", roomy.why
+    assert roomy.host_total <= (1 - HOST_HEADROOM) * 600 * GiB
+    assert "that keep the bf16 copy (streaming the fp32 master instead: 61.0 GiB less)" in roomy.why
+    assert short.step_s <= (1 + NEAR_FASTEST) * roomy.step_s
+
+
 def test_a_run_that_fits_keeps_the_default_placement():
     p = plan("qwen2.5-7b", 79, 2, 1024)
     assert p.fits and p.why == "the default placement fits"

@@ -12,8 +12,9 @@ The knobs, cheapest first in step time (DESIGN.md rules 9-11):
                         the accumulators wait in pinned host memory between groups (in the gradients' own host
                         buffers for units sent to host: no more host RAM than N = all)
     stream_dtype fp32   bf16 runs stream the fp32 master and cast it on the GPU: no bf16 copy on the host (12 B/param
-                        instead of 14) for twice the bus traffic; chosen when it fits where the copy does not, or
-                        is more than NEAR_FASTEST faster (room for kept checkpoints and gradients)
+                        instead of 14) for twice the bus traffic; chosen when it fits where the copy does not, is
+                        more than NEAR_FASTEST faster (room for kept checkpoints and gradients), or when the copy's
+                        placements would leave less than HOST_HEADROOM of the host RAM free
     seq_tile t          each layer's per-token work (q/k/v, o_proj, MLP) over tiles of t tokens (runtime/layer.py):
                         the same FLOPs and bus traffic, a working set of the attention's q, k, v and output plus one
                         tile instead of the micro-batch's [tokens, intermediate] tensors; the first knob tried when
@@ -36,7 +37,9 @@ each (G, where accumulators wait) the smallest K that fits, each with the fewest
 the fewest spilled inputs that bring the GPU under its budget (both shrink the GPU need monotonically), for K > 1
 also with the most top layers kept that still fits (host and GPU) by the same rule, and keeps,
 of the candidates predicted (timing.py) within NEAR_FASTEST of the shortest step, the one with the least host RAM
-(host RAM is the scarce resource: DESIGN.md rule 11), then the fewest groups. Every
+(host RAM is the scarce resource: DESIGN.md rule 11), then the fewest groups; the bf16 copy is kept when a placement
+with it is among those and leaves HOST_HEADROOM of the host RAM free (a placement planned to the last GiB of the host
+is one the plan's error can overrun, so one with room comes first). Every
 candidate is planned by the same memory model as the plan itself (memory.py), so what is chosen is what is
 reported.
 """
@@ -67,6 +70,10 @@ REUSE_FROM = 32768
 # set ~2.75 GiB (fp32 d(q) accumulator, per-query-head d(k), d(v)), against 16 GiB for the fused one at 512k.
 ATTN_BLOCK = 65536
 NEAR_FASTEST = 0.05  # placements predicted this close to the fastest count as fast: the least host RAM wins
+# The share of the host RAM limit a placement should leave free to be preferred over one that uses less: the plan's
+# host figure has been within 4.6% of the measured peak (bench/plan_vs_measured.py), so a placement planned closer
+# to the limit than this may not fit, and one that leaves room comes first when both are near the fastest.
+HOST_HEADROOM = 0.05
 GROUP_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -351,12 +358,33 @@ def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None
                    f"memory{tiled}, and {s.memory(w.placement)[0] / GiB:.1f} GiB of host RAM"), False
     fastest = min(c[0] for c in candidates)  # host RAM is the scarce resource (DESIGN.md rule 11): of the
     #   placements within NEAR_FASTEST of the fastest, the one using least; but the bf16 copy is kept when that is
-    #   as fast (fp32 streaming doubles the bus traffic for 2 B/param)
-    step, groups, host, pl = min((c for c in candidates if c[0] <= fastest * (1 + NEAR_FASTEST)),
-                                 key=lambda c: (c[3].stream_dtype != "bf16", c[2], c[1], c[0]))
+    #   as fast (fp32 streaming doubles the bus traffic for 2 B/param) and leaves HOST_HEADROOM of the host free
+    near = [c for c in candidates if c[0] <= fastest * (1 + NEAR_FASTEST)]
+    step, groups, host, pl = min(near, key=lambda c: _preference(c, host_limit))
+    tight_copy = pl.stream_dtype == "fp32" and any(_tight(c[2], host_limit) and c[3].stream_dtype == "bf16"
+                                                   for c in near)
+    saved = host - min(c[2] for c in near)  # what streaming the fp32 master would save, when the copy is kept
     why = (f"the default placement needs {default_gpu / GiB:.1f} GiB of GPU memory{tiled}; {len(candidates)} "
            f"placements fit (of {tried} planned); this one is predicted within {NEAR_FASTEST:.0%} of the fastest "
            f"({fastest:.1f} s/step) with the least host RAM of those" +
-           (", the fp32 master streamed" if pl.stream_dtype == "fp32" else "") +
+           (", the fp32 master streamed" if pl.stream_dtype == "fp32" else
+            f" that keep the bf16 copy (streaming the fp32 master instead: {saved / GiB:.1f} GiB less)" if saved > 0
+            else "") +
+           (f" (with the bf16 copy less than {HOST_HEADROOM:.0%} of the host RAM would stay free)" if tight_copy
+            else "") +
            (", the attention's backward over blocks" if pl.attn_block else ""))
     return replace(w, placement=pl), why, True
+
+
+def _tight(host: float, host_limit: float | None) -> bool:
+    """Whether a placement's host RAM leaves less than HOST_HEADROOM of the limit free."""
+    return host_limit is not None and host > host_limit * (1 - HOST_HEADROOM)
+
+
+def _preference(c: tuple[float, int, float, Placement], host_limit: float | None) -> tuple:
+    """Sort key of a near-fastest candidate (step s, groups, host bytes, placement): those that leave room on the
+    host first; among them the bf16 copy kept, then the least host RAM; among those that do not, the least host RAM
+    (whatever is streamed); then the fewest groups, the shortest step."""
+    step, groups, host, pl = c
+    tight = _tight(host, host_limit)
+    return tight, (pl.stream_dtype != "bf16") and not tight, host, groups, step
