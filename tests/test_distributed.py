@@ -1,8 +1,9 @@
-"""Several ranks on CPU with gloo, launched by torchrun for real: `torchrun --nproc-per-node=2` and two "nodes" of two
-on this machine (two torchruns, a static rendezvous on localhost). The same global batch gives the same losses and
-parameters as one process (fp32, 1e-6 relative: only the order of the sums differs), dense and MoE; the checkpoint is
-written once and exports; a rank killed with -9 ends every rank within 60 s, naming it; resume on the same world is
-bit-exact; SIGTERM to one rank saves and exits 0 everywhere; a hung rank is named; a rank that raises is named.
+"""Several ranks on CPU with gloo, launched by torchrun for real: `torchrun --nproc-per-node=2` (and 4), and two
+"nodes" of two on this machine (two torchruns, a static rendezvous on localhost). The same global batch gives the same
+losses and parameters as one process (fp32, 1e-6 relative: only the order of the sums differs), dense and MoE; the
+checkpoint is written once and exports; a rank killed with -9 ends every rank within 60 s, naming it; resume on the
+same world is bit-exact; SIGTERM to one rank saves and exits 0 everywhere; a hung rank is named; a rank that raises is
+named.
 
 Tiny models, few steps: four processes share the CI machine's two cores."""
 
@@ -99,6 +100,26 @@ def test_two_nodes_of_two_ranks_train_what_one_process_trains(two_by_two):
     assert_same_run(tmp / "run", single)
     manifest = json.loads((tmp / "run" / "checkpoints" / f"step-{STEPS}" / "manifest.json").read_text())
     assert manifest["world"] == {"world_size": 4, "nodes": 2, "ranks_per_node": 2}
+
+
+def test_four_ranks_of_one_node_train_what_one_process_trains(tmp_path):
+    """`torchrun --nproc-per-node=4` (the 4-GPU machine's layout, bench/calls/next-x4-scaling.sh): one shared store,
+    every unit's gradient reduce-scattered in four shards (the layers' four non-empty; the embedding's and head's,
+    under 4 x 2048 elements, all on the last rank, so ranks with an empty shard of a unit are exercised too), each
+    rank's AdamW on its own part; the same losses and parameters as one process with the same global batch."""
+    from megatrain.distributed.world import shard_range
+    from megatrain.models import get_adapter
+    from transformers import AutoConfig
+
+    cfg = setup_run(tmp_path, train={"steps": STEPS, "grad_accum_steps": 1}, checkpoint={"every": 0, "keep": 0})
+    units = get_adapter(AutoConfig.from_pretrained(tmp_path / "model")).units()
+    sizes = [[hi - lo for lo, hi in (shard_range(u.numel, 4, r) for r in range(4))] for u in units]
+    assert all(min(s) > 0 for s in sizes[1:-1]) and sizes[0][:3] == sizes[-1][:3] == [0, 0, 0], sizes
+    text = run_ok(cfg, nproc=4)
+    assert "over 1 node x 4 ranks = 4 ranks" in text
+    manifest = json.loads((tmp_path / "run" / "checkpoints" / f"step-{STEPS}" / "manifest.json").read_text())
+    assert manifest["world"] == {"world_size": 4, "nodes": 1, "ranks_per_node": 4}
+    assert_same_run(tmp_path / "run", single_process(tmp_path, cfg, grad_accum=4))
 
 
 def test_resume_on_another_world_size_continues_the_same_data(two_by_two, tmp_path, capsys):
