@@ -20,7 +20,10 @@
 #                                         this command's deadline (its start + ${WAIT_S:-570} s), shows the last
 #                                         ${TAIL:-8} lines of its output, copies it to $OUT/NAME.log and, once it
 #                                         has ended, appends "NAME rc=N" to $OUT/status.txt (returns 0 while it
-#                                         runs). `detached_started NAME` says whether it was started already.
+#                                         runs). `detached_started NAME` says whether it was started already,
+#                                         `detached_done NAME` whether this call saw it end ("NAME rc=" in status.txt)
+#   bundle_results NAME DIR               the logs and JSONs of DIR in one $OUT/NAME.tar.gz (a command brings back
+#                                         at most 8 files)
 # The runner's exit status is the call script's, or 1 if it was 0 but a command run with run_logged failed.
 set -uo pipefail
 if [ $# -ne 1 ] || [ ! -f "$1" ]; then
@@ -98,7 +101,15 @@ run_detached() {
   echo "$name rc=$(cat "$d/rc")" | tee -a "$OUT/status.txt"
   return "$(cat "$d/rc")"
 }
-export -f detached_started run_detached
+detached_done() {
+  grep -q "^$1 rc=" "$OUT/status.txt" 2>/dev/null
+}
+bundle_results() {
+  local files
+  files=$(cd "$2" && ls -- *.log *.json 2>/dev/null)
+  [ -n "$files" ] && tar czf "$OUT/$1.tar.gz" -C "$2" $files
+}
+export -f detached_started run_detached detached_done bundle_results
 
 ( source "$CALL" )
 rc=$?

@@ -46,3 +46,23 @@ def test_run_detached_outlives_a_call_and_is_collected_by_the_next(tmp_path):
     assert (out2 / "status.txt").read_text().splitlines() == ["long rc=3"]
     assert (out2 / "long.log").read_text() == "started\nfinished\n"
     assert rc == 3, text
+
+
+def test_detached_done_and_bundle_results(tmp_path):
+    """detached_done: only once this call has seen the run end; bundle_results: a folder's logs and JSONs in one
+    tarball (a device command brings back at most 8 files)."""
+    import tarfile
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for name in ("a.log", "b.json", "c.txt"):
+        (runs / name).write_text(name)
+    script = ("detached_done quick && echo 'done before'\n"
+              "run_detached quick sh -c 'exit 0'\n"
+              f"detached_done quick && bundle_results quick_runs {runs} && echo bundled\n")
+    rc, text, out = call(tmp_path, script, 30)
+    assert rc == 0, text
+    assert "done before" not in text and "bundled" in text
+    with tarfile.open(out / "quick_runs.tar.gz") as t:
+        assert sorted(t.getnames()) == ["a.log", "b.json"]
+

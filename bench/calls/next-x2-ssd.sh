@@ -28,7 +28,7 @@ fi
 TAIL=10 run_detached qwen14b_ssd python3 bench/bench_cli.py --model $M/qwen2.5-14b --seq 1024 --micro 79 \
   --seqs 158 --compile --steps 2 --warmup 1 --host-budget-gb 128 --disk-path $SSD \
   --label qwen2.5-14b-158x1024-host128-ssd-cli --workdir $W --json /tmp/qwen14b_ssd.json
-if grep -q "^qwen14b_ssd rc=" "$OUT/status.txt" 2>/dev/null; then
+if detached_done qwen14b_ssd; then
   cp /tmp/qwen14b_ssd.json "$OUT/" 2>/dev/null
   cp $W/cli.log "$OUT/qwen14b_ssd_cli.log" 2>/dev/null
   cp $W/run/metrics.jsonl "$OUT/qwen14b_ssd_metrics.jsonl" 2>/dev/null

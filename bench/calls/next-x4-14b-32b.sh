@@ -47,8 +47,8 @@ rm -rf $S/w32
 EOF
 fi
 TAIL=12 run_detached onegpu bash $S/runs.sh
-if grep -q "^onegpu rc=" "$OUT/status.txt" 2>/dev/null; then
-  tar czf "$OUT/onegpu_runs.tar.gz" -C $S $(cd $S && ls *.log *.json) 2>/dev/null
+if detached_done onegpu; then
+  bundle_results onegpu_runs $S
   python3 - "$S" <<'PY' | tee "$OUT/onegpu.txt"
 import json, sys
 from pathlib import Path

@@ -39,8 +39,8 @@ done
 EOF
 fi
 TAIL=12 run_detached scaling bash $S/runs.sh
-if grep -q "^scaling rc=" "$OUT/status.txt" 2>/dev/null; then
-  tar czf "$OUT/scaling_runs.tar.gz" -C $S $(cd $S && ls *.log *.json) 2>/dev/null
+if detached_done scaling; then
+  bundle_results scaling_runs $S
   python3 - "$S" <<'PY' | tee "$OUT/scaling.txt"
 import json, sys
 from pathlib import Path
