@@ -208,5 +208,7 @@ def close(run: Run, s: Session) -> None:
     except MegatrainError as e:
         s.log.info(str(e))
     s.data.close()
-    run.runtime.close()
-    s.log.close()
+    try:
+        run.runtime.close()  # may raise again what stopped the run (the SSD tier's disk failed)
+    finally:
+        s.log.close()

@@ -32,6 +32,17 @@ standard library and the maintained bindings (liburing wrappers) are thin, need 
 disabled in containers (seccomp), and libaio needs a C extension: a dependency and a failure mode for no
 measurable gain at this request size. The standard library's threads work everywhere Linux and O_DIRECT do.
 
+Errors: a failed read or write (a full disk, an I/O error) makes the tier fail for good: the first error is kept
+(`DiskTierError`, a MegatrainError naming memory.disk_path, the unit, the state and the cause) and raised by every
+later call, whichever request or thread saw it first, since the files no longer hold the state once a write-behind
+is lost; the run stops there and its last complete checkpoint is the state to resume from.
+
+Scratch folders: each run's files live in its own `megatrain-ssd-*` folder, which holds a lock (flock on its
+`.lock` file) for as long as the tier is open. A run that died without closing it (kill -9, the OOM killer, a lost
+machine) leaves its folder, unlocked: the next tier on the same disk_path removes such folders first and says so,
+and the planner counts their bytes as free (`stale_folders`). A folder whose lock is held belongs to a live run and
+is left alone, as is one without a lock file (not this code's).
+
 Counters: bytes read and written and the seconds during which any read (write) was in flight, for the step's
 metrics (`take_stats`). The scratch folder is removed by `close()` (or at exit): the checkpoint, not these files,
 is the durable copy of the state.
@@ -39,6 +50,7 @@ is the durable copy of the state.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import sys
@@ -61,6 +73,13 @@ DEPTH = 2  # pieces read ahead of the one being updated
 KIND_NAMES = {"v": "exp_avg_sq", "m": "exp_avg", "master": "master"}  # memory.disk_states -> HostStore attribute
 DISK_ORDER = ("v", "m", "master")  # cheapest to move first: v and m are read and written once per step, as the
 #                                    master is, but the master also feeds the streaming copy (kept in RAM anyway)
+
+
+STATE_NAMES = {"exp_avg_sq": "Adam v", "exp_avg": "Adam m", "master": "fp32 master"}
+
+
+class DiskTierError(MegatrainError):
+    """A read or write of the SSD tier failed: the run cannot go on from its files."""
 
 
 def _round_page(nbytes: int) -> int:
@@ -101,6 +120,35 @@ def probe_direct(folder: Path) -> str | None:
     return None
 
 
+SCRATCH_PREFIX = "megatrain-ssd-"
+LOCK_NAME = ".lock"
+
+
+def _held(lock: Path) -> bool:
+    """Whether a live process holds the flock of a scratch folder's lock file (read-only probe)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return True  # gone or unreadable: not ours to judge
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # (releases the probe's own lock, if it took it)
+    return False
+
+
+def stale_folders(root: str | Path) -> list[tuple[Path, int]]:
+    """(folder, bytes on disk) of every scratch folder under `root` left by a run that is no longer running."""
+    out = []
+    for d in sorted(Path(root).glob(SCRATCH_PREFIX + "*")):
+        lock = d / LOCK_NAME
+        if d.is_dir() and lock.is_file() and not _held(lock):
+            out.append((d, sum(f.stat().st_blocks * 512 for f in d.iterdir() if f.is_file())))
+    return out
+
+
 def check_disk_path(path: str, key: str = "memory.disk_path") -> Path:
     """The folder the SSD tier writes into: it must exist, be a folder and be writable (MegatrainError naming the
     key otherwise). Nothing is left behind."""
@@ -124,16 +172,25 @@ class DiskTier:
         self.kinds, self.numels, self.piece, self.depth, self.request = tuple(kinds), list(unit_numels), piece, \
             depth, request
         root = check_disk_path(str(path))
-        self.dir = Path(tempfile.mkdtemp(prefix="megatrain-ssd-", dir=root))
+        self.root, self._error = root, None  # _error: the first failed request's DiskTierError, raised from then on
+        say = notice or (lambda m: print(m, file=sys.stderr, flush=True))
+        if stale := stale_folders(root):
+            for d, _ in stale:
+                shutil.rmtree(d, ignore_errors=True)
+            say(f"megatrain: memory.disk_path {root}: removed the SSD tier's files of {len(stale)} earlier run(s) "
+                f"that did not end ({sum(b for _, b in stale) / 2**30:.2f} GiB)")
+        self.dir = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=root))
+        self._lock_fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this tier is open (stale_folders)
         self.refused = probe_direct(self.dir)  # None: O_DIRECT
         if self.refused is not None:
-            (notice or (lambda m: print(m, file=sys.stderr, flush=True)))(
+            say(
                 f"megatrain: memory.disk_path {root}: O_DIRECT refused ({self.refused}); the SSD tier uses buffered "
                 f"I/O (the page cache may hold what the tier moves out of RAM)")
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (0 if self.refused else os.O_DIRECT)
         self.fds: dict[tuple[int, str], int] = {}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="megatrain-ssd")
-        self._finalizer = weakref.finalize(self, _cleanup, self._pool, self.fds, self.dir)
+        self._finalizer = weakref.finalize(self, _cleanup, self._pool, self.fds, self.dir, self._lock_fd)
         for i, n in enumerate(self.numels):
             for k in self.kinds:
                 fd = os.open(self.dir / f"unit-{i:05d}.{k}.bin", flags, 0o600)
@@ -178,6 +235,7 @@ class DiskTier:
     def acquire(self, unit: int, offset: int) -> dict[str, torch.Tensor]:
         """The states of piece (unit, offset), read from disk if the cache does not hold them (waits for that
         read); the next pieces in the update order are read ahead. Returns kind -> fp32 tensor of the piece."""
+        self._raise_if_failed()
         key = (unit, offset)
         n = self._piece_len(key)
         with self._lock:
@@ -193,6 +251,7 @@ class DiskTier:
 
     def release(self, unit: int, offset: int, dirty: bool = True) -> None:
         """Done with the piece: its states are written behind (dirty), the slot kept as a cache entry."""
+        self._raise_if_failed()
         key = (unit, offset)
         with self._lock:
             slot = self._slot_of(key)
@@ -207,15 +266,17 @@ class DiskTier:
             self._read_ahead(key)
 
     def flush(self) -> None:
-        """Wait for every write issued (a write error is raised here)."""
+        """Wait for every write issued (a write error is raised here, or any earlier one)."""
         with self._lock:
             pending = [f for s in self.slots for f in s.pending]
         self._wait(pending)
+        self._raise_if_failed()
 
     # ---- whole units: checkpoints, resume, initialisation ------------------------------------------
     def read_unit(self, unit: int, kind: str, out: torch.Tensor) -> None:
         """Copy a unit's state of `kind` into `out` (flat fp32, page-aligned, at least file_bytes(unit) / 4
         elements): from the cache for the pieces it holds (after their write or read completes), else the file."""
+        self._raise_if_failed()
         for a, n in self.pieces(unit):
             key = (unit, a)
             with self._lock:
@@ -237,6 +298,7 @@ class DiskTier:
     def write_unit(self, unit: int, kind: str, src: torch.Tensor) -> None:
         """Store `src` (flat fp32, page-aligned, at least file_bytes(unit) / 4 elements) as the unit's state of
         `kind`. Only while no piece of the unit is acquired (before training, or between steps)."""
+        self._raise_if_failed()
         for a, n in self.pieces(unit):
             key = (unit, a)
             with self._lock:
@@ -339,13 +401,16 @@ class DiskTier:
             if not self._inflight[op]:
                 self._since[op] = time.perf_counter()
             self._inflight[op] += 1
+        done = 0
         try:
-            done = 0
             while done < len(mv):
                 n = (os.pwritev if write else os.preadv)(fd, [mv[done:]], offset + done)
                 if n <= 0:
-                    raise OSError(f"SSD tier: {op} of {len(mv) - done} bytes at offset {offset + done} returned {n}")
+                    raise OSError(f"{op} of {len(mv) - done} bytes at offset {offset + done} returned {n}")
                 done += n
+        except OSError as e:
+            self._failed(op, fd, e)
+            raise
         finally:
             with self._stats_lock:
                 self._inflight[op] -= 1
@@ -353,15 +418,33 @@ class DiskTier:
                 if not self._inflight[op]:
                     self.stats[f"{op}_busy_s"] += time.perf_counter() - self._since[op]
 
-    @staticmethod
-    def _wait(futures: list[Future]) -> None:
+    def _wait(self, futures: list[Future]) -> None:
         if futures:
             wait(futures)
+            self._raise_if_failed()  # the tier's error, whichever request failed first
             for f in futures:
-                f.result()  # raises the I/O error of a failed request
+                f.result()  # anything else a request raised
+
+    def _failed(self, op: str, fd: int, e: OSError) -> None:
+        """Keep the first failure (on an I/O thread): every later call raises it."""
+        unit, kind = next((k for k, v in self.fds.items() if v == fd), (None, None))
+        what = f"unit {unit}'s {STATE_NAMES.get(kind, kind)} ({self.dir / f'unit-{unit:05d}.{kind}.bin'})" \
+            if unit is not None else "a file"
+        cause = e.strerror or str(e)
+        err = DiskTierError(f"memory.disk_path {self.root}: the SSD tier's {op} of {what} failed: {cause}. The run "
+                            f"stops (the tier's files no longer hold the optimizer's state); its last complete "
+                            f"checkpoint is intact: make room on the disk, or set memory.disk_path to another, and "
+                            f"resume")
+        with self._stats_lock:
+            if self._error is None:
+                self._error = err
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
 
 
-def _cleanup(pool: ThreadPoolExecutor, fds: dict, folder: Path) -> None:
+def _cleanup(pool: ThreadPoolExecutor, fds: dict, folder: Path, lock_fd: int) -> None:
     pool.shutdown(wait=True)
     for fd in fds.values():
         try:
@@ -370,3 +453,4 @@ def _cleanup(pool: ThreadPoolExecutor, fds: dict, folder: Path) -> None:
             pass
     fds.clear()
     shutil.rmtree(folder, ignore_errors=True)
+    os.close(lock_fd)  # the lock last: the folder is gone before another run could take it for stale

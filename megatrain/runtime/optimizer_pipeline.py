@@ -40,6 +40,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import MegatrainError
 from . import adamw
 from .adamw import CpuAdamW
 from .pinned import PinnedHost
@@ -252,6 +253,8 @@ class OptimizerPipeline:
         return stats
 
     def _raise_if_failed(self) -> None:
+        if isinstance(self._error, MegatrainError):  # the user's to act on (the SSD tier's disk failed): as it is
+            raise self._error
         if self._error is not None:
             raise OptimizerThreadError(f"the optimizer thread failed: {type(self._error).__name__}: "
                                        f"{self._error}") from self._error
