@@ -265,15 +265,24 @@ def plan_for_config(cfg, adapter, device: str, profile: Profile | None = None, w
             gpu_src = f"{prof.gpu_name}, from the profile" if prof.measured else f"{prof.gpu_name}"
         if budget and budget * GiB < gpu_limit:
             gpu_limit, gpu_src = budget * GiB, "memory.gpu_budget_gb"
+    ssd_free, stale = None, 0
+    if cfg.memory.disk_path:  # the scratch folders of SSD-tier runs that died are removed when the tier opens
+        from ..runtime.disk_tier import stale_folders
+
+        stale = sum(b for _, b in stale_folders(cfg.memory.disk_path))
+        free = sysmem.disk_free(cfg.memory.disk_path)
+        ssd_free = None if free is None else free + stale
     keys = frozenset(f"{section}.{k}" for section in ("engine", "train", "data", "memory")
                      for k in type(getattr(cfg, section)).model_fields)
     plan = make_plan(adapter, w, prof, host_available=host_avail, host_source=host_src, gpu_limit=gpu_limit,
                      gpu_limit_source=gpu_src, disk_free=sysmem.disk_free(cfg.output.dir),
                      checkpoint_copies=checkpoint_copies(cfg), config_keys=keys,
                      choose_keys=frozenset(PLACEMENT_KEYS) - set(fixed_placement(cfg)), world=world,
-                     disk_path=cfg.memory.disk_path,
-                     ssd_free=sysmem.disk_free(cfg.memory.disk_path) if cfg.memory.disk_path else None)
+                     disk_path=cfg.memory.disk_path, ssd_free=ssd_free)
     plan.model = f"{adapter.model_type} ({cfg.model.path})"
+    if stale:
+        plan.notes.append(f"memory.disk_path: {stale / GiB:.1f} GiB of SSD-tier files left by runs that did not end "
+                          f"count as free: the run removes them at its start")
     if w.device == "cuda" and not torch_cuda_available():
         plan.notes.append("no GPU on this machine: planned for the profile's GPU (train.device=cpu plans a CPU run)")
     return plan
