@@ -1,7 +1,8 @@
 """The SSD tier (memory.disk_path) when the disk fails it: a write error mid-run (a full disk) stops the run with one
 error naming memory.disk_path and the cause, the complete checkpoints stay valid and a resume from them is exact;
 the error is never lost (a failed write-behind whose slot is then reused for a read-ahead used to be dropped, so the
-run went on with a file that no longer held the state)."""
+run went on with a file that no longer held the state). A run killed outright leaves its scratch folder, which the
+next run removes, and resumes exactly; an unwritable memory.disk_path is refused before anything is written."""
 
 import contextlib
 import errno
@@ -156,3 +157,21 @@ def test_kill_9_of_a_disk_tier_run_then_resume_equals_the_ram_run(tmp_path, capf
     assert unit_hashes(out / "checkpoints" / f"step-{steps}") == \
         unit_hashes(reference / "checkpoints" / f"step-{steps}")
     assert list(ssd.iterdir()) == []
+
+
+def test_an_unwritable_disk_path_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """One error naming the key before the run starts (os.access reports the folder unwritable: CI runs as root,
+    whom a chmod does not stop)."""
+    from pathlib import Path
+
+    from megatrain.config import load_config
+    from megatrain.run.trainer import prepare
+
+    cfg = setup_run(tmp_path)
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: False if Path(p) == ssd else access(p, mode, *a, **k))
+    with pytest.raises(MegatrainError, match=f"memory.disk_path: {ssd} is not writable by this user"):
+        prepare(load_config(cfg, [f"memory.disk_path={ssd}", "memory.disk_states=[v]"]))
+    assert not (tmp_path / "run").exists()
