@@ -3,8 +3,9 @@
 #
 #   MEGATRAIN_REV=<commit> OUT=/tmp/out bash bench/device_call.sh bench/calls/<date>-<name>.sh
 #
-# Set-up: strict pipes, unbuffered Python, MEGATRAIN_REV (the device's copy of the tree has no usable git history:
-# pass the commit it runs; the JSONs record it), OUT (default /tmp/out), the wheels in .whl/ (carried to the
+# Set-up: strict pipes, unbuffered Python, NVLink multicast off (NCCL, PyTorch, NVSHMEM), MEGATRAIN_REV (the
+# device's copy of the tree has no usable git history: pass the commit it runs; the JSONs record it), OUT (default
+# /tmp/out), the wheels in .whl/ (carried to the
 # device: pydantic, datasets, ... that its image lacks; WHEELS=DIR for another folder, WHEELS= for none) installed
 # into /tmp/site and put first on PYTHONPATH, and the machine (GPUs, Python, torch, CUDA, the libraries megatrain
 # imports, CPUs, memory) printed and saved to $OUT/machine.txt. The call script is then sourced in a subshell (an
@@ -33,6 +34,9 @@ fi
 CALL=$(realpath "$1")
 cd "$(dirname "$0")/.."  # the repository root: call scripts name bench/... and $M relative to it
 export PYTHONUNBUFFERED=1 MEGATRAIN_REV=${MEGATRAIN_REV:-unknown}
+# NVLink multicast stays off on the multi-GPU kinds (the device's KINDS.md: a program that uses it can take the host's
+# shared GPUs out of service); the machines set these, and every run of a call inherits them from here as well
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OUT=${OUT:-/tmp/out} M=bench/model-configs
 mkdir -p "$OUT"
 cp "$CALL" "$OUT/run.sh"
