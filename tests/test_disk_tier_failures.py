@@ -175,3 +175,28 @@ def test_an_unwritable_disk_path_is_refused_before_anything_is_written(tmp_path,
     with pytest.raises(MegatrainError, match=f"memory.disk_path: {ssd} is not writable by this user"):
         prepare(load_config(cfg, [f"memory.disk_path={ssd}", "memory.disk_states=[v]"]))
     assert not (tmp_path / "run").exists()
+
+
+def test_the_plan_counts_a_dead_runs_scratch_as_free(tmp_path):
+    """`megatrain plan` with memory.disk_path: the SSD's free bytes include what a dead run's scratch folder holds
+    (the run removes it when the tier opens), and the plan says so."""
+    from megatrain.config import load_config
+    from megatrain.models import get_adapter
+    from megatrain.planner.plan import plan_for_config
+    from megatrain.planner.profile import GiB
+    from megatrain.planner.sysmem import disk_free
+    from transformers import AutoConfig
+
+    cfg_path = setup_run(tmp_path)
+    ssd = tmp_path / "ssd"
+    dead = ssd / "megatrain-ssd-dead"
+    dead.mkdir(parents=True)
+    (dead / ".lock").touch()
+    with open(dead / "unit-00000.exp_avg_sq.bin", "wb") as f:
+        f.write(os.urandom(1 << 20))  # 1 MiB written: blocks on disk, not a hole
+    cfg = load_config(cfg_path, [f"memory.disk_path={ssd}", "memory.disk_states=[v]"])
+    plan = plan_for_config(cfg, get_adapter(AutoConfig.from_pretrained(tmp_path / "model")), "cpu")
+    stale = disk_tier.stale_folders(ssd)[0][1]
+    assert stale >= 1 << 20
+    assert abs(plan.ssd_free - (disk_free(ssd) + stale)) < 64 << 20  # (other writers may move the disk's free space)
+    assert any(f"{stale / GiB:.1f} GiB of SSD-tier files left by runs that did not end" in n for n in plan.notes)
