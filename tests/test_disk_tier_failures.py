@@ -200,3 +200,22 @@ def test_the_plan_counts_a_dead_runs_scratch_as_free(tmp_path):
     assert stale >= 1 << 20
     assert abs(plan.ssd_free - (disk_free(ssd) + stale)) < 64 << 20  # (other writers may move the disk's free space)
     assert any(f"{stale / GiB:.1f} GiB of SSD-tier files left by runs that did not end" in n for n in plan.notes)
+
+
+def test_a_filesystem_without_flock_keeps_every_folder(tmp_path, monkeypatch):
+    """Where flock is not supported (ENOLCK: some network filesystems) the tier still opens, and no scratch folder
+    is judged stale, so none is removed wrongly."""
+    import fcntl
+
+    dead = tmp_path / "megatrain-ssd-dead"
+    dead.mkdir()
+    (dead / ".lock").touch()
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    assert disk_tier.stale_folders(tmp_path) == []
+    tier = disk_tier.DiskTier(tmp_path, ("exp_avg_sq",), [4096], piece=1024)
+    tier.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["megatrain-ssd-dead"]

@@ -132,7 +132,7 @@ def _held(lock: Path) -> bool:
         return True  # gone or unreadable: not ours to judge
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError:  # held (EWOULDBLOCK), or a filesystem without flock: never judged stale
         return True
     finally:
         os.close(fd)  # (releases the probe's own lock, if it took it)
@@ -181,7 +181,10 @@ class DiskTier:
                 f"that did not end ({sum(b for _, b in stale) / 2**30:.2f} GiB)")
         self.dir = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=root))
         self._lock_fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this tier is open (stale_folders)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this tier is open (stale_folders)
+        except OSError:
+            pass  # a filesystem without flock: its folders are never judged stale, so nothing is removed wrongly
         self.refused = probe_direct(self.dir)  # None: O_DIRECT
         if self.refused is not None:
             say(
