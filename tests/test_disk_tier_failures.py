@@ -129,7 +129,7 @@ def test_kill_9_of_a_disk_tier_run_then_resume_equals_the_ram_run(tmp_path, capf
     checkpoint, byte for byte, as an uninterrupted run with every state in RAM."""
     from test_resume_signals import logged_losses, start_training, wait_until
 
-    steps = 12
+    steps = 20
     cfg = setup_run(tmp_path, train={"steps": steps, "precision": "fp32"}, checkpoint={"every": 2, "keep": 0})
     ssd = tmp_path / "ssd"
     ssd.mkdir()
@@ -138,7 +138,7 @@ def test_kill_9_of_a_disk_tier_run_then_resume_equals_the_ram_run(tmp_path, capf
     out = tmp_path / "run"
     with open(cfg, "a") as f:  # the killed run's config: the same keys as the resume's below
         f.write(f"memory:\n  disk_path: {ssd}\n  disk_states: [v, m]\n")
-    proc = start_training(cfg, delay=0.05)
+    proc = start_training(cfg, delay=0.1)  # slow saves: the kill lands well before the last step
     try:
         wait_until(lambda: (out / "checkpoints" / "step-4" / "manifest.json").is_file()
                    and len(logged_losses(out)) >= 5, proc)
