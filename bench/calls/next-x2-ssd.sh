@@ -24,13 +24,15 @@ if ! detached_started qwen14b_ssd; then
   TAIL=4 run_logged disk_read 120 dd if=$SSD/probe of=/dev/null bs=16M iflag=direct
   rm -f $SSD/probe
   tail -n 1 "$OUT/disk_write.log" "$OUT/disk_read.log" >> "$OUT/disk.txt"
+  rm -f "$OUT/disk_write.log" "$OUT/disk_read.log"  # (their lines are in disk.txt: a command brings back 8 files)
 fi
 TAIL=10 run_detached qwen14b_ssd python3 bench/bench_cli.py --model $M/qwen2.5-14b --seq 1024 --micro 79 \
   --seqs 158 --compile --steps 2 --warmup 1 --host-budget-gb 128 --disk-path $SSD \
   --label qwen2.5-14b-158x1024-host128-ssd-cli --workdir $W --json /tmp/qwen14b_ssd.json
 if detached_done qwen14b_ssd; then
   cp /tmp/qwen14b_ssd.json "$OUT/" 2>/dev/null
-  cp $W/cli.log "$OUT/qwen14b_ssd_cli.log" 2>/dev/null
-  cp $W/run/metrics.jsonl "$OUT/qwen14b_ssd_metrics.jsonl" 2>/dev/null
+  mkdir -p /tmp/ssd_logs && cp $W/cli.log /tmp/ssd_logs/qwen14b_ssd_cli.log 2>/dev/null
+  cp $W/run/metrics.jsonl /tmp/ssd_logs/qwen14b_ssd_metrics.json 2>/dev/null  # (JSON lines)
+  bundle_results qwen14b_ssd_logs /tmp/ssd_logs
   rm -rf $SSD
 fi
