@@ -77,7 +77,8 @@ def main() -> int:
     print(f"\n{'run':<46}{'fits':<6}{'host GiB':>16}{'GPU GiB':>9}{'step s':>9}  placement")
     for r in rows:
         host = f"{r['host_gib']:.1f}/{r['host_limit_gib']}"
-        print(f"{r['run']:<46}{r['fits']!s:<6}{host:>16}{r['gpu_needed_gib']:>9.1f}{r['step_s']:>9.2f}  {r['placement']}")
+        print(f"{r['run']:<46}{r['fits']!s:<6}{host:>16}{r['gpu_needed_gib']:>9.1f}{r['step_s']:>9.2f}  "
+              f"{r['placement']}")
     return 0
 
 
