@@ -148,6 +148,38 @@ def test_node_memory_is_shared_and_flags_wait(tmp_path):
     fb.wait_written(3)
 
 
+
+def mapping_rss(name: str) -> list[int]:
+    """Resident bytes of each of this process's mappings of the memfd `name`, in address order."""
+    rss, current = [], False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0] and len(line.split()) >= 5:  # a mapping's header line
+            current = line.rstrip().endswith(f"/memfd:{name} (deleted)")
+        elif current and line.startswith("Rss:"):
+            rss.append(int(line.split()[1]) * 1024)
+    return rss
+
+
+def test_node_memory_faults_in_each_ranks_share_at_allocation():
+    """Each local rank faults in its own share of the pages when it maps them, leaving what they hold unchanged:
+    Adam m and v, which nothing writes before the first update, are resident before the first step."""
+    store = DictStore()
+    first, second = World(0, 2, 0, 2, 0), World(1, 2, 1, 2, 0)
+    a, b = NodeMemory(store, first), NodeMemory(store, second)
+    numel = 8 * 2**20  # 32 MiB of fp32
+    x = a.allocate(numel, torch.float32, what="populate test")
+    x[-5:] = torch.arange(5.0)  # written before rank 1 maps and populates its half: kept
+    y = b.allocate(numel, torch.float32, what="populate test")
+    rss = mapping_rss("megatrain-populate-test")
+    assert len(rss) == 2 and all(r >= numel * 4 // 2 - 4096 for r in rss), rss  # each rank's half, at least
+    assert torch.equal(y[-5:], torch.arange(5.0)) and torch.count_nonzero(y[:-5]) == 0
+    a.release_files(), b.release_files()
+    del x, y
+    one = NodeMemory(store, World(0, 1, 0, 1, 0))
+    one.allocate(numel, torch.float32, what="populate whole")
+    assert mapping_rss("megatrain-populate-whole") == [numel * 4]  # a node of one rank: every page
+
+
 # ---- the plan of several ranks ------------------------------------------------------------------------------------
 ENV = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
 

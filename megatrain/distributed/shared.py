@@ -9,6 +9,15 @@ is not limited by /dev/shm's size and leaves nothing behind: its pages are freed
 whatever way the run ends. Fresh pages read as zero. The files' descriptors are closed once every rank has mapped
 them (`release_files`); the mappings stay.
 
+Each rank faults in its own 1/local_size of every allocation's pages as it maps it (`populate`: madvise
+MADV_POPULATE_WRITE, which allocates the pages without changing what they hold, so it cannot race with local rank
+0 filling the store). Otherwise Adam m and v, which nothing writes before the first update, would be faulted in by
+the optimizer during the first steps: measured on an nvidia-h100-x4 (2026-11-27), the node's memory grew by 28 GiB
+during the first measured step of a 2-rank Qwen2.5-7B run, whose GPU was busy 51-64% of that step against 89% in
+the next, and that machine wrote fresh pages at 16 GB/s against 74 GB/s once they were there. The pages are wanted from the
+start in any case (the plan counts them), and a node short of memory now fails while the store is made, not in the
+middle of a step.
+
 `NodeFlags` are small shared counters in the same kind of memory:
     done[u, r]    the number of optimizer steps whose update of local rank r's shard of unit u is written; a rank
                   streams unit u for step t+1 only once every rank's done[u, :] reaches t (`wait_updated`)
@@ -21,6 +30,7 @@ Each counter has one writer. Writes are plain aligned 8-byte stores made after t
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import time
@@ -32,6 +42,7 @@ from ..runtime.pinned import PAGE
 from .world import World
 
 POLL_S = 0.0002
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python's constant from 3.13 only
 
 
 def wait_key(store, key: str) -> bytes:
@@ -78,8 +89,30 @@ class NodeMemory:
         self._fds.append(fd)
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._maps.append(mm)
+        self.populate(mm, nbytes, what)
         self.bytes += nbytes
         return torch.frombuffer(mm, dtype=dtype, count=numel)
+
+    def populate(self, mm: mmap.mmap, nbytes: int, what: str) -> int:
+        """Fault in this local rank's share of the mapping's pages (the other ranks fault in theirs at the same
+        time); what they hold is unchanged. Returns the bytes populated (0 where the kernel lacks the advice, which
+        leaves the pages to be faulted in on first use, as before)."""
+        pages = nbytes // PAGE
+        per = -(-pages // self.world.local_size)
+        lo = min(pages, self.world.local_rank * per) * PAGE
+        hi = min(pages, (self.world.local_rank + 1) * per) * PAGE
+        if hi <= lo:
+            return 0
+        try:
+            mm.madvise(MADV_POPULATE_WRITE, lo, hi - lo)
+        except OSError as e:
+            if e.errno in (errno.EINVAL, errno.ENOSYS):  # a kernel before 5.14
+                return 0
+            raise MegatrainError(f"shared host store: {self.world.describe()} could not allocate its share "
+                                 f"({(hi - lo) / 2**30:.2f} GiB) of the {what} ({e}); the node's memory is short "
+                                 f"of what the plan counted (`megatrain plan` with memory.host_budget_gb set to "
+                                 f"what is free)") from None
+        return hi - lo
 
     def release_files(self) -> None:
         """Close the descriptors once every local rank has mapped the memory (the mappings keep it)."""
