@@ -329,7 +329,8 @@ def plan_command(cfg, as_json: bool = False, world: World = World()) -> int:
     return 0
 
 
-# Parameters of the tile `run_profile` times the CPU AdamW on (~1.1 GiB of host memory for a moment, ~0.2 s).
+# Parameters of the tile `run_profile` times the CPU AdamW on (~1.1 GiB of host memory for a moment, ~0.5 s for the
+# three thread counts).
 QUICK_ADAMW_PARAMS = 64 * 2**20
 
 
@@ -338,25 +339,38 @@ def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=N
     built-in defaults and the run is on a GPU, with this machine's CPU AdamW rate measured now on a small tile:
     the one rate the default profile cannot know (H200 hosts measured 2.96 and 4.55 Gparam/s), and the one that
     sets a step whose forward is shorter than the updates it waits for (one row of 32k tokens on a 7B model).
+    It is measured with all, three quarters and half of the cores (probe.adamw_thread_counts), and the run's
+    optimizer uses the fewest threads within 5% of the fastest (profile.adamw_threads).
     agree(name, compute): a distributed run's Distributed.agreed, so that rank 0 measures and every rank plans with
     its number (each measuring its own would plan different placements)."""
     import dataclasses
 
     import torch
 
-    from .probe import adamw_rate
+    from .probe import adamw_rates, adamw_thread_counts, choose_adamw_threads
     from .profile import load_profile
 
     prof = load_profile(cfg.plan.profile)
     if prof.measured or device != "cuda":
         return prof
+    found = {}
 
-    def measure() -> float:
-        return adamw_rate(adam_params, torch.bfloat16, reps=2)
+    def measure_threads() -> int:
+        rates = adamw_rates(adam_params, torch.bfloat16, adamw_thread_counts(torch.get_num_threads()), reps=2)
+        threads = choose_adamw_threads(rates)
+        found.update(rate=rates[threads], rates=rates)
+        return threads
 
-    rate = agree("adamw_params_per_s", measure) if agree is not None else measure()
-    return dataclasses.replace(prof, adamw_params_per_s=rate,
-                               source=f"defaults, CPU AdamW measured here at start: {rate / 1e9:.2f} Gparam/s")
+    if agree is not None:  # rank 0 measures (with its share of the node's cores); every rank uses its numbers
+        threads = int(agree("adamw_threads", measure_threads))
+        rate = agree("adamw_params_per_s", lambda: found["rate"])
+    else:
+        threads = measure_threads()
+        rate = found["rate"]
+    tried = f" ({', '.join(f'{t}: {r / 1e9:.2f}' for t, r in found['rates'].items())})" if found else ""
+    return dataclasses.replace(prof, adamw_params_per_s=rate, adamw_threads=threads,
+                               source=f"defaults, CPU AdamW measured here at start: {rate / 1e9:.2f} Gparam/s "
+                                      f"with {threads} threads{tried}")
 
 
 def check_before_run(cfg, adapter, device: str, world: tuple[int, int] = (1, 1), agree=None) -> Plan | None:

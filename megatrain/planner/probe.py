@@ -37,7 +37,16 @@ def log(msg: str) -> None:
 
 # ---- CPU -------------------------------------------------------------------------------------------------------
 def adamw_rate(numel: int, stream_dtype: torch.dtype, reps: int = 3) -> float:
-    """Parameters per second of CpuAdamW.update over one tile of `numel` parameters (decayed)."""
+    """Parameters per second of CpuAdamW.update over one tile of `numel` parameters (decayed), with torch's
+    current number of intra-op threads."""
+    threads = torch.get_num_threads()
+    return adamw_rates(numel, stream_dtype, [threads], reps)[threads]
+
+
+def adamw_rates(numel: int, stream_dtype: torch.dtype, threads: list[int], reps: int = 3) -> dict[int, float]:
+    """The CpuAdamW rate over one tile of `numel` parameters with each number of intra-op threads in `threads`:
+    the best of `reps` timings each, taken in turn (one of each count per round, so that a slow moment of the
+    machine does not fall on one count alone). torch's thread count is restored."""
     from ..models.base import TensorSpec, Unit
     from ..runtime.adamw import CpuAdamW
     from ..runtime.pinned import aligned_empty
@@ -51,13 +60,41 @@ def adamw_rate(numel: int, stream_dtype: torch.dtype, reps: int = 3) -> float:
     tile = LayerTile(unit, master, m, v, stream)
     grad = aligned_empty(numel, torch.float32, zero=False).normal_(0, 1e-3)
     opt = CpuAdamW(weight_decay=0.1)
-    opt.update(tile, grad, lr=1e-5)  # first touch, page faults
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        opt.update(tile, grad, lr=1e-5)
-        best = min(best, time.perf_counter() - t0)
-    return numel / best
+    before = torch.get_num_threads()
+    best = {t: float("inf") for t in threads}
+    try:
+        opt.update(tile, grad, lr=1e-5)  # first touch, page faults
+        for _ in range(reps):
+            for t in threads:
+                torch.set_num_threads(t)
+                t0 = time.perf_counter()
+                opt.update(tile, grad, lr=1e-5)
+                best[t] = min(best[t], time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return {t: numel / s for t, s in best.items()}
+
+
+# A smaller thread count is chosen when its rate is within this share of the fastest count's.
+ADAMW_THREADS_TOLERANCE = 0.05
+
+
+def adamw_thread_counts(cores: int) -> list[int]:
+    """The thread counts tried for the CPU AdamW on `cores` cores: all, three quarters, half. The update is bound
+    by the host's DRAM, which half the cores of the hosts measured here saturate; more threads add stragglers. The
+    nvidia-h100-x4's 64-vCPU host (2026-11-27, bench/results/2026-11-27/x4-h100): 3.7-4.2 Gparam/s with 32
+    threads, 3.1 with 48, 0.1-3.2 (varying from one call to the next) with 56-64, so that a run with torch's
+    default of 64 waited for its optimizer 40% of each step."""
+    if cores < 8:
+        return [max(1, cores)]
+    return sorted({cores, cores * 3 // 4, cores // 2})
+
+
+def choose_adamw_threads(rates: dict[int, float]) -> int:
+    """The fewest threads whose rate is within ADAMW_THREADS_TOLERANCE of the fastest: fewer threads leave cores
+    to the runtime's own threads (the GPU feeder, the copy threads) at no cost to the update."""
+    best = max(rates.values())
+    return min(t for t, r in rates.items() if r >= best * (1 - ADAMW_THREADS_TOLERANCE))
 
 
 def matmul_rate(n: int, dtype: torch.dtype, device: str, reps: int = 5) -> float:
@@ -259,11 +296,15 @@ def probe(layers: list[tuple[str, int, int]], compile_modes: list[bool], adam_pa
             "torch": torch.__version__, "megatrain": __version__, "host_memory": mem.to_dict(),
             "memlock_bytes": memlock_limit()}
     log(f"host RAM {mem.available / GiB:.1f} of {mem.total / GiB:.1f} GiB available ({mem.source})")
-    cpu = {"count": os.cpu_count(), "threads": torch.get_num_threads()}
-    cpu["adamw_params_per_s"] = adamw_rate(adam_params, torch.bfloat16)
-    cpu["adamw_fp32_params_per_s"] = adamw_rate(adam_params, torch.float32)
+    cores = torch.get_num_threads()
+    rates = adamw_rates(adam_params, torch.bfloat16, adamw_thread_counts(cores))
+    threads = choose_adamw_threads(rates)
+    cpu = {"count": os.cpu_count(), "threads": threads, "adamw_threads": threads,
+           "adamw_params_per_s_by_threads": {str(t): r for t, r in rates.items()}, "adamw_params_per_s": rates[threads]}
+    cpu["adamw_fp32_params_per_s"] = adamw_rates(adam_params, torch.float32, [threads])[threads]
     log(f"CPU AdamW {cpu['adamw_params_per_s'] / 1e9:.2f} Gparam/s (bf16 copy), "
-        f"{cpu['adamw_fp32_params_per_s'] / 1e9:.2f} Gparam/s (fp32), {cpu['threads']} threads")
+        f"{cpu['adamw_fp32_params_per_s'] / 1e9:.2f} Gparam/s (fp32), {threads} of {cores} threads "
+        f"({', '.join(f'{t}: {r / 1e9:.2f}' for t, r in rates.items())})")
     cpu["matmul_flops"] = matmul_rate(min(matmul_n, 2048), torch.float32, "cpu", reps=2)
     log(f"CPU fp32 matmul {cpu['matmul_flops'] / 1e12:.2f} TFLOP/s")
     prof["cpu"] = cpu

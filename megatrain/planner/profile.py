@@ -153,6 +153,7 @@ class Profile:
     # (bench/results/2026-11-21/h200_profile.json). The planner applies the in-step share of the AdamW rate.
     head_flops: float = 628e12
     adamw_params_per_s: float = 4.55e9
+    adamw_threads: int | None = None  # the optimizer's intra-op threads the rate was measured with (None: torch's)
     cpu_count: int | None = None
     cpu_flops: float = 0.5e12  # CPU matmul rate (bf16), for CPU-device plans
     host_total_bytes: int | None = None
@@ -242,6 +243,7 @@ def from_dict(raw: dict, source: str) -> Profile:
         prof.gpu_name, prof.gpu_total_bytes, prof.peak_bf16 = "", 0, None
     cpu = raw.get("cpu") or {}
     prof.adamw_params_per_s = cpu.get("adamw_params_per_s", prof.adamw_params_per_s)
+    prof.adamw_threads = cpu.get("adamw_threads")
     prof.cpu_count = cpu.get("count")
     prof.cpu_flops = cpu.get("matmul_flops", prof.cpu_flops)
     disk = raw.get("disk") or {}

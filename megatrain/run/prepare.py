@@ -227,8 +227,12 @@ def runtime_options(cfg: Config, device: torch.device, plan=None) -> RuntimeOpti
         placement = plan.placement
     else:
         placement = Placement(**fixed_placement(cfg))
+    # the optimizer's threads: the number its rate was measured with (run_profile, a probed profile), never more
+    # than this process has (a distributed rank: its share of the node's cores, set by Distributed.start)
+    threads = plan.profile.adamw_threads if plan is not None else None
     return RuntimeOptions(engine=EngineOptions(loss_chunk_tokens=e.loss_chunk_tokens, num_slots=e.num_slots,
-                                               compile_layers=compile_layers, placement=placement))
+                                               compile_layers=compile_layers, placement=placement),
+                          adam_threads=min(threads, torch.get_num_threads()) if threads else None)
 
 
 def load_exact_match(path: str) -> list[tuple[str, str]]:
