@@ -13,6 +13,7 @@ from ..planner.flops import active_params, flops_per_token
 from ..planner.sysmem import rss_bytes
 
 GiB = 2**30
+IDLE_GAPS = 3  # the longest idle stretches of the compute stream recorded per step (GPU runs)
 
 
 class StepStats:
@@ -53,9 +54,13 @@ class StepStats:
             # copies to host): outside megatrain's PinnedHost and the planner's books
             out["host_pinned_cache_gib"] = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) / GiB
             if self._window and self._window[1] is not None:
-                shares = self.timeline.shares(*self._window)
+                shares = self.timeline.shares(*self._window, gaps=IDLE_GAPS)
                 out.update(busy_compute=shares.get("compute", 0.0), busy_h2d=shares.get("h2d", 0.0),
                            busy_d2h=shares.get("d2h", 0.0))
+                # where the GPU waited: the step's longest idle stretches of the compute stream, each with the
+                # work it followed and the work it waited for (metrics.jsonl only: not a scalar)
+                out["idle_gaps"] = [{"ms": round(g["ms"], 1), "after": g["after"], "before": g["before"]}
+                                    for g in shares.get("gaps", [])]
             self._window = None
         return out
 
