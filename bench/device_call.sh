@@ -52,6 +52,8 @@ fi
   echo "call: $CALL  rev: $MEGATRAIN_REV  date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
   nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+  # several GPUs: how they are linked (NVLink or PCIe through the host), which sets NCCL's reduce-scatter rate
+  [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -gt 1 ] && nvidia-smi topo -m 2>/dev/null
   python3 - <<'EOF'
 import platform
 import torch
