@@ -7,8 +7,8 @@
 # device's copy of the tree has no usable git history: pass the commit it runs; the JSONs record it), OUT (default
 # /tmp/out), the wheels in .whl/ (carried to the
 # device: pydantic, datasets, ... that its image lacks; WHEELS=DIR for another folder, WHEELS= for none) installed
-# into /tmp/site and put first on PYTHONPATH, and the machine (GPUs and, with several, their topology, Python, torch, CUDA, the libraries megatrain
-# imports, CPUs, memory) printed and saved to $OUT/machine.txt. The call script is then sourced in a subshell (an
+# into /tmp/site and put first on PYTHONPATH, and the machine (GPUs and, with several, their topology, Python,
+# torch, CUDA, the libraries megatrain imports, CPUs, memory) printed and saved to $OUT/machine.txt. The call script is then sourced in a subshell (an
 # `exit` in it ends the call script, not this runner) with OUT, M (bench/model-configs) and the helper `run_logged`
 # available; a copy of it is kept as $OUT/run.sh. Last, bench/summarize.py tabulates every benchmark JSON under $OUT.
 #
