@@ -334,15 +334,19 @@ def plan_command(cfg, as_json: bool = False, world: World = World()) -> int:
 QUICK_ADAMW_PARAMS = 64 * 2**20
 
 
-def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=None) -> Profile:
+def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=None, ranks_per_node: int = 1) \
+        -> Profile:
     """The profile `megatrain train` plans with: cfg.plan.profile (or the probe's default file); when that is the
     built-in defaults and the run is on a GPU, with this machine's CPU AdamW rate measured now on a small tile:
     the one rate the default profile cannot know (H200 hosts measured 2.96 and 4.55 Gparam/s), and the one that
     sets a step whose forward is shorter than the updates it waits for (one row of 32k tokens on a 7B model).
-    It is measured with all, three quarters and half of the cores (probe.adamw_thread_counts), and the run's
-    optimizer uses the fewest threads within 5% of the fastest (profile.adamw_threads).
+    It is measured with all, three quarters and half of the node's cores (probe.adamw_thread_counts), and the
+    node's optimizer uses the fewest threads within 5% of the fastest (profile.adamw_threads; a distributed run's
+    ranks split them, as they split the updates: runtime_options).
     agree(name, compute): a distributed run's Distributed.agreed, so that rank 0 measures and every rank plans with
-    its number (each measuring its own would plan different placements)."""
+    its numbers (each measuring its own would plan different placements). Rank 0 measures the node as one process,
+    while the others wait: the update is bound by the host's memory, which the ranks share, so the node's rate
+    is the one-process rate (planner/world.py), and the number of threads that saturates it is the node's."""
     import dataclasses
 
     import torch
@@ -354,23 +358,25 @@ def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=N
     if prof.measured or device != "cuda":
         return prof
     found = {}
+    node_cores = torch.get_num_threads() * ranks_per_node  # a rank's share (Distributed.start) times the ranks
 
     def measure_threads() -> int:
-        rates = adamw_rates(adam_params, torch.bfloat16, adamw_thread_counts(torch.get_num_threads()), reps=2)
+        rates = adamw_rates(adam_params, torch.bfloat16, adamw_thread_counts(node_cores), reps=2)
         threads = choose_adamw_threads(rates)
         found.update(rate=rates[threads], rates=rates)
         return threads
 
-    if agree is not None:  # rank 0 measures (with its share of the node's cores); every rank uses its numbers
+    if agree is not None:  # rank 0 measures; every rank uses its numbers
         threads = int(agree("adamw_threads", measure_threads))
         rate = agree("adamw_params_per_s", lambda: found["rate"])
     else:
         threads = measure_threads()
         rate = found["rate"]
     tried = f" ({', '.join(f'{t}: {r / 1e9:.2f}' for t, r in found['rates'].items())})" if found else ""
+    split = f", {max(1, threads // ranks_per_node)} per rank" if ranks_per_node > 1 else ""
     return dataclasses.replace(prof, adamw_params_per_s=rate, adamw_threads=threads,
                                source=f"defaults, CPU AdamW measured here at start: {rate / 1e9:.2f} Gparam/s "
-                                      f"with {threads} threads{tried}")
+                                      f"with {threads} threads{split}{tried}")
 
 
 def check_before_run(cfg, adapter, device: str, world: tuple[int, int] = (1, 1), agree=None) -> Plan | None:
@@ -382,7 +388,8 @@ def check_before_run(cfg, adapter, device: str, world: tuple[int, int] = (1, 1),
     from ..errors import MegatrainError
 
     try:
-        plan = plan_for_config(cfg, adapter, device, profile=run_profile(cfg, device, agree=agree),
+        plan = plan_for_config(cfg, adapter, device, profile=run_profile(cfg, device, agree=agree,
+                                                                      ranks_per_node=world[1]),
                                world=World(*world))
     except MegatrainError:
         raise

@@ -17,8 +17,9 @@ micro-batches: train.micro_batch_size and grad_accum_steps are per rank):
             2·4·(N-1)/N/L bytes per parameter (8·(N-1)/N per node, on the nodes' network).
     time    the reductions run on their own streams during the backward; what is exposed is their excess over the
             backward and the reduction of the last gradient (the embedding's: the optimizer needs the global norm,
-            so every reduction). CPU AdamW: the node's cores, split between its ranks, update one store as one rank
-            would (host memory bandwidth is the limit): the one-GPU optimizer time. D2H copies (1/L of a unit per
+            so every reduction). CPU AdamW: the node's optimizer threads (the number chosen at the start for the
+            node, plan.run_profile), split between its ranks, update one store as one rank would (host memory
+            bandwidth is the limit): the one-GPU optimizer time. D2H copies (1/L of a unit per
             rank) are kept at the one-GPU figure.
 
 Bandwidths are defaults, not probed: INTRA_NODE_BPS (NCCL bus bandwidth of a reduce-scatter over NVLink on H100/

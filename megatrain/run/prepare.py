@@ -173,7 +173,7 @@ def prepare(cfg: Config, dist=None) -> Run:
             dist.node_phase("checked-first")
         dist.phase("checked")  # nobody allocates, or writes to output.dir, before every rank has checked
     adapter, plan = inp.adapter, inp.plan
-    options = runtime_options(cfg, inp.device, plan)
+    options = runtime_options(cfg, inp.device, plan, dist.world.local_size if dist is not None else 1)
     stream_dtype, compute_dtype = store_dtypes(cfg.train.precision, options.engine.placement.stream_dtype)
     disk_states = disk_states_of(cfg, plan)
     with host_allocation("host store (fp32 master, Adam m and v, streaming copy)", plan, adapter):
@@ -218,21 +218,23 @@ def disk_states_of(cfg: Config, plan=None) -> tuple[str, ...]:
     return tuple(k for k in ("v", "m", "master") if k in (cfg.memory.disk_states or ()))
 
 
-def runtime_options(cfg: Config, device: torch.device, plan=None) -> RuntimeOptions:
+def runtime_options(cfg: Config, device: torch.device, plan=None, ranks_per_node: int = 1) -> RuntimeOptions:
     """The runtime the plan was made for: its placement (without a plan: the memory keys set, defaults for the
-    rest)."""
+    rest), and its optimizer's threads."""
     e = cfg.engine
     compile_layers = e.compile == "on" or (e.compile == "auto" and device.type == "cuda")
     if plan is not None:
         placement = plan.placement
     else:
         placement = Placement(**fixed_placement(cfg))
-    # the optimizer's threads: the number its rate was measured with (run_profile, a probed profile), never more
-    # than this process has (a distributed rank: its share of the node's cores, set by Distributed.start)
+    # the optimizer's threads: the node's number its rate was measured with (run_profile, a probed profile), split
+    # between the node's ranks, never more than this process has (a rank: its share of the cores, Distributed.start)
     threads = plan.profile.adamw_threads if plan is not None else None
+    if threads:
+        threads = min(max(1, threads // ranks_per_node), torch.get_num_threads())
     return RuntimeOptions(engine=EngineOptions(loss_chunk_tokens=e.loss_chunk_tokens, num_slots=e.num_slots,
                                                compile_layers=compile_layers, placement=placement),
-                          adam_threads=min(threads, torch.get_num_threads()) if threads else None)
+                          adam_threads=threads)
 
 
 def load_exact_match(path: str) -> list[tuple[str, str]]:
