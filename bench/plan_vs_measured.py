@@ -94,9 +94,12 @@ def compare(r: dict, profile=DEFAULTS) -> dict:
     if isinstance(r.get("plan"), dict):  # a `megatrain train` run: the plan it made at its start
         p = r["plan"]
         gpu, host, step = p["gpu_peak_gib"], p["host_peak_gib"], p["step_time_s"]
+        # several ranks: the plan's host figure is the node's, measured as the ranks' summed PSS (a rank's RSS
+        # counts the shared store and leaves the other ranks out)
+        host_meas = r["host_node_pss_gib"] if (r.get("nproc_per_node") or 1) > 1 else r["host_peak_rss_gib"]
         return {"label": r["label"], "file": r["file"], "compile": bool(r.get("compile")),
                 "gpu_pred": gpu, "gpu_meas": r["gpu_peak_gib"], "gpu_err": gpu / r["gpu_peak_gib"] - 1,
-                "host_pred": host, "host_meas": r["host_peak_rss_gib"], "host_err": host / r["host_peak_rss_gib"] - 1,
+                "host_pred": host, "host_meas": host_meas, "host_err": host / host_meas - 1,
                 "time_pred": step, "time_meas": r["step_s"], "time_err": step / r["step_s"] - 1,
                 "idle_pred": float("nan"), "idle_meas": r["step_s"] * r.get("gpu_idle", 0.0),
                 "bound": p["bound"] + " (the run's own plan)", "phase": ""}
