@@ -8,9 +8,9 @@
 # /tmp/out), the wheels in .whl/ (carried to the
 # device: pydantic, datasets, ... that its image lacks; WHEELS=DIR for another folder, WHEELS= for none) installed
 # into /tmp/site and put first on PYTHONPATH, and the machine (GPUs and, with several, their topology, Python,
-# torch, CUDA, the libraries megatrain imports, CPUs, memory) printed and saved to $OUT/machine.txt. The call script is then sourced in a subshell (an
-# `exit` in it ends the call script, not this runner) with OUT, M (bench/model-configs) and the helper `run_logged`
-# available; a copy of it is kept as $OUT/run.sh. Last, bench/summarize.py tabulates every benchmark JSON under $OUT.
+# torch, CUDA, the libraries megatrain imports, CPUs, memory) printed and saved to $OUT/machine.txt. The call script
+# is then sourced in a subshell (an `exit` in it ends the call script, not this runner) with OUT, M
+# (bench/model-configs) and the helpers below available; a copy of it is kept as $OUT/run.sh. Last, bench/summarize.py tabulates every benchmark JSON under $OUT.
 #
 #   run_logged NAME SECONDS CMD ARGS...   runs CMD under `timeout SECONDS`, its output to $OUT/NAME.log (the last
 #                                         ${TAIL:-6} lines shown), and appends "NAME rc=N" to $OUT/status.txt
@@ -25,6 +25,10 @@
 #                                         `detached_done NAME` whether this call saw it end ("NAME rc=" in status.txt)
 #   bundle_results NAME DIR               the logs and JSONs of DIR in one $OUT/NAME.tar.gz (a command brings back
 #                                         at most 8 files)
+#   run_in DIR NAME SECONDS CMD ARGS...   one run of a chain started with run_detached (the functions are exported
+#                                         to it): waits until no process holds a GPU (`gpus_free`, at most 120 s),
+#                                         runs CMD under `timeout`, its output to DIR/NAME.log, and prints its exit
+#                                         status and last 3 lines
 # The runner's exit status is the call script's, or 1 if it was 0 but a command run with run_logged failed.
 set -uo pipefail
 if [ $# -ne 1 ] || [ ! -f "$1" ]; then
@@ -115,7 +119,23 @@ bundle_results() {
   files=$(cd "$2" && ls -- *.log *.json 2>/dev/null)
   [ -n "$files" ] && tar czf "$OUT/$1.tar.gz" -C "$2" $files
 }
-export -f detached_started run_detached detached_done bundle_results
+gpus_free() {  # waits (at most 120 s) until no process holds a GPU; says which still do
+  for _ in $(seq 120); do
+    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return 0
+    sleep 1
+  done
+  echo "GPUs still held: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"
+}
+run_in() {  # DIR NAME SECONDS CMD...: one run of a detached chain, once the GPUs are free: CMD under timeout, its
+  local dir=$1 name=$2 seconds=$3  # output to DIR/NAME.log, its exit status and last lines printed
+  shift 3
+  gpus_free
+  echo "== $name, $(date -u +%T): $*"
+  timeout "$seconds" "$@" > "$dir/$name.log" 2>&1
+  echo "$name: rc=$?, $(date -u +%T)"
+  tail -n 3 "$dir/$name.log"
+}
+export -f detached_started run_detached detached_done bundle_results gpus_free run_in
 
 ( source "$CALL" )
 rc=$?

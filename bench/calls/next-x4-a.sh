@@ -23,38 +23,23 @@ if ! detached_started chain; then
 set -u
 cd $PWD
 echo "MemTotal at the start: \$(awk '/MemTotal/ {print int(\$2 / 1048576)}' /proc/meminfo) GiB"
-gpus_free() {  # waits (at most 120 s) until no process holds a GPU, and says so
-  for _ in \$(seq 120); do
-    [ -z "\$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return 0
-    sleep 1
-  done
-  echo "GPUs still held: \$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"
-}
-run() {  # DIR NAME SECONDS CMD...: one run, its output to DIR/NAME.log, its exit status printed
-  local dir=\$1 name=\$2 seconds=\$3; shift 3
-  gpus_free
-  echo "== \$name, \$(date -u +%T): \$*"
-  timeout \$seconds "\$@" > \$dir/\$name.log 2>&1
-  echo "\$name: rc=\$?, \$(date -u +%T)"
-  tail -n 3 \$dir/\$name.log
-}
 A="--seq 1024 --seqs 158 --micro 79 --steps 2 --warmup 2 --compile --host-budget-gb 500"
 for n in 1 2 4; do
-  CUDA_VISIBLE_DEVICES=\$(seq -s, 0 \$((n - 1))) run $S1 qwen7b_\${n}gpu 450 python3 bench/bench_cli.py \\
+  CUDA_VISIBLE_DEVICES=\$(seq -s, 0 \$((n - 1))) run_in $S1 qwen7b_\${n}gpu 450 python3 bench/bench_cli.py \\
     --model $M/qwen2.5-7b \$A --nproc-per-node \$n --label qwen2.5-7b-158x1024-per-gpu-\${n}gpu \\
     --workdir $S1/work\$n --json $S1/qwen7b_\${n}gpu.json
   cp $S1/work\$n/cli.log $S1/qwen7b_\${n}gpu_cli.log 2>/dev/null; rm -rf $S1/work\$n
 done
 export CUDA_VISIBLE_DEVICES=0
 Q14="--model $M/qwen2.5-14b --seq 1024 --seqs 158"
-run $S2 qwen14b_mt 360 python3 bench/bench_cli.py \$Q14 --micro 79 --compile --steps 2 --warmup 1 --host-budget-gb 500 \\
-  --label qwen2.5-14b-158x1024-x4 --workdir $S2/w14 --json $S2/qwen14b_mt.json
+run_in $S2 qwen14b_mt 360 python3 bench/bench_cli.py \$Q14 --micro 79 --compile --steps 2 --warmup 1 \\
+  --host-budget-gb 500 --label qwen2.5-14b-158x1024-x4 --workdir $S2/w14 --json $S2/qwen14b_mt.json
 cp $S2/w14/cli.log $S2/qwen14b_mt_cli.log 2>/dev/null; rm -rf $S2/w14
 total_gib=\$(awk '/MemTotal/ {print int(\$2 / 1048576)}' /proc/meminfo)
 DS_EXTRA=""; [ "\$total_gib" -lt 400 ] && DS_EXTRA="--try-anyway"
 echo "MemTotal before DeepSpeed: \$total_gib GiB; extra flags: '\$DS_EXTRA'"
-run $S2 qwen14b_ds 720 python3 bench/bench_deepspeed.py \$Q14 --micro 2 --steps 1 --warmup 0 --progress 10 \$DS_EXTRA \\
-  --label deepspeed-zero3-offload-qwen2.5-14b-m2-x4 --json $S2/qwen14b_ds.json
+run_in $S2 qwen14b_ds 720 python3 bench/bench_deepspeed.py \$Q14 --micro 2 --steps 1 --warmup 0 --progress 10 \\
+  \$DS_EXTRA --label deepspeed-zero3-offload-qwen2.5-14b-m2-x4 --json $S2/qwen14b_ds.json
 EOF2
 fi
 TAIL=14 run_detached chain bash /tmp/chain.sh

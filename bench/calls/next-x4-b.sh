@@ -16,30 +16,15 @@ if ! detached_started chain; then
   cat > /tmp/chain.sh <<EOF2
 set -u
 cd $PWD
-gpus_free() {
-  for _ in \$(seq 120); do
-    [ -z "\$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return 0
-    sleep 1
-  done
-  echo "GPUs still held: \$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"
-}
-run() {  # NAME SECONDS CMD...
-  local name=\$1 seconds=\$2; shift 2
-  gpus_free
-  echo "== \$name, \$(date -u +%T): \$*"
-  timeout \$seconds "\$@" > $S/\$name.log 2>&1
-  echo "\$name: rc=\$?, \$(date -u +%T)"
-  tail -n 3 $S/\$name.log
-}
 export CUDA_VISIBLE_DEVICES=0
-run qwen32b 720 python3 bench/bench_cli.py --model $M/qwen2.5-32b --seq 1024 --seqs 158 --micro 79 --compile \\
+run_in $S qwen32b 720 python3 bench/bench_cli.py --model $M/qwen2.5-32b --seq 1024 --seqs 158 --micro 79 --compile \\
   --steps 2 --warmup 1 --host-budget-gb 500 --label qwen2.5-32b-158x1024-x4 --workdir $S/w32 --json $S/qwen32b.json
 cp $S/w32/cli.log $S/qwen32b_cli.log 2>/dev/null; cp $S/w32/run/plan.json $S/qwen32b_plan.json 2>/dev/null
 rm -rf $S/w32
-CUDA_VISIBLE_DEVICES=0,1 MEGATRAIN_GPU_RESULTS=$S run gpu_distributed 480 python3 -m pytest -q -m gpu \\
+CUDA_VISIBLE_DEVICES=0,1 MEGATRAIN_GPU_RESULTS=$S run_in $S gpu_distributed 480 python3 -m pytest -q -m gpu \\
   -p no:cacheprovider tests/gpu/test_distributed_cuda.py
-run qwen14b_80g 400 python3 bench/bench_cli.py --model $M/qwen2.5-14b --seq 1024 --micro 79 --compile --seqs 158 \\
-  --steps 2 --warmup 1 --set memory.gpu_budget_gb=80 --set memory.host_budget_gb=249 \\
+run_in $S qwen14b_80g 400 python3 bench/bench_cli.py --model $M/qwen2.5-14b --seq 1024 --micro 79 --compile \\
+  --seqs 158 --steps 2 --warmup 1 --set memory.gpu_budget_gb=80 --set memory.host_budget_gb=249 \\
   --label qwen2.5-14b-158x1024-budget80-cli --workdir $S/w14 --json $S/qwen14b_80g.json
 cp $S/w14/cli.log $S/qwen14b_80g_cli.log 2>/dev/null; rm -rf $S/w14
 EOF2
