@@ -10,7 +10,8 @@
 # into /tmp/site and put first on PYTHONPATH, and the machine (GPUs and, with several, their topology, Python,
 # torch, CUDA, the libraries megatrain imports, CPUs, memory) printed and saved to $OUT/machine.txt. The call script
 # is then sourced in a subshell (an `exit` in it ends the call script, not this runner) with OUT, M
-# (bench/model-configs) and the helpers below available; a copy of it is kept as $OUT/run.sh. Last, bench/summarize.py tabulates every benchmark JSON under $OUT.
+# (bench/model-configs) and the helpers below available; a copy of it is kept as $OUT/run.sh. Last,
+# bench/summarize.py tabulates every benchmark JSON under $OUT.
 #
 #   run_logged NAME SECONDS CMD ARGS...   runs CMD under `timeout SECONDS`, its output to $OUT/NAME.log (the last
 #                                         ${TAIL:-6} lines shown), and appends "NAME rc=N" to $OUT/status.txt
