@@ -231,3 +231,13 @@ def test_plan_refuses_a_bad_world_flag(tmp_path):
     last = r.stderr.strip().splitlines()[-1]  # after argparse's usage line
     assert r.returncode == 2 and last.startswith("megatrain: error: argument --nproc-per-node:"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_workers_keep_the_callers_python_path(monkeypatch):
+    """The launched workers find the repository first and still whatever the caller's PYTHONPATH held (the GPU
+    machines' carried wheels: pydantic, datasets); replacing it failed every torchrun test there."""
+    from dist_helpers import ROOT, env
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    assert env()["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/tmp/site"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert env()["PYTHONPATH"] == str(ROOT)
