@@ -256,6 +256,16 @@ class NodeMemory:
                 "host_children_rss_gib": self.children / 2**30}
 
 
+def node_host_per_param(res: dict, nproc: int) -> dict:
+    """A distributed run's host bytes per parameter are the node's (PSS: the shared store counted once), not one
+    rank's RSS, which holds only the part of the store that rank touched (x4-h100-b: 9.8 B/param by rank 0's RSS at
+    4 ranks, 16.7 by the node's PSS)."""
+    if nproc <= 1 or not res.get("host_node_pss_gib") or not res.get("params"):
+        return {}
+    return {"host_bytes_per_param": res["host_node_pss_gib"] * 2**30 / res["params"],
+            "host_bytes_per_param_of": "node PSS"}
+
+
 def run_cli(config: Path, overrides: list[str], log: Path, nproc: int = 1,
             memory: NodeMemory | None = None) -> tuple[int, float, list[str]]:
     """`python3 -m megatrain.cli train CONFIG [overrides]` from the repository root (under torchrun with nproc > 1),
@@ -432,6 +442,7 @@ def main() -> int:
         res = summarise(args, steps, num_params(work / "model"))
         res.update(cli_exit_status=rc, cli_total_s=total_s, inputs_s=prep_s, cli_command=shlex.join(cmd),
                    overrides=args.set, workdir=str(work) if args.workdir else None, **memory.stop())
+        res.update(node_host_per_param(res, args.nproc_per_node))
         res.update(planned(out_dir / "plan.json"))
         full = args.seqs * args.seq * args.nproc_per_node
         short = [r["step"] for r in steps if r.get("tokens") != full]
