@@ -1,5 +1,6 @@
-"""The tables of a multi-GPU call (results/2026-11-27/x4-h100 and x4-h100-b, calls/next-x4-b.sh): scaling over 1/2/4 GPUs and
-the one-GPU runs, from the bench_cli/bench_deepspeed JSONs in two folders; a run not (yet) there is a row of "-".
+"""The tables of a multi-GPU call (results/2026-11-27/x4-h100 and x4-h100-b, calls/next-x4-b.sh): scaling over
+1/2/4 GPUs and the one-GPU runs, from the bench_cli/bench_deepspeed JSONs in two folders; a run not (yet) there is a
+row of "-".
 
     python bench/x4_tables.py SCALING_DIR [ONEGPU_DIR]
 
