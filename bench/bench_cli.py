@@ -443,6 +443,8 @@ def main() -> int:
         res.update(cli_exit_status=rc, cli_total_s=total_s, inputs_s=prep_s, cli_command=shlex.join(cmd),
                    overrides=args.set, workdir=str(work) if args.workdir else None, **memory.stop())
         res.update(node_host_per_param(res, args.nproc_per_node))
+        if steps and steps[0].get("startup_s"):  # where the time before the first step went (rank 0's)
+            res["startup_s"] = steps[0]["startup_s"]
         res.update(planned(out_dir / "plan.json"))
         full = args.seqs * args.seq * args.nproc_per_node
         short = [r["step"] for r in steps if r.get("tokens") != full]

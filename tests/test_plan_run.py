@@ -35,6 +35,11 @@ def test_start_summary_and_step_records(tmp_path, capsys):
         assert r["host_rss_gib"] > 0.05
     assert steps[-1]["eta_s"] == 0
     assert "mfu" not in steps[0] and "busy_compute" not in steps[0]  # CPU: no GPU peak, no streams
+    # where the start-up went, phase by phase: in the summary and with this process's first step only
+    startup = steps[0]["startup_s"]
+    assert list(startup)[:3] == ["inputs checked and planned", "store allocated", "store filled (random init)"]
+    assert all(v >= 0 for v in startup.values()) and "startup_s" not in steps[1]
+    assert "start-up: inputs checked and planned " in err and "store filled (random init) " in err
 
 
 def test_the_run_saves_its_plan_and_the_benchmark_holds_it_against_the_measurement(tmp_path):

@@ -14,7 +14,8 @@ reads its share of every step.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -67,6 +68,7 @@ class Run:
     resumed: resume_lib.Resumed | None = None  # the checkpoint this run continues, loaded into the store
     plan: object = None  # megatrain.planner.Plan of this run (None: it could not be computed)
     dist: object = None  # megatrain.distributed.Distributed of a distributed run (None: one process)
+    startup_s: dict = field(default_factory=dict)  # seconds of each phase of `prepare` (StartupClock)
 
     @property
     def store(self) -> HostStore:
@@ -162,16 +164,34 @@ def check_inputs(cfg: Config, dist=None) -> Inputs:
     return Inputs(device, hf_config, adapter, plan, out_dir, resumed, tokenizer, loader, eval_batches, exact)
 
 
+class StartupClock:
+    """Seconds spent in each phase before the first step, in order (the start summary prints them, the first step
+    record of metrics.jsonl keeps them): where a large model's minutes of start-up go."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._t
+        self._t = now
+
+
 def prepare(cfg: Config, dist=None) -> Run:
     """Check every input, then allocate and fill the store and build the runtime. Writes nothing.
     dist: the run's megatrain.distributed.Distributed (None: one process)."""
+    clock = StartupClock()
     if dist is not None and not dist.world.fills_store:
         dist.node_phase("checked-first")  # local rank 0 checks first: it tokenises the data into the cache
+        clock.lap("waiting for the other ranks")
     inp = check_inputs(cfg, dist)
+    clock.lap("inputs checked and planned")
     if dist is not None:
         if dist.world.fills_store:
             dist.node_phase("checked-first")
         dist.phase("checked")  # nobody allocates, or writes to output.dir, before every rank has checked
+        clock.lap("waiting for the other ranks")
     adapter, plan = inp.adapter, inp.plan
     options = runtime_options(cfg, inp.device, plan, dist.world.local_size if dist is not None else 1)
     stream_dtype, compute_dtype = store_dtypes(cfg.train.precision, options.engine.placement.stream_dtype)
@@ -181,8 +201,11 @@ def prepare(cfg: Config, dist=None) -> Run:
                           disk_path=cfg.memory.disk_path if disk_states else None, disk_states=disk_states)
         if dist is not None:
             dist.make_flags(len(store.tiles))
+    clock.lap("store allocated")
     if dist is None or dist.world.fills_store:
         fill_store(cfg, inp, store)
+        clock.lap("store filled" + (f" (from {inp.resumed.path.name})" if inp.resumed is not None else
+                                    " (random init)" if cfg.model.init == "random" else " (weights read)"))
     if inp.resumed is not None:
         inp.loader.load_state_dict(inp.resumed.state["loader"])
     optimizer = CpuAdamW(cfg.train.betas, cfg.train.eps, cfg.train.weight_decay)
@@ -193,9 +216,11 @@ def prepare(cfg: Config, dist=None) -> Run:
             from ..distributed import build_distributed_runtime
 
             dist.store_filled(store)
+            clock.lap("waiting for the other ranks")
             runtime = build_distributed_runtime(store, inp.device, optimizer, options, dist)
+    clock.lap("runtime built (buffers pinned, slots allocated)")
     return Run(cfg, adapter, runtime, inp.loader, inp.eval_batches, inp.exact_match, inp.tokenizer, inp.out_dir,
-               inp.resumed, plan, dist)
+               inp.resumed, plan, dist, startup_s=clock.phases)
 
 
 def fill_store(cfg: Config, inp: Inputs, store: HostStore) -> None:

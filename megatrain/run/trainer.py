@@ -44,6 +44,8 @@ def train(cfg: Config, dist=None) -> dict:
         with StopOnSignal() as stop:
             for step in range(s.first_step, cfg.train.steps):
                 record = train_step(run, step, s.data.next(), s.stats)
+                if step == s.first_step and run.startup_s:  # this process's start-up, with its first step
+                    record["startup_s"] = run.startup_s
                 s.log.log(record)
                 s.summary.setdefault("first_loss", record["loss"])
                 s.summary["last_loss"] = record["loss"]
@@ -93,6 +95,9 @@ def start(run: Run) -> Session:
     log.info(f"megatrain: {run.adapter.model_type} {run.store.num_params / 1e6:.2f}M params, "
              f"{run.adapter.num_layers} layers, {t.precision} on {run.engine.device}; host store "
              f"{run.store.host_bytes() / 2**30:.2f} GiB; data: {run.loader.summary()}")
+    if run.startup_s:
+        log.info("start-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in run.startup_s.items())
+                 + ("; the first step compiles the layers" if run.engine.options.compile_layers else ""))
     stats = attach(run, log)  # the plan's figures in the start summary; per-step throughput, memory, streams
     final = t.steps if cfg.checkpoint.at_end or cfg.export.at_end else None
     saver = open_saver(run, keep=cfg.checkpoint.keep, every=cfg.checkpoint.every, final_step=final)
