@@ -74,7 +74,7 @@ def one_gpu(folder: Path) -> list[str]:
 
 def main(argv: list[str]) -> int:
     if not argv or len(argv) > 2:
-        print(next(l.strip() for l in __doc__.splitlines() if "x4_tables.py " in l), file=sys.stderr)
+        print(next(line.strip() for line in __doc__.splitlines() if "x4_tables.py " in line), file=sys.stderr)
         return 2
     lines = scaling(Path(argv[0]))
     if len(argv) == 2:
