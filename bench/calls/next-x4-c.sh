@@ -2,11 +2,14 @@
 # next-x4-b.sh, in ONE detached chain (~25 min: issue it, then again at once on the warm machine, until status.txt
 # has "chain rc="; give it WAIT_S=<device time left - 60> on the last call so the results come back):
 #   1. issue 14: Qwen2.5-32B on one GPU, 158 x 1024 per step, the planner's placement (1 warm-up, 2 measured steps;
-#      its plan.json kept). Plans with memory.host_budget_gb=500: on an H200 fp32 streaming, spill 17, 25 units'
-#      gradients to host, tiles of 8192: 65.5 s, 441.7 GiB; on an H100 (80 GB) K = 2, 40 layers kept on top, 42
-#      spilled, 46 units' gradients to host, fp32 streaming, tiles of 8192: 73.6 s, 499.9 GiB (at the limit: it
-#      may not fit where less than 500 GiB is free). x4-h100-b's Qwen2.5-7B spent ~150 s before its first step
-#      and 68 s in it (compiling); the 14B 165-195 s and 123 s: the 32B's timeout is 1200 s.
+#      its plan.json kept), under memory.host_budget_gb=480: at 500 the H100 plan (K = 2, 40 layers kept on top, 42
+#      spilled, 46 units' gradients to host, fp32 streaming, tiles of 8192: 73.6 s) needs 499.9 GiB, on a host with
+#      ~500 GiB free; at 480 (session 28, the H100 profile of results/2026-11-23/bounded-h100-2): K = 2, 21 spilled,
+#      46 units' gradients to host, fp32 streaming, tiles of 8192: 78.9 s, 470.5 GiB, GPU 79.1 of 79.2 GiB needed;
+#      on an H200 (the 2026-11-21 profile): every input kept, 17 spilled, 25 units' gradients to host: 67.5 s, 441.7
+#      GiB. At 450 it does not fit an H100: the finished gradients waiting for the norm (4 B/param) fit neither.
+#      x4-h100-b's Qwen2.5-7B spent ~150 s before its first step and 68 s in it (compiling); the 14B 165-195 s
+#      and 123 s: the 32B's timeout is 1200 s (the start-up's phases are now in the log and the JSON: startup_s).
 #   2. issue 11, on H200s only (an H100 has 80 GB: the row is an H200 held to an H100's memory):
 #      Qwen2.5-14B under memory.gpu_budget_gb=80 with memory.host_budget_gb=249 (the x2 host's memory;
 #      next-x2.sh's comment): target <= 31 s, plan 29.34 s.
@@ -18,7 +21,7 @@ set -u
 cd $PWD
 export CUDA_VISIBLE_DEVICES=0
 run_in $S qwen32b 1200 python3 bench/bench_cli.py --model $M/qwen2.5-32b --seq 1024 --seqs 158 --micro 79 --compile \\
-  --steps 2 --warmup 1 --host-budget-gb 500 --label qwen2.5-32b-158x1024-x4 --workdir $S/w32 --json $S/qwen32b.json
+  --steps 2 --warmup 1 --host-budget-gb 480 --label qwen2.5-32b-158x1024-x4 --workdir $S/w32 --json $S/qwen32b.json
 cp $S/w32/cli.log $S/qwen32b_cli.log 2>/dev/null; cp $S/w32/run/plan.json $S/qwen32b_plan.json 2>/dev/null
 rm -rf $S/w32
 if nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -q H200; then
