@@ -111,7 +111,7 @@ def _run(args) -> int:
     if args.command == "train":
         from .run import train
 
-        train(cfg)  # checks every path itself (run.prepare.check_inputs)
+        train(cfg, since_process_start=True)  # checks every path itself (run.prepare.check_inputs)
     elif args.command == "plan":
         from .planner import plan_command
         from .planner.profile import default_profile_path

@@ -15,18 +15,20 @@ from .prepare import resolve_device
 from .trainer import train as train_one
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, since_process_start: bool = False) -> dict:
+    """since_process_start: the start-up's timing (the start summary, metrics.jsonl's startup_s) begins at the
+    process's start: `megatrain train`."""
     from ..distributed import Distributed, from_env
 
     world = from_env()
     if world is None:
-        return train_one(cfg)
+        return train_one(cfg, since_process_start=since_process_start)
     device = resolve_device(cfg.train.device)
     if device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
     d = Distributed.start(world, device)
     try:
-        summary = train_one(cfg, d)
+        summary = train_one(cfg, d, since_process_start)
     except BaseException as e:
         report = d.failed(e)  # published already if it happened in the step loop (Run.failing)
         if report is e:

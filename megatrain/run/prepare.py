@@ -168,9 +168,15 @@ class StartupClock:
     """Seconds spent in each phase before the first step, in order (the start summary prints them, the first step
     record of metrics.jsonl keeps them): where a large model's minutes of start-up go."""
 
-    def __init__(self):
-        self.phases: dict[str, float] = {}
+    def __init__(self, since_process_start: bool = False):
+        """since_process_start: the first phase is the process's life before `prepare` (the command line's runs:
+        the interpreter, the imports, the config read, a distributed run's process groups)."""
         self._t = time.perf_counter()
+        self.phases: dict[str, float] = {}
+        if since_process_start:
+            import psutil
+
+            self.phases["process start to config read"] = max(0.0, time.time() - psutil.Process().create_time())
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
@@ -178,10 +184,10 @@ class StartupClock:
         self._t = now
 
 
-def prepare(cfg: Config, dist=None) -> Run:
+def prepare(cfg: Config, dist=None, since_process_start: bool = False) -> Run:
     """Check every input, then allocate and fill the store and build the runtime. Writes nothing.
-    dist: the run's megatrain.distributed.Distributed (None: one process)."""
-    clock = StartupClock()
+    dist: the run's megatrain.distributed.Distributed (None: one process). since_process_start: StartupClock's."""
+    clock = StartupClock(since_process_start)
     if dist is not None and not dist.world.fills_store:
         dist.node_phase("checked-first")  # local rank 0 checks first: it tokenises the data into the cache
         clock.lap("waiting for the other ranks")

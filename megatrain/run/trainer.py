@@ -32,9 +32,10 @@ if TYPE_CHECKING:
     from ..checkpoint.saver import CheckpointSaver
 
 
-def train(cfg: Config, dist=None) -> dict:
-    """dist: this process's megatrain.distributed.Distributed when it is one rank of several (run/launch.py)."""
-    run = prepare(cfg, dist)  # every input checked, the store filled, the runtime built: nothing written yet
+def train(cfg: Config, dist=None, since_process_start: bool = False) -> dict:
+    """dist: this process's megatrain.distributed.Distributed when it is one rank of several (run/launch.py).
+    since_process_start: the start-up's timing begins at the process's start (the command line)."""
+    run = prepare(cfg, dist, since_process_start)  # every input checked, the store filled, the runtime built: nothing written yet
     try:
         s = start(run)
     except BaseException:
