@@ -14,7 +14,8 @@
 #      machine's disk (/var/tmp: not a tmpfs), after the disk measured with dd (O_DIRECT, 16 MiB requests; 4 GiB).
 #      Plan with DESIGN.md's 1.2 / 1.6 GB/s: Adam v on the SSD (55.0 GiB), host 116.5 GiB, 107.3 s/step, bound by
 #      the SSD; re-plan with this disk's rates (bench/plan_ssd.py). Targets: it trains; step time within 15% of
-#      the plan; disk GB/s measured (metrics: disk_read_gbps, disk_write_gbps); host RSS <= 128 GiB.
+#      the plan; disk GB/s measured (metrics: disk_read_gbps, disk_write_gbps); host RSS <= 128 GiB. One measured
+#      step after one warm-up (whose reads of v find holes, not the disk): ~2 min less, for the chain's last run.
 # DeepSpeed needs its wheel and hjson in .whl/ (bench/README.md, "The DeepSpeed peer").
 S=/tmp/xb SSD=/var/tmp/megatrain-ssd
 if ! detached_started chain; then
@@ -38,7 +39,7 @@ df -h /var/tmp > $S/disk.log
 run_in $S disk_write 120 dd if=/dev/zero of=$SSD/probe bs=16M count=256 oflag=direct conv=fsync
 run_in $S disk_read 120 dd if=$SSD/probe of=/dev/null bs=16M iflag=direct
 rm -f $SSD/probe
-run_in $S qwen14b_ssd 900 python3 bench/bench_cli.py \$Q14 --micro 79 --compile --steps 2 --warmup 1 \\
+run_in $S qwen14b_ssd 900 python3 bench/bench_cli.py \$Q14 --micro 79 --compile --steps 1 --warmup 1 \\
   --host-budget-gb 128 --disk-path $SSD --label qwen2.5-14b-158x1024-host128-ssd-cli --workdir $S/wssd \\
   --json $S/qwen14b_ssd.json
 cp $S/wssd/cli.log $S/qwen14b_ssd_cli.log 2>/dev/null
