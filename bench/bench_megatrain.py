@@ -82,6 +82,13 @@ def run(args) -> dict:
                           group_grads=args.group_grads, stream_dtype=args.stream_dtype)
     if plan is not None:
         placement = plan.placement
+    if args.adam_threads is None and cuda:  # as megatrain train: the fewest threads within 5% of the fastest
+        from megatrain.planner.plan import QUICK_ADAMW_PARAMS
+        from megatrain.planner.probe import measure_adamw_threads
+
+        args.adam_threads, rates = measure_adamw_threads(torch.get_num_threads(), QUICK_ADAMW_PARAMS)
+        print(f"CPU AdamW threads: {args.adam_threads} (Gparam/s: "
+              f"{', '.join(f'{t}: {r / 1e9:.2f}' for t, r in rates.items())})", flush=True)
     t0 = time.perf_counter()
     store = HostStore(adapter, *store_dtypes(args.precision, placement.stream_dtype))
     store.init_random(0, 0.02)
@@ -191,7 +198,9 @@ def main():
                    help="where accumulators wait between wave groups (memory.group_grads)")
     p.add_argument("--attn", default="default", choices=["default", "cudnn", "flash"],
                    help="preferred SDPA backend (others stay enabled as fallbacks)")
-    p.add_argument("--adam-threads", type=int, default=None, help="intra-op threads of the optimizer thread")
+    p.add_argument("--adam-threads", type=int, default=None,
+                   help="intra-op threads of the optimizer thread (default on CUDA: measured at the start, as "
+                        "megatrain train does; on CPU: torch's)")
     p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (GIL handoff, s)")
     p.add_argument("--gpu-budget", type=float, default=None,
                    help="GiB the caching allocator may hold (torch.cuda.set_per_process_memory_fraction)")

@@ -351,7 +351,7 @@ def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=N
 
     import torch
 
-    from .probe import adamw_rates, adamw_thread_counts, choose_adamw_threads
+    from .probe import measure_adamw_threads
     from .profile import load_profile
 
     prof = load_profile(cfg.plan.profile)
@@ -361,8 +361,7 @@ def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=N
     node_cores = torch.get_num_threads() * ranks_per_node  # a rank's share (Distributed.start) times the ranks
 
     def measure_threads() -> int:
-        rates = adamw_rates(adam_params, torch.bfloat16, adamw_thread_counts(node_cores), reps=2)
-        threads = choose_adamw_threads(rates)
+        threads, rates = measure_adamw_threads(node_cores, adam_params)
         found.update(rate=rates[threads], rates=rates)
         return threads
 

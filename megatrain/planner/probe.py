@@ -97,6 +97,13 @@ def choose_adamw_threads(rates: dict[int, float]) -> int:
     return min(t for t, r in rates.items() if r >= best * (1 - ADAMW_THREADS_TOLERANCE))
 
 
+def measure_adamw_threads(cores: int, numel: int, reps: int = 2) -> tuple[int, dict[int, float]]:
+    """The CPU AdamW's thread count for `cores` cores, measured now over a bf16-streaming tile of `numel`
+    parameters: (the count chosen, every count's rate in params/s)."""
+    rates = adamw_rates(numel, torch.bfloat16, adamw_thread_counts(cores), reps=reps)
+    return choose_adamw_threads(rates), rates
+
+
 def matmul_rate(n: int, dtype: torch.dtype, device: str, reps: int = 5) -> float:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
@@ -297,8 +304,7 @@ def probe(layers: list[tuple[str, int, int]], compile_modes: list[bool], adam_pa
             "memlock_bytes": memlock_limit()}
     log(f"host RAM {mem.available / GiB:.1f} of {mem.total / GiB:.1f} GiB available ({mem.source})")
     cores = torch.get_num_threads()
-    rates = adamw_rates(adam_params, torch.bfloat16, adamw_thread_counts(cores))
-    threads = choose_adamw_threads(rates)
+    threads, rates = measure_adamw_threads(cores, adam_params, reps=3)
     cpu = {"count": os.cpu_count(), "threads": threads, "adamw_threads": threads,
            "adamw_params_per_s_by_threads": {str(t): r for t, r in rates.items()}, "adamw_params_per_s": rates[threads]}
     cpu["adamw_fp32_params_per_s"] = adamw_rates(adam_params, torch.float32, [threads])[threads]
