@@ -36,13 +36,6 @@ def log(msg: str) -> None:
 
 
 # ---- CPU -------------------------------------------------------------------------------------------------------
-def adamw_rate(numel: int, stream_dtype: torch.dtype, reps: int = 3) -> float:
-    """Parameters per second of CpuAdamW.update over one tile of `numel` parameters (decayed), with torch's
-    current number of intra-op threads."""
-    threads = torch.get_num_threads()
-    return adamw_rates(numel, stream_dtype, [threads], reps)[threads]
-
-
 def adamw_rates(numel: int, stream_dtype: torch.dtype, threads: list[int], reps: int = 3) -> dict[int, float]:
     """The CpuAdamW rate over one tile of `numel` parameters with each number of intra-op threads in `threads`:
     the best of `reps` timings each, taken in turn (one of each count per round, so that a slow moment of the
@@ -306,7 +299,8 @@ def probe(layers: list[tuple[str, int, int]], compile_modes: list[bool], adam_pa
     cores = torch.get_num_threads()
     threads, rates = measure_adamw_threads(cores, adam_params, reps=3)
     cpu = {"count": os.cpu_count(), "threads": threads, "adamw_threads": threads,
-           "adamw_params_per_s_by_threads": {str(t): r for t, r in rates.items()}, "adamw_params_per_s": rates[threads]}
+           "adamw_params_per_s_by_threads": {str(t): r for t, r in rates.items()},
+           "adamw_params_per_s": rates[threads]}
     cpu["adamw_fp32_params_per_s"] = adamw_rates(adam_params, torch.float32, [threads])[threads]
     log(f"CPU AdamW {cpu['adamw_params_per_s'] / 1e9:.2f} Gparam/s (bf16 copy), "
         f"{cpu['adamw_fp32_params_per_s'] / 1e9:.2f} Gparam/s (fp32), {threads} of {cores} threads "

@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 def train(cfg: Config, dist=None, since_process_start: bool = False) -> dict:
     """dist: this process's megatrain.distributed.Distributed when it is one rank of several (run/launch.py).
     since_process_start: the start-up's timing begins at the process's start (the command line)."""
-    run = prepare(cfg, dist, since_process_start)  # every input checked, the store filled, the runtime built: nothing written yet
+    run = prepare(cfg, dist, since_process_start)  # every input checked, the store filled, the runtime built:
+    #                                                nothing written yet
     try:
         s = start(run)
     except BaseException:
