@@ -355,7 +355,11 @@ def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=N
     from .profile import load_profile
 
     prof = load_profile(cfg.plan.profile)
-    if prof.measured or device != "cuda":
+    if device != "cuda":
+        return prof
+    if cfg.memory.disk_path and not prof.disk_measured:  # (one process: a distributed run refuses disk_path)
+        prof = with_disk_measured(prof, cfg.memory.disk_path)
+    if prof.measured:
         return prof
     found = {}
     node_cores = torch.get_num_threads() * ranks_per_node  # a rank's share (Distributed.start) times the ranks
@@ -376,6 +380,20 @@ def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=N
     return dataclasses.replace(prof, adamw_params_per_s=rate, adamw_threads=threads,
                                source=f"defaults, CPU AdamW measured here at start: {rate / 1e9:.2f} Gparam/s "
                                       f"with {threads} threads{split}{tried}")
+
+
+def with_disk_measured(prof: Profile, disk_path: str, nbytes: int | None = None) -> Profile:
+    """`prof` with the read and write rates of the disk under `disk_path` measured now, as the SSD tier moves its
+    states (runtime/disk_probe.py: 2 GiB written and read back, 8 requests of 16 MiB in flight, O_DIRECT): the
+    one figure that sets an SSD-bound step, and one no default can know (the same 16 MiB requests read at 1.2
+    GB/s on one machine's disk and at 10.9 on another's)."""
+    import dataclasses
+
+    from ..runtime.disk_probe import START_BYTES, describe, measure_disk
+
+    d = measure_disk(disk_path, START_BYTES if nbytes is None else nbytes)
+    return dataclasses.replace(prof, disk_read_bps=d["read_bps"], disk_write_bps=d["write_bps"],
+                               disk_source=f"measured here at start: {describe(d)}", disk_measured=True)
 
 
 def check_before_run(cfg, adapter, device: str, world: tuple[int, int] = (1, 1), agree=None) -> Plan | None:

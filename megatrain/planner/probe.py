@@ -8,7 +8,9 @@ bandwidth, each alone and both at once (cudaHostRegister'ed memory, as the store
 pageable H2D, the cost of registering memory, the bf16 matmul rate, and for each `--layer MODEL:BxT` one
 decoder layer's forward and recompute+backward rate at that micro-batch shape through megatrain's own template
 (eager and torch.compile'd, as the engine runs it), with the activation memory it took, and the chunked LM
-head's rate. Only torch, transformers and the standard library are needed (no pydantic, no datasets).
+head's rate. With `--disk DIR`, the read and write rates of the disk under DIR as the SSD tier moves its states
+(memory.disk_path; runtime/disk_probe.py). Only torch, transformers and the standard library are needed (no
+pydantic, no datasets).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch
 from .. import __version__
 from ..errors import ArgumentParser, MegatrainError, check_file_target, report
 from .profile import PROFILE_VERSION, default_profile_path, layer_shape, peak_bf16_for, this_host
+from ..runtime.disk_probe import describe, measure_disk
+from ..runtime.disk_tier import check_disk_path
 from ..runtime.layer import layer_backward
 from ..runtime.lmhead import HeadKernels, default_chunk, head_loss
 from .sysmem import host_memory, memlock_limit
@@ -290,7 +294,7 @@ def parse_layer(spec: str) -> tuple[str, int, int]:
 
 # ---- the profile ---------------------------------------------------------------------------------------------
 def probe(layers: list[tuple[str, int, int]], compile_modes: list[bool], adam_params: int, bw_bytes: int,
-          matmul_n: int) -> dict:
+          matmul_n: int, disk: tuple[str, int] | None = None) -> dict:
     mem = host_memory()
     prof = {"version": PROFILE_VERSION, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "host": this_host(),
             "torch": torch.__version__, "megatrain": __version__, "host_memory": mem.to_dict(),
@@ -308,6 +312,9 @@ def probe(layers: list[tuple[str, int, int]], compile_modes: list[bool], adam_pa
     cpu["matmul_flops"] = matmul_rate(min(matmul_n, 2048), torch.float32, "cpu", reps=2)
     log(f"CPU fp32 matmul {cpu['matmul_flops'] / 1e12:.2f} TFLOP/s")
     prof["cpu"] = cpu
+    if disk is not None:  # the SSD tier's rates, measured as the tier moves its states (runtime/disk_probe.py)
+        prof["disk"] = measure_disk(disk[0], disk[1], key="probe: --disk")
+        log(describe(prof["disk"]))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         name = torch.cuda.get_device_name()
@@ -374,12 +381,21 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--adam-params", type=int, default=1 << 27, help="tile size for the CPU AdamW rate")
     p.add_argument("--bandwidth-gib", type=float, default=1.0, help="bytes per transfer measurement")
     p.add_argument("--matmul", type=int, default=8192, help="square matmul size for the GPU rate")
+    p.add_argument("--disk", metavar="DIR", default=None,
+                   help="measure the disk under DIR as the SSD tier uses it (memory.disk_path): O_DIRECT, 8 requests "
+                        "of 16 MiB in flight, written then read back")
+    p.add_argument("--disk-gib", type=float, default=8.0, help="GiB written and read by --disk (default 8)")
     args = p.parse_args(argv)
     layers = [parse_layer(s) for s in args.layer]
     out = Path(args.out).expanduser()
     check_file_target(out, "probe: --out")  # before anything is measured
+    if args.disk is not None:
+        check_disk_path(args.disk, "probe: --disk")
+        if args.disk_gib <= 0:
+            raise MegatrainError(f"probe: --disk-gib {args.disk_gib}: must be more than 0")
     modes = {"both": [False, True], "on": [True], "off": [False]}[args.compile]
-    prof = probe(layers, modes, args.adam_params, int(args.bandwidth_gib * GiB), args.matmul)
+    disk = (args.disk, int(args.disk_gib * GiB)) if args.disk is not None else None
+    prof = probe(layers, modes, args.adam_params, int(args.bandwidth_gib * GiB), args.matmul, disk)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(prof, indent=2))
     log(f"profile written to {out}")

@@ -159,9 +159,13 @@ class Profile:
     host_total_bytes: int | None = None
     host_available_bytes: int | None = None
     # The SSD tier's disk (memory.disk_path): O_DIRECT with 16 MiB requests, DESIGN.md's local disk (a real NVMe
-    # RAID does 10-25 GB/s). A profile's "disk": {"read_bps", "write_bps"} replaces them.
+    # RAID does 10-25 GB/s). A profile's "disk": {"read_bps", "write_bps"} (`megatrain probe --disk PATH`)
+    # replaces them, as does the measurement `megatrain train` makes at memory.disk_path when the profile has none
+    # (runtime/disk_probe.py); disk_source says which.
     disk_read_bps: float = 1.2e9
     disk_write_bps: float = 1.6e9
+    disk_source: str = "DESIGN.md's local disk (the defaults; `megatrain probe --disk PATH` measures one)"
+    disk_measured: bool = False
 
     def layer_rate(self, adapter, micro: int, seq: int, compile: bool) -> tuple[LayerRate | None, str]:
         """The measured rate for this layer shape, nearest micro-batch size (and compile mode) first, among those
@@ -247,8 +251,10 @@ def from_dict(raw: dict, source: str) -> Profile:
     prof.cpu_count = cpu.get("count")
     prof.cpu_flops = cpu.get("matmul_flops", prof.cpu_flops)
     disk = raw.get("disk") or {}
-    prof.disk_read_bps = disk.get("read_bps", prof.disk_read_bps)
-    prof.disk_write_bps = disk.get("write_bps", prof.disk_write_bps)
+    if disk:
+        prof.disk_read_bps = disk.get("read_bps", prof.disk_read_bps)
+        prof.disk_write_bps = disk.get("write_bps", prof.disk_write_bps)
+        prof.disk_source, prof.disk_measured = f"{source}, measured at {disk.get('path', '?')}", True
     mem = raw.get("host_memory") or {}
     prof.host_total_bytes = mem.get("total_bytes")
     prof.host_available_bytes = mem.get("available_bytes")

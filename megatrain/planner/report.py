@@ -67,7 +67,7 @@ def render(p: Plan) -> str:
     free = f"; {p.disk_free / GiB:.0f} GiB free in the output folder" if p.disk_free is not None else ""
     lines.append(f"disk per checkpoint: {p.disk_per_checkpoint / GiB:.1f} GiB (fp32 master + Adam m + v, "
                  f"12 B/param){free}")
-    lines += _ssd_lines(p)
+    lines += ssd_lines(p)
     lines.append("")
     lines.append(f"step time (predicted): {t['step_s']:.2f} s, bound by {t['bound']}")
     if w.device == "cuda":
@@ -94,7 +94,7 @@ def render(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def _ssd_lines(p: Plan) -> list[str]:
+def ssd_lines(p: Plan) -> list[str]:
     """The SSD tier (memory.disk_path): what lives there, what moves each step, and whether the step hides it."""
     ssd, w = p.ssd, p.workload
     if not ssd:
@@ -105,7 +105,7 @@ def _ssd_lines(p: Plan) -> list[str]:
             f"({4 * len(w.disk_states)} B/param), {ssd['resident_bytes'] / GiB:.1f} GiB resident{free}",
             f"  per step: read {ssd['read_bytes'] / GiB:.1f} GiB + write {ssd['write_bytes'] / GiB:.1f} GiB = "
             f"{ssd['disk_s']:.1f} s at {ssd['read_bps'] / 1e9:.2f} GB/s read, {ssd['write_bps'] / 1e9:.2f} GB/s "
-            f"write (plan.profile's disk); hiding it behind the step needs "
+            f"write ({ssd.get('source', 'plan.profile')}); hiding it behind the step needs "
             f"{ssd['hidden_bps'] / 1e9:.2f} GB/s read+write"]
 
 

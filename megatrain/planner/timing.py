@@ -243,7 +243,7 @@ def ssd_time(out: dict, units, w: Workload, prof: Profile) -> None:
         paced = out["step_s"] - out["optimizer_s"] + max(out["optimizer_s"], disk_s)
     out["ssd"] = {"resident_bytes": io["resident"], "read_bytes": io["read"], "write_bytes": io["written"],
                   "disk_s": disk_s, "hidden_bps": (io["read"] + io["written"]) / window,
-                  "read_bps": prof.disk_read_bps, "write_bps": prof.disk_write_bps}
+                  "read_bps": prof.disk_read_bps, "write_bps": prof.disk_write_bps, "source": prof.disk_source}
     if paced > out["step_s"]:
         out["gpu_idle_s"] = out.get("gpu_idle_s", 0.0) + paced - out["step_s"]
         out["optimizer_wait_s"] = out.get("optimizer_wait_s", 0.0) + paced - out["step_s"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..planner.flops import active_params, flops_per_token
+from ..planner.report import ssd_lines
 from ..planner.sysmem import rss_bytes
 
 GiB = 2**30
@@ -113,6 +114,7 @@ def start_summary(run) -> str:
                  f"{tm['bound']} ({src})")
     if plan.workload.device == "cuda":
         lines.append(f"placement: {plan.placement_keys} ({plan.why})")
+    lines += ssd_lines(plan)  # the SSD tier: what it holds, what moves per step, at which disk rates (and whence)
     return "\n".join(lines)
 
 

@@ -139,6 +139,18 @@ def _held(lock: Path) -> bool:
     return False
 
 
+def open_scratch(root: Path, tag: str = "") -> tuple[Path, int]:
+    """A new scratch folder under `root` and the descriptor of its lock file, whose flock is held until the
+    descriptor is closed (after the folder is removed): a folder whose lock nobody holds is a dead run's."""
+    folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX + tag, dir=root))
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pass  # a filesystem without flock: its folders are never judged stale, so nothing is removed wrongly
+    return folder, fd
+
+
 def stale_folders(root: str | Path) -> list[tuple[Path, int]]:
     """(folder, bytes on disk) of every scratch folder under `root` left by a run that is no longer running."""
     out = []
@@ -154,7 +166,8 @@ def check_disk_path(path: str, key: str = "memory.disk_path") -> Path:
     key otherwise). Nothing is left behind."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise MegatrainError(f"{key}: {p} does not exist; create the folder (on a local SSD) or unset {key}")
+        unset = f" or unset {key}" if key.startswith("memory.") else ""
+        raise MegatrainError(f"{key}: {p} does not exist; create the folder (on a local SSD){unset}")
     if not p.is_dir():
         raise MegatrainError(f"{key}: {p} is not a folder")
     if not os.access(p, os.W_OK | os.X_OK):
@@ -179,12 +192,7 @@ class DiskTier:
                 shutil.rmtree(d, ignore_errors=True)
             say(f"megatrain: memory.disk_path {root}: removed the SSD tier's files of {len(stale)} earlier run(s) "
                 f"that did not end ({sum(b for _, b in stale) / 2**30:.2f} GiB)")
-        self.dir = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=root))
-        self._lock_fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this tier is open (stale_folders)
-        except OSError:
-            pass  # a filesystem without flock: its folders are never judged stale, so nothing is removed wrongly
+        self.dir, self._lock_fd = open_scratch(root)
         self.refused = probe_direct(self.dir)  # None: O_DIRECT
         if self.refused is not None:
             say(

@@ -1,0 +1,91 @@
+"""How fast the SSD tier's disk moves data: the read and write rates the planner times memory.disk_path with.
+
+Measured the way the tier moves the optimizer's states (disk_tier.py): O_DIRECT (buffered I/O where the filesystem
+refuses it, as the tier then falls back to), requests of REQUEST bytes, THREADS of them in flight at once from a
+pool of I/O threads (the system calls release the GIL). First `nbytes` of random bytes are written (not zeros: a
+thin-provisioned or compressing disk stores zeros for nothing), then read back; each rate is the bytes over the
+wall seconds of its phase, the rate a step sees while the tier keeps its queue full.
+
+Why not `dd`: one request in flight. On the nvidia-h100-x4 host (bench/results/2026-11-27/x4-h100-c) `dd` with
+O_DIRECT and 16 MiB requests read 1.5 GB/s and wrote 2.2 GB/s, while the tier, with 8 requests in flight, read
+119 GB at 10.9 GB/s and wrote 118 GB at 2.1 GB/s in a step; the plan timed with `dd`'s rates was 70% long, with
+the tier's 0.3% short.
+
+A read of data written a moment before may be served by a cache below the filesystem (a virtual machine's host, a
+drive's DRAM); the tier's reads, of states written one step earlier, may be too, which is why the measurement
+reads back what it wrote rather than avoiding such caches. The file lives in a scratch folder of the tier's kind
+(its lock held while it exists: a probe killed half-way leaves a folder the next tier removes) and is deleted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ..errors import MegatrainError
+from .disk_tier import REQUEST, THREADS, check_disk_path, open_scratch, probe_direct
+from .pinned import aligned_empty
+
+START_BYTES = 2 << 30  # what `megatrain train` writes and reads at its start when memory.disk_path is set
+#                        (about 3 s on DESIGN.md's local disk; under 1 s on the x4 host's)
+
+
+def measure_disk(path: str | Path, nbytes: int = START_BYTES, threads: int = THREADS, request: int = REQUEST,
+                 key: str = "memory.disk_path") -> dict:
+    """Write then read `nbytes` (rounded down to whole requests, at least one; at most half the free space) in a
+    scratch folder of `path`. Returns read_bps, write_bps, bytes, request, threads, direct (O_DIRECT used), path.
+    MegatrainError naming `key` when the folder is unusable or an I/O call fails; nothing is left behind."""
+    root = check_disk_path(str(path), key)
+    free = shutil.disk_usage(root).free
+    n = min(max(1, nbytes // request), free // 2 // request)  # at least one request
+    if n < 1:
+        raise MegatrainError(f"{key}: {root} has {free / 2**20:.0f} MiB free, too little to measure the disk "
+                             f"(one request is {request >> 20} MiB)")
+    folder, lock_fd = open_scratch(root, "probe-")
+    try:
+        refused = probe_direct(folder)
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (0 if refused else os.O_DIRECT)
+        # one page-aligned buffer per request in flight: the contents do not matter once written
+        bufs = [aligned_empty(request, torch.uint8, zero=False).random_(0, 256) for _ in range(threads)]
+        views = [memoryview(b.numpy()) for b in bufs]
+        fd = os.open(folder / "probe.bin", flags, 0o600)
+        try:
+            rates = {}
+            with ThreadPoolExecutor(threads, thread_name_prefix="megatrain-disk-probe") as pool:
+                for op in ("write", "read"):
+                    call = os.pwritev if op == "write" else os.preadv
+                    t0 = time.perf_counter()
+                    for _ in pool.map(lambda i: _whole(call, fd, views[i % threads], i * request), range(n)):
+                        pass
+                    rates[op] = n * request / (time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise MegatrainError(f"{key}: measuring the disk at {root} failed: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.close(lock_fd)
+    return {"read_bps": rates["read"], "write_bps": rates["write"], "bytes": n * request, "request": request,
+            "threads": threads, "direct": refused is None, "path": str(root)}
+
+
+def _whole(call, fd: int, mv: memoryview, offset: int) -> None:
+    """One request, continued after a partial transfer."""
+    done = 0
+    while done < len(mv):
+        k = call(fd, [mv[done:]], offset + done)
+        if k <= 0:
+            raise OSError(0, f"{call.__name__} of {len(mv) - done} bytes at offset {offset + done} returned {k}")
+        done += k
+
+
+def describe(d: dict) -> str:
+    """One line for the start summary and the profile's log."""
+    how = "O_DIRECT" if d["direct"] else "buffered (O_DIRECT refused)"
+    return (f"disk at {d['path']}: read {d['read_bps'] / 1e9:.2f} GB/s, write {d['write_bps'] / 1e9:.2f} GB/s "
+            f"({d['bytes'] / 2**30:.1f} GiB, {d['threads']} x {d['request'] >> 20} MiB requests in flight, {how})")
