@@ -7,8 +7,9 @@ the predicted step time with its bound.
     python bench/plan_ssd.py [--json OUT.json] [--profile PROFILE.json]
 
 Rows (each with gradient clipping on, train.max_grad_norm 1.0, and off, null):
-  Qwen2.5-14B, 158 x 1024 (2 micro-batches of 79 rows), memory.host_budget_gb 128, the x2 machine's disk (DESIGN.md: O_DIRECT 16 MiB requests
-      read 1.2 GB/s, write 1.6 GB/s): the run bench/calls/next-x2-ssd.sh measures; expected disk-bound
+  Qwen2.5-14B, 158 x 1024 (2 micro-batches of 79 rows), memory.host_budget_gb 128, the x2 machine's disk (DESIGN.md:
+      O_DIRECT 16 MiB requests read 1.2 GB/s, write 1.6 GB/s); disk-bound. Measured on an H100 of the x4
+      (results/2026-11-27/x4-h100-c): 91.1 s, its disk giving the tier 10.9 GB/s read, 2.1 write
   Mistral-Large-2 (123B), 158 x 1024 (2 x 79 rows), 1536 GiB of host RAM, a 12 GB/s NVMe RAID
   Llama-3.1-405B, 160 x 1024 (10 x 16 rows: one 158-row micro-batch of 405B's layers needs terabytes of GPU
       memory), 1536 GiB of host RAM, the same RAID and the x2 machine's disk. With clipping it does not fit: the

@@ -1,4 +1,4 @@
-"""The tables of a multi-GPU call (results/2026-11-27/x4-h100 and x4-h100-b, calls/next-x4-b.sh): scaling over
+"""The tables of a multi-GPU call (results/2026-11-27/x4-h100, x4-h100-b and x4-h100-c; calls/next-x2-h200.sh): scaling over
 1/2/4 GPUs and the one-GPU runs, from the bench_cli/bench_deepspeed JSONs in two folders; a run not (yet) there is a
 row of "-".
 

@@ -1,5 +1,5 @@
 # Written 2026-11-27 (session 28), for an nvidia-h200-x4 (or nvidia-h100-x4: name the kind that came), after
-# next-x4-b.sh, in ONE detached chain (~25 min: issue it, then again at once on the warm machine, until status.txt
+# next-x4-b.sh (run in session 29: results/2026-11-27/x4-h100-c), in ONE detached chain (~25 min: issue it, then again at once on the warm machine, until status.txt
 # has "chain rc="; give it WAIT_S=<device time left - 60> on the last call so the results come back):
 #   1. issue 14: Qwen2.5-32B on one GPU, 158 x 1024 per step, the planner's placement (1 warm-up, 2 measured steps;
 #      its plan.json kept), under memory.host_budget_gb=480: at 500 the H100 plan (K = 2, 40 layers kept on top, 42
@@ -12,7 +12,7 @@
 #      and 123 s: the 32B's timeout is 1200 s (the start-up's phases are now in the log and the JSON: startup_s).
 #   2. issue 11, on H200s only (an H100 has 80 GB: the row is an H200 held to an H100's memory):
 #      Qwen2.5-14B under memory.gpu_budget_gb=80 with memory.host_budget_gb=249 (the x2 host's memory;
-#      next-x2.sh's comment): target <= 31 s, plan 29.34 s.
+#      next-x2-h200.sh's comment): target <= 31 s, plan 29.34 s. Skip it if next-x2-h200.sh has measured it.
 S=/tmp/xc
 if ! detached_started chain; then
   mkdir -p $S
