@@ -10,11 +10,13 @@ Rows (each with gradient clipping on, train.max_grad_norm 1.0, and off, null):
   Qwen2.5-14B, 158 x 1024 (2 micro-batches of 79 rows), memory.host_budget_gb 128, the x2 machine's disk (DESIGN.md:
       O_DIRECT 16 MiB requests read 1.2 GB/s, write 1.6 GB/s); disk-bound. Measured on an H100 of the x4
       (results/2026-11-27/x4-h100-c): 91.1 s, its disk giving the tier 10.9 GB/s read, 2.1 write
-  Mistral-Large-2 (123B), 158 x 1024 (2 x 79 rows), 1536 GiB of host RAM, a 12 GB/s NVMe RAID
+  Mistral-Large-2 (123B), 158 x 1024 (2 x 79 rows) and 1M tokens (32 x 32 rows: issue 16's row), 1536 GiB of host
+      RAM, a 12 GB/s NVMe RAID
   Llama-3.1-405B, 160 x 1024 (10 x 16 rows: one 158-row micro-batch of 405B's layers needs terabytes of GPU
       memory), 1536 GiB of host RAM, the same RAID and the x2 machine's disk. With clipping it does not fit: the
       finished gradients waiting for the global norm (4 B/param, 1.5 TiB) fit neither the GPU nor the host beside
-      the bf16 copy, and the SSD tier does not take gradients (yet)
+      the bf16 copy, and the SSD tier does not take gradients (yet). At 1M tokens (16 x 64 rows) it does not fit
+      either way: so many micro-batches need wave groups, whose fp32 accumulators (1.5 TiB) wait in host RAM
 The plan reports first (the 14B's in full), then the table last.
 """
 
@@ -38,7 +40,9 @@ LOCAL = (1.2e9, 1.6e9)  # DESIGN.md's local disk: read, write
 RAID = (12e9, 12e9)
 # (model, rows per micro-batch, micro-batches, tokens per row, host GiB, disk (read, write) bytes/s)
 RUNS = [("qwen2.5-14b", 79, 2, 1024, 128.0, LOCAL), ("mistral-large-2-123b", 79, 2, 1024, 1536.0, RAID),
-        ("llama-3.1-405b", 16, 10, 1024, 1536.0, RAID), ("llama-3.1-405b", 16, 10, 1024, 1536.0, LOCAL)]
+        ("mistral-large-2-123b", 32, 32, 1024, 1536.0, RAID),  # issue 16's row: 1M (1,048,576) tokens per step
+        ("llama-3.1-405b", 16, 10, 1024, 1536.0, RAID), ("llama-3.1-405b", 16, 10, 1024, 1536.0, LOCAL),
+        ("llama-3.1-405b", 16, 64, 1024, 1536.0, RAID)]  # the same 1M tokens
 
 
 def plan_row(name: str, micro: int, n_micro: int, seq: int, host_gib: float, disk: tuple[float, float], clipping: bool, prof):
@@ -79,13 +83,14 @@ def main() -> int:
                 print(p.report())
                 print()
     print(f"{'model':<22}{'rows':>10}{'host GiB':>9}{'disk r/w GB/s':>14} {'clip':<5}{'fits':<6}{'on SSD':<15}{'stream':<7}"
-          f"{'host use':>9}{'SSD GiB':>9}{'r+w GiB/step':>13}{'disk s':>8}{'hide GB/s':>10}{'step s':>8}  bound")
+          f"{'host use':>9}{'SSD GiB':>9}{'r+w GiB/step':>13}{'disk s':>8}{'hide GB/s':>10}{'step s':>8}{'TFLOP/s':>8}  bound")
     for r in rows:
         print(f"{r['model']:<22}{str(r['rows']) + 'x' + str(r['seq']):>10}{r['host_budget_gib']:>9.0f}{r['disk_read_gbps']:>7.1f}/{r['disk_write_gbps']:<6.1f} "
               f"{'on' if r['clipping'] else 'off':<5}{str(r['fits']):<6}{','.join(r['disk_states']) or '-':<15}"
               f"{r['stream_dtype']:<7}{r['host_gib']:>9.1f}{r['ssd_resident_gib']:>9.1f}"
               f"{r['ssd_read_gib_per_step'] + r['ssd_write_gib_per_step']:>13.1f}{r['disk_s']:>8.1f}"
-              f"{r['hidden_gbps']:>10.2f}{r['step_s']:>8.1f}  {r['bound']}")
+              f"{r['hidden_gbps']:>10.2f}{r['step_s']:>8.1f}{r['tflops_6n'] if r['fits'] else 0:>8.0f}  "
+              f"{r['bound'] if r['fits'] else 'does not fit'}")
     if args.json:
         Path(args.json).write_text(json.dumps({"profile": args.profile, "runs": rows}, indent=1))
     return 0

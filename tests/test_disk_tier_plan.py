@@ -129,3 +129,18 @@ def test_suggestion_names_disk_path(qwen14):
     assert not p.fits
     s = [x for x in p.suggestions if x.startswith("memory.disk_path=")]
     assert len(s) == 1 and "puts v there: 55 GiB on the SSD, 110 GiB read+written per step" in s[0], p.suggestions
+
+
+def test_nothing_fits_says_what_the_host_would_have_to_hold(qwen14):
+    """Every state on the SSD and still over the host budget: the refusal names the structure that needed the least
+    host RAM and its largest parts (the bf16 copy the GPU streams from, which must stay in RAM)."""
+    w = Workload((158,), 1024, compile=True)
+    p = make_plan(qwen14, w, DEFAULTS, host_available=24 * GiB, choose_keys=FREE_ALL,
+                  gpu_limit=float(DEFAULTS.gpu_total_bytes), disk_path="/ssd", suggest=False)
+    assert not p.fits
+    assert "nor with v, m and the master on the SSD tier (no placement fits" in p.why, p.why
+    tail = p.why.split("nor with v, m and the master on the SSD tier")[1]
+    assert "the least host RAM the search met is " in tail and "largest parts: bf16 streaming copy (pinned) 27.5 GiB" \
+        in tail, tail
+    least = float(tail.split("the least host RAM the search met is ")[1].split(" GiB")[0])
+    assert 27.5 < least and least * GiB > 24 * GiB

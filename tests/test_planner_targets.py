@@ -108,3 +108,45 @@ def test_plan_json_for_70b_names_the_placement(tmp_path):
             f"plan.profile={ROOT / 'bench' / 'results' / '2026-11-21' / 'h200_profile.json'}", cwd=tmp_path)
     assert "placement: memory.checkpoint_every=" in r.stdout and "memory.wave_groups=1" in r.stdout
     assert r.returncode in (0, 1)
+
+
+def test_host_memory_only_grows_with_gradients_and_inputs_sent_there():
+    """The search's pruning (placement._Search.settle): a structure whose host memory is over the limit before any
+    gradient or input is sent to the host is dropped unsearched, which is right only if sending more never takes
+    host memory back."""
+    from dataclasses import replace
+
+    from megatrain.planner.memory import host_memory
+    from megatrain.runtime.schedule import Placement
+
+    adapter = get_adapter(AutoConfig.from_pretrained(ROOT / "bench" / "model-configs" / "qwen2.5-14b"))
+    units = adapter.units()
+    n, L = len(units), len(units) - 2
+    for micro in ((79, 79), (16,) * 6):
+        for base in (Placement(), Placement(checkpoint_every=2), Placement(wave_groups=2, group_grads="host"),
+                     Placement(wave_groups=3, group_grads="gpu", stream_dtype="fp32"),
+                     Placement(checkpoint_every=4, keep_top_layers=8, seq_tile=8192)):
+            w = Workload(micro, 1024, compile=True, placement=base)
+            last_row = None
+            for g in (0, 1, 7, n // 2, n):
+                row = [sum(host_memory(units, replace(w, placement=replace(base, grads_to_host=g, spill_layers=s)),
+                                       adapter.tied).values()) for s in (0, 1, 9, L // 2, L)]
+                assert row == sorted(row), (micro, base, g, row)
+                if last_row is not None:
+                    assert all(b >= a for a, b in zip(last_row, row)), (micro, base, g)
+                last_row = row
+
+
+@pytest.mark.parametrize("name,micro,n,seq,gpu,host", [
+    ("qwen2.5-14b", 79, 2, 1024, 80, 249),  # fp32 streaming, at the host's edge
+    ("llama-3.1-8b", 1, 16, 4096, 22, 125),
+    ("qwen2.5-14b", 79, 2, 1024, 80, 150),  # nothing fits
+])
+def test_the_pruned_search_chooses_what_the_full_search_chooses(monkeypatch, name, micro, n, seq, gpu, host):
+    from megatrain.planner import placement
+
+    pruned = plan(name, micro, n, seq, gpu_gib=gpu, host_gib=host)
+    monkeypatch.setattr(placement._Search, "host", lambda self, pl: 0.0)  # never prune
+    full = plan(name, micro, n, seq, gpu_gib=gpu, host_gib=host)
+    assert pruned.fits == full.fits and pruned.placement == full.placement
+    assert pruned.step_s == full.step_s and pruned.host_total == full.host_total

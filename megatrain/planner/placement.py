@@ -121,7 +121,13 @@ class _Search:
         self.adapter, self.units, self.w, self.prof = adapter, units, w, prof
         self.host_limit, self.gpu_limit, self.free = host_limit, gpu_limit, free
         self._mem: dict[Placement, tuple[float, float]] = {}
+        self._host: dict[Placement, float] = {}
         self.tried = 0
+        self.short: tuple[float, Placement] | None = None  # the least host RAM of a structure refused for it
+
+    def _refused(self, pl: Placement, host: float) -> None:
+        if self.short is None or host < self.short[0]:
+            self.short = (host, pl)
 
     def placement(self, **kw) -> Placement:
         """The workload's placement with the free keys among `kw` changed (set keys stay as the config has them)."""
@@ -136,6 +142,14 @@ class _Search:
             self._mem[pl] = (host, gpu_needed(peak, w))
             self.tried += 1
         return self._mem[pl]
+
+    def host(self, pl: Placement) -> float:
+        """Host bytes of this placement alone (no GPU simulation: milliseconds where `memory` takes up to a second)."""
+        if pl in self._mem:
+            return self._mem[pl][0]
+        if pl not in self._host:
+            self._host[pl] = sum(host_memory(self.units, replace(self.w, placement=pl), self.adapter.tied).values())
+        return self._host[pl]
 
     def gpu_ok(self, pl: Placement) -> bool:
         return self.gpu_limit is None or self.memory(pl)[1] <= self.gpu_limit
@@ -186,12 +200,18 @@ class _Search:
         parks = len(group_sizes(len(self.w.micro_batches), pl.wave_groups)) > 1 and pl.group_grads == "host"
         if parks and free_n:
             pl = replace(pl, grads_to_host=n)  # costs no host RAM: the accumulators wait there anyway
+        if self.host_limit is not None and self.host(pl) > self.host_limit:
+            self._refused(pl, self.host(pl))
+            return None  # gradients and inputs sent to the host only add to it: no search below can fit
         got = self.smallest(pl, "grads_to_host", n)
         if got is None:  # gradients alone are not enough: spill inputs too, then take back what gradients can
             got = self.smallest(replace(pl, grads_to_host=n) if free_n else pl, "spill_layers", L)
             if got is not None and free_n and not parks:
                 got = self.smallest(replace(got, grads_to_host=pl.grads_to_host), "grads_to_host", n)
-        return got if got is not None and self.host_ok(got) else None
+        if got is not None and not self.host_ok(got):
+            self._refused(got, self.memory(got)[0])
+            return None
+        return got
 
 
 def _candidates(s: _Search, w: Workload) -> list[tuple[float, int, float, Placement]]:
@@ -248,6 +268,7 @@ def _choose_states(adapter, units, w: Workload, prof: Profile, host_limit: float
     got, why, fits = _choose(adapter, units, w, prof, host_limit, gpu_limit, free)
     if fits or not disk or w.disk_states:
         return got, why
+    last = ""  # why the last SSD placement tried did not fit either
     for states in DISK_SETS:
         if "master" in states and (w.precision == "fp32" or w.placement.stream_dtype == "fp32" and
                                    "stream_dtype" not in free):
@@ -261,7 +282,8 @@ def _choose_states(adapter, units, w: Workload, prof: Profile, host_limit: float
         if fits_d:
             return got_d, (f"no placement fits host RAM with every state there; with {', '.join(states)} on the SSD "
                            f"tier (memory.disk_path): {why_d}")
-    return got, why + "; nor with v, m and the master on the SSD tier"
+        last = f" ({why_d})"
+    return got, why + "; nor with v, m and the master on the SSD tier" + last
 
 
 def with_reuse(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
@@ -307,6 +329,19 @@ def with_reuse(adapter, units, w: Workload, prof: Profile, host_limit: float | N
                  f"s/step predicted)")
 
 
+def _least_host(units, adapter, used: list) -> str:
+    """When nothing fits: the structure the search refused for host RAM that needs the least of it, with its three
+    largest parts (what a larger host budget, or less of those parts, would have to cover); '' when none was."""
+    refused = [(sb.short[0], base, sb.short[1]) for base, sb in used if sb.short is not None]
+    if not refused:
+        return ""
+    host, base, pl = min(refused, key=lambda r: r[0])
+    wl = replace(base, placement=pl)
+    parts = sorted(host_memory(units, wl, adapter.tied).items(), key=lambda kv: -kv[1])[:3]
+    return (f"; the least host RAM the search met is {host / GiB:.1f} GiB ({describe(pl, len(wl.groups))}), "
+            f"largest parts: " + ", ".join(f"{k} {v / GiB:.1f} GiB" for k, v in parts))
+
+
 def _host_total(adapter, units, w: Workload, prof: Profile) -> float:
     """Host RAM of a workload as planned as is (a CPU run's device work included: the device is the host)."""
     host = sum(host_memory(units, w, adapter.tied).values())
@@ -343,19 +378,22 @@ def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None
         need = searches[1][1].memory(wb.placement)[1]
         tiled += f"; with the attention's backward over blocks of {wb.placement.attn_block} tokens {need / GiB:.1f} GiB"
     free = free - {"attn_block"}
-    candidates, tried = [], 0
+    candidates, tried, used = [], 0, []
     for base, sb in searches:
         candidates += _candidates(sb, base)
         tried += sb.tried
+        used.append((base, sb))
         if "stream_dtype" in free and base.precision == "bf16" and "master" not in base.disk_states:
             # also without the bf16 copy (12 B/param): more room for checkpoints and gradients
             w32 = replace(base, placement=replace(base.placement, stream_dtype="fp32"))
             s32 = _Search(adapter, units, w32, prof, host_limit, gpu_limit, free)
             candidates += _candidates(s32, w32)
             tried += s32.tried
+            used.append((w32, s32))
     if not candidates:
         return w, (f"no placement fits (tried {tried}): the default needs {default_gpu / GiB:.1f} GiB of GPU "
-                   f"memory{tiled}, and {s.memory(w.placement)[0] / GiB:.1f} GiB of host RAM"), False
+                   f"memory{tiled}, and {s.memory(w.placement)[0] / GiB:.1f} GiB of host RAM" +
+                   _least_host(units, adapter, used)), False
     fastest = min(c[0] for c in candidates)  # host RAM is the scarce resource (DESIGN.md rule 11): of the
     #   placements within NEAR_FASTEST of the fastest, the one using least; but the bf16 copy is kept when that is
     #   as fast (fp32 streaming doubles the bus traffic for 2 B/param) and leaves HOST_HEADROOM of the host free
