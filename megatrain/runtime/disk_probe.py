@@ -32,7 +32,7 @@ from .disk_tier import REQUEST, THREADS, check_disk_path, open_scratch, probe_di
 from .pinned import aligned_empty
 
 START_BYTES = 2 << 30  # what `megatrain train` writes and reads at its start when memory.disk_path is set
-#                        (about 3 s on DESIGN.md's local disk; under 1 s on the x4 host's)
+#                        (about 3 s on DESIGN.md's local disk, about 1 s on the x4 host's)
 
 
 def measure_disk(path: str | Path, nbytes: int = START_BYTES, threads: int = THREADS, request: int = REQUEST,
