@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .data.config import DataConfig
 from .errors import ConfigError, MegatrainError, check_dir_target, decode_utf8, load_json
@@ -70,6 +70,13 @@ class EngineConfig(_Strict):
     num_slots: int = Field(2, ge=2, description="GPU weight slots (double buffering needs 2)")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile the layer template (auto: on CUDA only; fuses the elementwise work)")
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _on_off(cls, v):
+        """YAML 1.1 reads an unquoted `on` / `off` (in a file, or `engine.compile=on` on the command line) as a
+        boolean: take it as the word it was written as."""
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
 class MemoryConfig(_Strict):

@@ -97,3 +97,19 @@ def test_override_values_are_checked_like_the_file(tmp_path):
     assert config_error(p, "data.datasets=[{path: a.jsonl, path: b.jsonl}]") == \
         "command line: data.datasets[0].path: duplicate key; the later one would silently win"
     assert config_error(p, "train.betas=[0.9,").startswith("command line: train.betas: malformed YAML value '[0.9,'")
+
+
+@pytest.mark.parametrize("text,override", [("on", "on"), ("off", "off"), ("'on'", "'on'"), ("auto", "auto")])
+def test_engine_compile_on_and_off_unquoted(tmp_path, text, override):
+    """YAML 1.1 reads unquoted on / off as booleans: `compile: on` in a file and `engine.compile=on` on the command
+    line mean the words the key documents."""
+    want = text.strip("'")
+    p = tmp_path / "run.yaml"
+    p.write_text(f"model:\n  path: {tmp_path}\nengine:\n  compile: {text}\n")
+    assert load_config(p).engine.compile == want
+    assert load_config(None, [f"model.path={tmp_path}", f"engine.compile={override}"]).engine.compile == want
+
+
+def test_engine_compile_other_values_are_still_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"engine.compile: Input should be 'auto', 'on' or 'off' \(got 'fast'\)"):
+        load_config(None, [f"model.path={tmp_path}", "engine.compile=fast"])
