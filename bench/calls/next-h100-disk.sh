@@ -9,10 +9,11 @@ df -h /var/tmp | tee "$OUT/disk.txt"
 TAIL=3 run_logged dd_write 60 dd if=/dev/zero of=$SSD/probe bs=16M count=256 oflag=direct conv=fsync
 TAIL=3 run_logged dd_read 60 dd if=$SSD/probe of=/dev/null bs=16M iflag=direct
 rm -f $SSD/probe
+tail -n 1 "$OUT/dd_write.log" "$OUT/dd_read.log" >> "$OUT/disk.txt" && rm -f "$OUT"/dd_*.log  # (8 files come back)
 TAIL=4 run_logged probe_disk 90 python3 -m megatrain probe --out "$OUT/profile.json" --disk $SSD --disk-gib 8 \
   --adam-params 16777216 --bandwidth-gib 0.25 --matmul 2048
 TAIL=30 run_logged plan_ssd 90 python3 -m megatrain plan model.path=$PWD/$M/qwen2.5-14b train.device=cuda \
   train.micro_batch_size=79 train.grad_accum_steps=2 data.max_seq_len=1024 engine.compile=on \
   memory.host_budget_gb=128 memory.disk_path=$SSD checkpoint.every=0 checkpoint.at_end=false export.at_end=false
-grep -n "SSD tier\|per step\|step time" "$OUT/plan_ssd.log" | tee "$OUT/summary.txt"
+grep -n "SSD tier\|per step\|step time" "$OUT/plan_ssd.log"
 rm -rf $SSD
