@@ -13,7 +13,9 @@
 #      `megatrain train` now measures the disk at its start as the tier uses it (8 x 16 MiB O_DIRECT requests in
 #      flight; the start summary's "SSD tier" lines give the rates and the plan). Target: the step within 15% of
 #      that plan. dd (one request in flight) is kept for comparison. 1 warm-up step (its reads find holes), 2
-#      measured.
+#      measured. The x2 kind's disk is 128 GiB: an H200 plans Adam v alone there (55 GiB, fp32 streaming), an H100
+#      v and m (110 GiB); where the disk has less free the plan refuses within seconds and the chain goes on
+#      (results/2026-11-27/h100-disk: 64 GiB free on the x1).
 #   3. issue 13 on H200s (met on H100s: x4-h100-b, 2.01x): Qwen2.5-7B 158 x 1024 per GPU, 1 GPU then torchrun on
 #      2, 2 warm-up and 2 measured steps each. Targets: tokens/s on 2 >= 1.9 x on 1; node PSS about one store.
 # Random init now fills the store on all cores (x4-h100-c: 102 s of the 14B's 177 s start-up were a serial normal_).
