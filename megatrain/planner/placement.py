@@ -137,7 +137,7 @@ class _Search:
         """(host bytes, GPU bytes needed) of this placement."""
         if pl not in self._mem:
             w = replace(self.w, placement=pl)
-            host = sum(host_memory(self.units, w, self.adapter.tied).values())
+            host = self._host_bytes(pl)
             peak = max(sum(c.values()) for _, c in gpu_phases(self.adapter, self.units, w, [], self.prof))
             self._mem[pl] = (host, gpu_needed(peak, w))
             self.tried += 1
@@ -145,8 +145,9 @@ class _Search:
 
     def host(self, pl: Placement) -> float:
         """Host bytes of this placement alone (no GPU simulation: milliseconds where `memory` takes up to a second)."""
-        if pl in self._mem:
-            return self._mem[pl][0]
+        return self._host_bytes(pl)
+
+    def _host_bytes(self, pl: Placement) -> float:
         if pl not in self._host:
             self._host[pl] = sum(host_memory(self.units, replace(self.w, placement=pl), self.adapter.tied).values())
         return self._host[pl]

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MegatrainError
-from .disk_tier import REQUEST, THREADS, check_disk_path, open_scratch, probe_direct
+from .disk_tier import REQUEST, THREADS, check_disk_path, open_scratch, probe_direct, transfer
 from .pinned import aligned_empty
 
 START_BYTES = 2 << 30  # what `megatrain train` writes and reads at its start when memory.disk_path is set
@@ -58,9 +58,9 @@ def measure_disk(path: str | Path, nbytes: int = START_BYTES, threads: int = THR
             rates = {}
             with ThreadPoolExecutor(threads, thread_name_prefix="megatrain-disk-probe") as pool:
                 for op in ("write", "read"):
-                    call = os.pwritev if op == "write" else os.preadv
                     t0 = time.perf_counter()
-                    for _ in pool.map(lambda i: _whole(call, fd, views[i % threads], i * request), range(n)):
+                    for _ in pool.map(lambda i: transfer(fd, views[i % threads], i * request, op == "write"),
+                                      range(n)):
                         pass
                     rates[op] = n * request / (time.perf_counter() - t0)
         finally:
@@ -72,16 +72,6 @@ def measure_disk(path: str | Path, nbytes: int = START_BYTES, threads: int = THR
         os.close(lock_fd)
     return {"read_bps": rates["read"], "write_bps": rates["write"], "bytes": n * request, "request": request,
             "threads": threads, "direct": refused is None, "path": str(root)}
-
-
-def _whole(call, fd: int, mv: memoryview, offset: int) -> None:
-    """One request, continued after a partial transfer."""
-    done = 0
-    while done < len(mv):
-        k = call(fd, [mv[done:]], offset + done)
-        if k <= 0:
-            raise OSError(0, f"{call.__name__} of {len(mv) - done} bytes at offset {offset + done} returned {k}")
-        done += k
 
 
 def describe(d: dict) -> str:

@@ -412,20 +412,16 @@ class DiskTier:
             if not self._inflight[op]:
                 self._since[op] = time.perf_counter()
             self._inflight[op] += 1
-        done = 0
+        moved = [0]
         try:
-            while done < len(mv):
-                n = (os.pwritev if write else os.preadv)(fd, [mv[done:]], offset + done)
-                if n <= 0:
-                    raise OSError(f"{op} of {len(mv) - done} bytes at offset {offset + done} returned {n}")
-                done += n
+            transfer(fd, mv, offset, write, moved)
         except OSError as e:
             self._failed(op, fd, e)
             raise
         finally:
             with self._stats_lock:
                 self._inflight[op] -= 1
-                self.stats[f"{op}_bytes"] += done
+                self.stats[f"{op}_bytes"] += moved[0]
                 if not self._inflight[op]:
                     self.stats[f"{op}_busy_s"] += time.perf_counter() - self._since[op]
 
@@ -453,6 +449,20 @@ class DiskTier:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+def transfer(fd: int, mv: memoryview, offset: int, write: bool, moved: list[int] | None = None) -> None:
+    """Write `mv` to (or read it from) `fd` at `offset`, continuing after partial transfers; `moved[0]` counts the
+    bytes as they go (what a failed request had moved included). OSError when a call fails or moves nothing."""
+    done = 0
+    while done < len(mv):
+        n = (os.pwritev if write else os.preadv)(fd, [mv[done:]], offset + done)
+        if n <= 0:
+            raise OSError(0, f"{'write' if write else 'read'} of {len(mv) - done} bytes at offset {offset + done} "
+                             f"returned {n}")
+        done += n
+        if moved is not None:
+            moved[0] = done
 
 
 def _cleanup(pool: ThreadPoolExecutor, fds: dict, folder: Path, lock_fd: int) -> None:
