@@ -184,3 +184,49 @@ def test_cache_waits_for_a_slot_when_every_one_is_in_use(tmp_path):
     for i in (0, 1, 3):
         tier.release(i, 0)
     tier.close()
+
+
+def test_never_written_pieces_are_zeros_without_a_read(tmp_path):
+    """Adam m and v start as holes in the tier's files: the first pass reads none of them from the disk (zeros
+    filled in RAM, counted as no read, even into a slot or buffer that held other values), while the pass after it,
+    whose pieces were written behind, reads every piece the cache no longer holds; read_unit likewise."""
+    numels = [3 * 2**20 + 5, 2**20]
+    tier = DiskTier(tmp_path, ("exp_avg_sq", "exp_avg"), numels, piece=2**20, depth=1)
+    for s in tier.slots:  # stale values in every cache slot: a hole must not show them
+        for b in s.bufs.values():
+            b.fill_(7.0)
+    order = [1, 0]
+    tier.set_order(order)
+
+    def one_pass(add: float) -> list[float]:
+        seen = []
+        for u in order:
+            for a, _ in tier.pieces(u):
+                st = tier.acquire(u, a)
+                seen += [float(st[k].abs().max()) for k in tier.kinds]
+                for k in tier.kinds:
+                    st[k].add_(add)
+                tier.release(u, a)
+        tier.flush()
+        return seen
+
+    assert one_pass(1.0) == [0.0] * 2 * (4 + 1)  # every piece of both kinds: zeros
+    first = tier.take_stats()
+    assert first["read_bytes"] == 0 and first["write_bytes"] >= 2 * 4 * sum(numels)
+    assert one_pass(1.0) == [1.0] * 2 * (4 + 1)  # what the first pass wrote
+    second = tier.take_stats()
+    assert second["read_bytes"] >= 2 * 4 * (sum(numels) - 3 * 2**20)  # at most the 3 slots' pieces were cached
+    out = aligned_empty(tier.file_bytes(0) // 4, torch.float32, zero=False).fill_(5.0)
+    tier.read_unit(0, "exp_avg", out)
+    assert torch.equal(out[:numels[0]], torch.full((numels[0],), 2.0))
+    tier.close()
+    fresh = DiskTier(tmp_path, ("exp_avg",), numels, piece=2**20, depth=1)
+    out.fill_(5.0)
+    fresh.read_unit(0, "exp_avg", out)
+    assert torch.equal(out[:numels[0]], torch.zeros(numels[0])) and fresh.take_stats()["read_bytes"] == 0
+    src = aligned_empty(fresh.file_bytes(1) // 4, torch.float32, zero=False).fill_(3.0)
+    fresh.write_unit(1, "exp_avg", src)  # written: from now on read from the file
+    out1 = aligned_empty(fresh.file_bytes(1) // 4, torch.float32, zero=True)
+    fresh.read_unit(1, "exp_avg", out1)
+    assert torch.equal(out1[:numels[1]], src[:numels[1]]) and fresh.take_stats()["read_bytes"] >= 4 * numels[1]
+    fresh.close()
