@@ -340,9 +340,9 @@ def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=N
     built-in defaults and the run is on a GPU, with this machine's CPU AdamW rate measured now on a small tile:
     the one rate the default profile cannot know (H200 hosts measured 2.96 and 4.55 Gparam/s), and the one that
     sets a step whose forward is shorter than the updates it waits for (one row of 32k tokens on a 7B model).
-    It is measured with all, three quarters and half of the node's cores (probe.adamw_thread_counts), and the
-    node's optimizer uses the fewest threads within 5% of the fastest (profile.adamw_threads; a distributed run's
-    ranks split them, as they split the updates: runtime_options).
+    It is measured with three quarters and half of the node's cores, and all of them on a node of at most 16
+    (probe.adamw_thread_counts), and the node's optimizer uses the fewest threads within 5% of the fastest
+    (profile.adamw_threads; a distributed run's ranks split them, as they split the updates: runtime_options).
     agree(name, compute): a distributed run's Distributed.agreed, so that rank 0 measures and every rank plans with
     its numbers (each measuring its own would plan different placements). Rank 0 measures the node as one process,
     while the others wait: the update is bound by the host's memory, which the ranks share, so the node's rate
@@ -384,9 +384,9 @@ def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=N
 
 def with_disk_measured(prof: Profile, disk_path: str, nbytes: int | None = None) -> Profile:
     """`prof` with the read and write rates of the disk under `disk_path` measured now, as the SSD tier moves its
-    states (runtime/disk_probe.py: 2 GiB written and read back, 8 requests of 16 MiB in flight, O_DIRECT): the
-    one figure that sets an SSD-bound step, and one no default can know (the same 16 MiB requests read at 1.2
-    GB/s on one machine's disk and at 10.9 on another's)."""
+    states (runtime/disk_probe.py: START_BYTES written and read back, 8 requests of 16 MiB in flight, O_DIRECT):
+    the one figure that sets an SSD-bound step, and one no default can know (a local NVMe drive, a RAID, a virtual
+    disk: 1.2 to 12 GB/s and more)."""
     import dataclasses
 
     from ..runtime.disk_probe import START_BYTES, describe, measure_disk
