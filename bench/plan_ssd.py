@@ -8,8 +8,9 @@ the predicted step time with its bound.
 
 Rows (each with gradient clipping on, train.max_grad_norm 1.0, and off, null):
   Qwen2.5-14B, 158 x 1024 (2 micro-batches of 79 rows), memory.host_budget_gb 128, the x2 machine's disk (DESIGN.md:
-      O_DIRECT 16 MiB requests read 1.2 GB/s, write 1.6 GB/s); disk-bound. Measured on an H100 of the x4
-      (results/2026-11-27/x4-h100-c): 91.1 s, its disk giving the tier 10.9 GB/s read, 2.1 write
+      O_DIRECT 16 MiB requests read 1.2 GB/s, write 1.6 GB/s); disk-bound. Measured on an H100 of the x2 kind
+      (results/2026-11-27/x2-h100): steady steps of 168.9 and 154.7 s, the disk giving the tier 1.35-1.50 GB/s
+      read, 1.40-1.64 write
   Mistral-Large-2 (123B), 158 x 1024 (2 x 79 rows) and 1M tokens (32 x 32 rows: issue 16's row), 1536 GiB of host
       RAM, a 12 GB/s NVMe RAID
   Llama-3.1-405B, 160 x 1024 (10 x 16 rows: one 158-row micro-batch of 405B's layers needs terabytes of GPU
