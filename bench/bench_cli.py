@@ -414,6 +414,11 @@ def main() -> int:
     if args.disk_path:  # the SSD tier: --set memory.disk_path=... with its folder made
         Path(args.disk_path).mkdir(parents=True, exist_ok=True)
         args.set.append(f"memory.disk_path={args.disk_path}")
+        noclip = any(o.replace(" ", "") in ("train.max_grad_norm=null", "train.max_grad_norm=None") for o in args.set)
+        if args.warmup < (1 if noclip else 2):  # the first optimizer pass finds the tier's files never written
+            print(f"bench_cli: note: --warmup {args.warmup} with the SSD tier: the first optimizer pass (step "
+                  f"{1 if noclip else 2}{'' if noclip else ', clipping on'}) reads nothing from the disk, so a "
+                  f"measured step is steady only after it (--warmup {1 if noclip else 2})", file=sys.stderr)
     if args.host_budget_gb:
         args.set.append(f"memory.host_budget_gb={args.host_budget_gb}")
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_cli-"))
