@@ -73,6 +73,8 @@ for name in ("transformers", "triton", "typing_extensions", "pydantic", "pyarrow
         print(f"{name}: not importable ({e})")
 EOF
   echo "CPUs: $(nproc)"
+  # sockets, cores and threads per core: whether "16 cores per GPU" are hyperthreads (the CPU AdamW's thread count)
+  lscpu 2>/dev/null | grep -E "^(Model name|Socket\(s\)|Core\(s\) per socket|Thread\(s\) per core|NUMA node\(s\)):" || true
   free -g | head -2
 } 2>&1 | tee "$OUT/machine.txt"
 
