@@ -62,7 +62,8 @@ STEP_FIELDS = ["step_time_s", "wall_s", "data_wait_s", "queue_s", "gpu_wait_s", 
                "tflops_6n", "tflops_attn", "mfu", "busy_compute", "busy_h2d", "busy_d2h", "gpu_peak_gib",
                "gpu_reserved_gib", "host_rss_gib", "tflops_6n_active", "router_loss", "expert_load_min",
                "expert_load_max", "expert_entropy", "disk_read_gb", "disk_write_gb", "disk_read_gbps",
-               "disk_write_gbps", "disk_gbps_step", "host_pinned_cache_gib", "idle_gaps"]
+               "disk_write_gbps", "disk_gbps_step", "disk_busy_s", "disk_gbps", "disk_busy", "host_pinned_cache_gib",
+               "idle_gaps"]
 
 
 def model_config(args) -> dict:

@@ -13,7 +13,9 @@ The plan is compared with the steady steps: those after the first optimizer pass
 updates run in the second step), whose reads find only never-written regions; before 2026-11-27 (session 30) such
 reads were counted as disk reads, at the rate at which the file system returns holes (8-11 GB/s), and are marked.
 The step's own rates are each kind's bytes over the seconds during which one was in flight; the tier's reads and
-writes overlap in time, so these understate what the disk did and the re-plan with them runs long. --rerun: a run of the first RESULT's command whose benchmark JSON was
+writes overlap in time, so these understate what the disk did and the re-plan with them runs long. Runs since
+session 30 also record the disk's rate with both kinds together over the seconds any request was in flight
+(`disk_gbps`): the row "this step's disk" re-plans with it as both rates. --rerun: a run of the first RESULT's command whose benchmark JSON was
 not written (stopped at its time limit after its last step): its output and its metrics.jsonl. The table is printed
 last; --json writes it.
 """
@@ -102,6 +104,10 @@ def replan(path: Path, payload: dict | None = None, log: Path | None = None) -> 
                      "read_gbps": rd / 1e9, "write_gbps": wr / 1e9, "pred_s": step_s(rd, wr),
                      "meas_s": x["step_time_s"], "run_plan_s": r["plan"]["step_time_s"],
                      "first_pass": x is steps[0]})
+        if x.get("disk_gbps"):  # since session 30: both kinds over the seconds any request was in flight
+            both = x["disk_gbps"] * 1e9
+            rows.append({**rows[-1], "rates": "this step's disk", "read_gbps": both / 1e9, "write_gbps": both / 1e9,
+                         "pred_s": step_s(both, both)})
     return rows
 
 

@@ -158,6 +158,7 @@ def test_o_direct_on_this_disk_and_round_trip(tmp_path):
     tier.flush()
     st = tier.take_stats()
     assert st["write_bytes"] >= 2 * 4 * sum(numels) * 2 and st["read_busy_s"] > 0
+    assert max(st["read_busy_s"], st["write_busy_s"]) <= st["any_busy_s"] <= st["read_busy_s"] + st["write_busy_s"]
     tier.close()
 
 

@@ -32,6 +32,12 @@ def test_disk_tier_checkpoints_equal_ram_and_resume_both_ways(tmp_path, monkeypa
     steps = [r for r in records(disk_out) if "loss" in r]  # the disk's traffic in every step's record
     assert all("disk_read_gb" in r and "disk_write_gbps" in r for r in steps)
     assert sum(r["disk_write_gb"] for r in steps) > 0 and "disk_read_gb" not in records(ram_out)[0]
+    for r in steps:  # the disk's own busy time: at least either kind's, at most both kinds' (they overlap)
+        assert max(r["disk_read_busy_s"], r["disk_write_busy_s"]) <= r["disk_busy_s"] + 1e-9
+        assert r["disk_busy_s"] <= r["disk_read_busy_s"] + r["disk_write_busy_s"] + 1e-9
+        moved = r["disk_read_gb"] + r["disk_write_gb"]
+        assert r["disk_gbps"] == (pytest.approx(moved / r["disk_busy_s"]) if moved else 0.0)
+        assert r["disk_busy"] == pytest.approx(r["disk_busy_s"] / r["step_time_s"])
     if precision == "fp32":
         return  # the resumes, once (the bf16 case has every state on disk)
 

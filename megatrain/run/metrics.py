@@ -98,14 +98,19 @@ class MetricsLogger:
 
 
 def disk_fields(stats: dict, step_s: float | None) -> dict:
-    """The SSD tier's counters (DiskTier.take_stats) as a record's fields: GB (1e9 bytes) read and written, the
-    disk's rate while reads (writes) were in flight, and the traffic's average rate over the step."""
+    """The SSD tier's counters (DiskTier.take_stats) as a record's fields: GB (1e9 bytes) read and written, each
+    kind's rate while one of its requests was in flight, the seconds any request was in flight (`disk_busy_s`) and
+    the rate of both kinds together over them (`disk_gbps`: what the disk did while it worked; reads and writes
+    overlap in time, so each kind's own rate understates it), the share of the step the disk worked
+    (`disk_busy`), and the traffic's average rate over the step."""
     r, w = stats["read_bytes"] / 1e9, stats["write_bytes"] / 1e9
-    rs, ws = stats["read_busy_s"], stats["write_busy_s"]
+    rs, ws, busy = stats["read_busy_s"], stats["write_busy_s"], stats.get("any_busy_s", 0.0)
     out = {"disk_read_gb": r, "disk_write_gb": w, "disk_read_busy_s": rs, "disk_write_busy_s": ws,
-           "disk_read_gbps": r / rs if rs else 0.0, "disk_write_gbps": w / ws if ws else 0.0}
+           "disk_read_gbps": r / rs if rs else 0.0, "disk_write_gbps": w / ws if ws else 0.0,
+           "disk_busy_s": busy, "disk_gbps": (r + w) / busy if busy else 0.0}
     if step_s:
         out["disk_gbps_step"] = (r + w) / step_s
+        out["disk_busy"] = busy / step_s
     return out
 
 
@@ -126,6 +131,8 @@ def _headline(r: dict) -> dict[str, str]:
         out["busy c/h2d/d2h"] = f"{r['busy_compute']:.2f}/{r['busy_h2d']:.2f}/{r['busy_d2h']:.2f}"
     if "disk_read_gb" in r:
         out["ssd r/w GB/s"] = f"{r['disk_read_gbps']:.2f}/{r['disk_write_gbps']:.2f}"
+        if "disk_busy" in r:
+            out["ssd busy"] = f"{100 * r['disk_busy']:.0f}%"
     return out
 
 

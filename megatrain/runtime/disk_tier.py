@@ -48,8 +48,9 @@ machine) leaves its folder, unlocked: the next tier on the same disk_path remove
 and the planner counts their bytes as free (`stale_folders`). A folder whose lock is held belongs to a live run and
 is left alone, as is one without a lock file (not this code's).
 
-Counters: bytes read and written and the seconds during which any read (write) was in flight, for the step's
-metrics (`take_stats`). The scratch folder is removed by `close()` (or at exit): the checkpoint, not these files,
+Counters: bytes read and written, the seconds during which any read (write) was in flight, and the seconds during
+which any request was (reads and writes overlap: the read-ahead of one piece runs beside the write-behind of
+another), for the step's metrics (`take_stats`). The scratch folder is removed by `close()` (or at exit): the checkpoint, not these files,
 is the durable copy of the state.
 """
 
@@ -220,8 +221,8 @@ class DiskTier:
         self._clock = 0
         self.set_order(list(range(len(self.numels))))
         self._stats_lock = threading.Lock()
-        self._inflight = {"read": 0, "write": 0}
-        self._since = {"read": 0.0, "write": 0.0}
+        self._inflight = {"read": 0, "write": 0, "any": 0}  # requests in flight; "any": either kind
+        self._since = {"read": 0.0, "write": 0.0, "any": 0.0}
         self.stats = self._no_stats()
 
     # ---- sizes --------------------------------------------------------------------------------------
@@ -334,13 +335,14 @@ class DiskTier:
     # ---- counters ------------------------------------------------------------------------------------
     @staticmethod
     def _no_stats() -> dict:
-        return {"read_bytes": 0, "write_bytes": 0, "read_busy_s": 0.0, "write_busy_s": 0.0}
+        return {"read_bytes": 0, "write_bytes": 0, "read_busy_s": 0.0, "write_busy_s": 0.0, "any_busy_s": 0.0}
 
     def take_stats(self) -> dict:
-        """Bytes read and written since the last call and the seconds any read (write) was in flight; a reset."""
+        """Bytes read and written since the last call, the seconds any read (write) was in flight, and the seconds
+        any request of either kind was (any_busy_s: reads and writes overlap, so it is at most the sum); a reset."""
         with self._stats_lock:
             now = time.perf_counter()
-            for op in ("read", "write"):  # close the busy interval in progress, and reopen it
+            for op in ("read", "write", "any"):  # close the busy interval in progress, and reopen it
                 if self._inflight[op]:
                     self.stats[f"{op}_busy_s"] += now - self._since[op]
                     self._since[op] = now
@@ -430,9 +432,10 @@ class DiskTier:
         """One request, on an I/O thread (the system call releases the GIL); partial transfers are continued."""
         op = "write" if write else "read"
         with self._stats_lock:
-            if not self._inflight[op]:
-                self._since[op] = time.perf_counter()
-            self._inflight[op] += 1
+            for o in (op, "any"):
+                if not self._inflight[o]:
+                    self._since[o] = time.perf_counter()
+                self._inflight[o] += 1
         moved = [0]
         try:
             transfer(fd, mv, offset, write, moved)
@@ -441,10 +444,11 @@ class DiskTier:
             raise
         finally:
             with self._stats_lock:
-                self._inflight[op] -= 1
                 self.stats[f"{op}_bytes"] += moved[0]
-                if not self._inflight[op]:
-                    self.stats[f"{op}_busy_s"] += time.perf_counter() - self._since[op]
+                for o in (op, "any"):
+                    self._inflight[o] -= 1
+                    if not self._inflight[o]:
+                        self.stats[f"{o}_busy_s"] += time.perf_counter() - self._since[o]
 
     def _wait(self, futures: list[Future]) -> None:
         if futures:
