@@ -15,9 +15,10 @@ reads were counted as disk reads, at the rate at which the file system returns h
 The step's own rates are each kind's bytes over the seconds during which one was in flight; the tier's reads and
 writes overlap in time, so these understate what the disk did and the re-plan with them runs long. Runs since
 session 30 also record the disk's rate with both kinds together over the seconds any request was in flight
-(`disk_gbps`): the row "this step's disk" re-plans with it as both rates. --rerun: a run of the first RESULT's command whose benchmark JSON was
-not written (stopped at its time limit after its last step): its output and its metrics.jsonl. The table is printed
-last; --json writes it.
+(`disk_gbps`): the row "this step's disk" re-plans with it as both rates.
+
+--rerun: a run of the first RESULT's command whose benchmark JSON was not written (stopped at its time limit after
+its last step): its output and its metrics.jsonl. The table is printed last; --json writes it.
 """
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ is left alone, as is one without a lock file (not this code's).
 
 Counters: bytes read and written, the seconds during which any read (write) was in flight, and the seconds during
 which any request was (reads and writes overlap: the read-ahead of one piece runs beside the write-behind of
-another), for the step's metrics (`take_stats`). The scratch folder is removed by `close()` (or at exit): the checkpoint, not these files,
-is the durable copy of the state.
+another), for the step's metrics (`take_stats`). The scratch folder is removed by `close()` (or at exit): the
+checkpoint, not these files, is the durable copy of the state.
 """
 
 from __future__ import annotations
