@@ -13,7 +13,7 @@ import pytest
 from megatrain.errors import MegatrainError
 from megatrain.planner.profile import DEFAULTS, from_dict, load_profile
 from megatrain.runtime import disk_probe
-from megatrain.runtime.disk_tier import stale_folders
+from megatrain.runtime.disk_files import stale_folders
 
 MiB = 1 << 20
 
@@ -75,7 +75,7 @@ def test_an_io_error_is_one_message_and_nothing_is_left(tmp_path, monkeypatch):
 def test_a_probe_killed_half_way_leaves_a_folder_the_tier_removes(tmp_path):
     """The probe's scratch folder is the tier's kind: while the probe runs its lock is held (not stale); once its
     process is gone (here: the lock's descriptor closed without cleaning up) the next tier removes it."""
-    from megatrain.runtime.disk_tier import open_scratch
+    from megatrain.runtime.disk_files import open_scratch
 
     folder, fd = open_scratch(tmp_path, "probe-")
     (folder / "probe.bin").write_bytes(b"x" * 4096)

@@ -267,7 +267,7 @@ def plan_for_config(cfg, adapter, device: str, profile: Profile | None = None, w
             gpu_limit, gpu_src = budget * GiB, "memory.gpu_budget_gb"
     ssd_free, stale = None, 0
     if cfg.memory.disk_path:  # the scratch folders of SSD-tier runs that died are removed when the tier opens
-        from ..runtime.disk_tier import stale_folders
+        from ..runtime.disk_files import stale_folders
 
         stale = sum(b for _, b in stale_folders(cfg.memory.disk_path))
         free = sysmem.disk_free(cfg.memory.disk_path)

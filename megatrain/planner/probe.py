@@ -27,7 +27,7 @@ from .. import __version__
 from ..errors import ArgumentParser, MegatrainError, check_file_target, report
 from .profile import PROFILE_VERSION, default_profile_path, layer_shape, peak_bf16_for, this_host
 from ..runtime.disk_probe import describe, measure_disk
-from ..runtime.disk_tier import check_disk_path
+from ..runtime.disk_files import check_disk_path
 from ..runtime.layer import layer_backward
 from ..runtime.lmhead import HeadKernels, default_chunk, head_loss
 from .sysmem import host_memory, memlock_limit

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from ..errors import MegatrainError
-from .disk_tier import REQUEST, THREADS, check_disk_path, open_scratch, probe_direct, transfer
+from .disk_files import check_disk_path, open_scratch, probe_direct, transfer
+from .disk_tier import REQUEST, THREADS
 from .pinned import aligned_empty
 
 START_BYTES = 8 << 30  # what `megatrain train` writes and reads at its start when memory.disk_path is set and the

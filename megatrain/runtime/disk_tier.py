@@ -17,11 +17,9 @@ that:
     consistency   a piece is read from its file only after its last write has completed (a piece still in the cache
                   is used from there; a slot is reused only once its write is done), and `read_unit` /
                   `write_unit` (checkpoints, resume, initialisation) go through the cache for pieces it holds;
-    never written a piece of a state not written since the tier opened (Adam m and v before the first update: the
-                  files start as holes, which read as zeros) is zero-filled in RAM, not read: nothing is asked of
-                  the disk and the counters count no read. Reading holes costs the file system no disk access, so
-                  such "reads" ran at 8-11 GB/s on the GPU hosts' virtual disks and made the first optimizer pass
-                  (the second step, with clipping) look like a fast disk (bench/results/2026-11-27/x2-h100).
+    never written a piece not written since the tier opened (Adam m, v before the first update: holes) is zero-filled
+                  in RAM, not read, and counted as no read: holes "read" at 8-11 GB/s on the GPU hosts' disks and
+                  made the first optimizer pass look like a fast disk (bench/results/2026-11-27/x2-h100).
 
 I/O: every piece's transfer is split into requests of `request` bytes (16 MiB: DESIGN.md's local disk measured
 1.6 GB/s write, 1.2 GB/s read at that size with O_DIRECT) issued to a pool of `threads` worker threads, so many
@@ -42,25 +40,20 @@ Errors: a failed read or write (a full disk, an I/O error) makes the tier fail f
 later call, whichever request or thread saw it first, since the files no longer hold the state once a write-behind
 is lost; the run stops there and its last complete checkpoint is the state to resume from.
 
-Scratch folders: each run's files live in its own `megatrain-ssd-*` folder, which holds a lock (flock on its
-`.lock` file) for as long as the tier is open. A run that died without closing it (kill -9, the OOM killer, a lost
-machine) leaves its folder, unlocked: the next tier on the same disk_path removes such folders first and says so,
-and the planner counts their bytes as free (`stale_folders`). A folder whose lock is held belongs to a live run and
-is left alone, as is one without a lock file (not this code's).
+Scratch folders: each run's files live in its own `megatrain-ssd-*` folder, locked while the tier is open; a dead
+run's folder is removed by the next tier on the same disk_path (disk_files.py: the folders, the O_DIRECT probe,
+the check of memory.disk_path, the request loop).
 
-Counters: bytes read and written, the seconds during which any read (write) was in flight, and the seconds during
-which any request was (reads and writes overlap: the read-ahead of one piece runs beside the write-behind of
-another), for the step's metrics (`take_stats`). The scratch folder is removed by `close()` (or at exit): the
-checkpoint, not these files, is the durable copy of the state.
+Counters: bytes read and written, the seconds any read (write) was in flight and those any request was (reads and
+writes overlap), for the step's metrics (`take_stats`). The scratch folder is removed by `close()` (or at exit):
+the checkpoint, not these files, is the durable copy of the state.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -71,7 +64,11 @@ from pathlib import Path
 import torch
 
 from ..errors import MegatrainError
+from .disk_files import check_disk_path, open_scratch, probe_direct, stale_folders, transfer
 from .pinned import PAGE, aligned_empty
+
+__all__ = ["DiskTier", "DiskTierError", "check_disk_path", "open_scratch", "probe_direct", "stale_folders",
+           "transfer"]
 
 REQUEST = 16 << 20  # bytes per read/write request
 THREADS = 8  # requests in flight at most
@@ -103,82 +100,6 @@ class _Slot:
     pending: list[Future] = field(default_factory=list)  # the read or write of `key` in flight
     users: int = 0  # acquired and not released (the optimizer), or being copied (read_unit)
     stamp: int = 0  # when last released: the oldest clean slot is reused first
-
-
-def probe_direct(folder: Path) -> str | None:
-    """None when `folder`'s filesystem accepts O_DIRECT reads and writes of a page; else the reason it does not."""
-    flag = getattr(os, "O_DIRECT", None)
-    if flag is None:
-        return "this platform has no O_DIRECT"
-    path = Path(folder) / ".megatrain-odirect-probe"
-    buf = aligned_empty(PAGE, torch.uint8, zero=True)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | flag, 0o600)
-        try:
-            os.pwritev(fd, [_bytes(buf)], 0)
-            os.preadv(fd, [_bytes(buf)], 0)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        return e.strerror or str(e)
-    finally:
-        path.unlink(missing_ok=True)
-    return None
-
-
-SCRATCH_PREFIX = "megatrain-ssd-"
-LOCK_NAME = ".lock"
-
-
-def _held(lock: Path) -> bool:
-    """Whether a live process holds the flock of a scratch folder's lock file (read-only probe)."""
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except OSError:
-        return True  # gone or unreadable: not ours to judge
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # held (EWOULDBLOCK), or a filesystem without flock: never judged stale
-        return True
-    finally:
-        os.close(fd)  # (releases the probe's own lock, if it took it)
-    return False
-
-
-def open_scratch(root: Path, tag: str = "") -> tuple[Path, int]:
-    """A new scratch folder under `root` and the descriptor of its lock file, whose flock is held until the
-    descriptor is closed (after the folder is removed): a folder whose lock nobody holds is a dead run's."""
-    folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX + tag, dir=root))
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        pass  # a filesystem without flock: its folders are never judged stale, so nothing is removed wrongly
-    return folder, fd
-
-
-def stale_folders(root: str | Path) -> list[tuple[Path, int]]:
-    """(folder, bytes on disk) of every scratch folder under `root` left by a run that is no longer running."""
-    out = []
-    for d in sorted(Path(root).glob(SCRATCH_PREFIX + "*")):
-        lock = d / LOCK_NAME
-        if d.is_dir() and lock.is_file() and not _held(lock):
-            out.append((d, sum(f.stat().st_blocks * 512 for f in d.iterdir() if f.is_file())))
-    return out
-
-
-def check_disk_path(path: str, key: str = "memory.disk_path") -> Path:
-    """The folder the SSD tier writes into: it must exist, be a folder and be writable (MegatrainError naming the
-    key otherwise). Nothing is left behind."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        unset = f" or unset {key}" if key.startswith("memory.") else ""
-        raise MegatrainError(f"{key}: {p} does not exist; create the folder (on a local SSD){unset}")
-    if not p.is_dir():
-        raise MegatrainError(f"{key}: {p} is not a folder")
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise MegatrainError(f"{key}: {p} is not writable by this user")
-    return p
 
 
 class DiskTier:
@@ -474,20 +395,6 @@ class DiskTier:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise self._error
-
-
-def transfer(fd: int, mv: memoryview, offset: int, write: bool, moved: list[int] | None = None) -> None:
-    """Write `mv` to (or read it from) `fd` at `offset`, continuing after partial transfers; `moved[0]` counts the
-    bytes as they go (what a failed request had moved included). OSError when a call fails or moves nothing."""
-    done = 0
-    while done < len(mv):
-        n = (os.pwritev if write else os.preadv)(fd, [mv[done:]], offset + done)
-        if n <= 0:
-            raise OSError(0, f"{'write' if write else 'read'} of {len(mv) - done} bytes at offset {offset + done} "
-                             f"returned {n}")
-        done += n
-        if moved is not None:
-            moved[0] = done
 
 
 def _cleanup(pool: ThreadPoolExecutor, fds: dict, folder: Path, lock_fd: int) -> None:
