@@ -353,9 +353,10 @@ class DiskTier:
         """One request, on an I/O thread (the system call releases the GIL); partial transfers are continued."""
         op = "write" if write else "read"
         with self._stats_lock:
+            now = time.perf_counter()  # one clock reading for both counters: "any" spans at least `op`
             for o in (op, "any"):
                 if not self._inflight[o]:
-                    self._since[o] = time.perf_counter()
+                    self._since[o] = now
                 self._inflight[o] += 1
         moved = [0]
         try:
@@ -366,10 +367,11 @@ class DiskTier:
         finally:
             with self._stats_lock:
                 self.stats[f"{op}_bytes"] += moved[0]
+                now = time.perf_counter()
                 for o in (op, "any"):
                     self._inflight[o] -= 1
                     if not self._inflight[o]:
-                        self.stats[f"{o}_busy_s"] += time.perf_counter() - self._since[o]
+                        self.stats[f"{o}_busy_s"] += now - self._since[o]
 
     def _wait(self, futures: list[Future]) -> None:
         if futures:
