@@ -8,6 +8,7 @@
     prefetch.py   the next step's micro-batches prepared on a thread while this step trains
     evaluate.py   held-out loss and exact match with the streaming engine
     stepstats.py  per-step throughput, memory and stream shares; the start summary
+    plancheck.py  a GPU run's steady step held against its plan: off by more than 15%, one line says where and why
     oom.py        out-of-memory errors turned into one message naming what was being allocated
     metrics.py    progress bar or plain lines, metrics.jsonl, TensorBoard, wandb
 """

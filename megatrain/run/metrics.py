@@ -4,7 +4,8 @@ TensorBoard and wandb when enabled.
 Each step's record carries what the trainer measured (loss, grad norm, `clipping` and, when on, `clip_coef`, lr,
 tokens/s) and what `stats`, when set (megatrain.run.stepstats.StepStats), adds: TFLOP/s, MFU, GPU and host memory,
 the busy shares of the compute, H2D and D2H streams; the logger adds the ETA, and with an SSD tier (`disk`, set to
-the store's runtime.disk_tier.DiskTier) the disk's traffic since the last record: `disk_fields`."""
+the store's runtime.disk_tier.DiskTier) the disk's traffic since the last record: `disk_fields`. `check`, when set
+(run/plancheck.PlanCheck), may add a line about a record: the plan held against the steady steps."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class MetricsLogger:
             self.bar = tqdm(total=total_steps, initial=start_step, file=self.stream, unit="step", dynamic_ncols=True)
         self.stats = None  # callable(record) -> extra fields for step records
         self.disk = None  # the SSD tier (runtime/disk_tier.DiskTier) whose counters each step record reads
+        self.check = None  # callable(record) -> a line to show, or None (run/plancheck.PlanCheck)
         self.wandb = None
         self.tb = None
         if tensorboard:
@@ -79,6 +81,8 @@ class MetricsLogger:
         if "loss" not in record:  # an evaluation record
             self.info(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()))
             return
+        if self.check is not None and (notice := self.check(record)):
+            self.info(notice)
         headline = _headline(record)
         if self.bar is not None:
             self.bar.set_postfix(headline, refresh=False)

@@ -23,6 +23,7 @@ from ..runtime.router_loss import expert_load
 from .evaluate import evaluate
 from .metrics import MetricsLogger
 from .oom import raise_if_out_of_memory
+from .plancheck import PlanCheck
 from .prefetch import PreparedStep, StepPrefetcher
 from .prepare import Run, prepare
 from .roles import open_log, open_saver
@@ -101,6 +102,7 @@ def start(run: Run) -> Session:
         log.info("start-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in run.startup_s.items())
                  + ("; the first step compiles the layers" if run.engine.options.compile_layers else ""))
     stats = attach(run, log)  # the plan's figures in the start summary; per-step throughput, memory, streams
+    log.check = PlanCheck(run.plan, first)  # a GPU run's steady step off its plan is said, with where and why
     final = t.steps if cfg.checkpoint.at_end or cfg.export.at_end else None
     saver = open_saver(run, keep=cfg.checkpoint.keep, every=cfg.checkpoint.every, final_step=final)
     s = Session(first, log, stats, saver, StepPrefetcher(run.loader, pin=run.engine.cuda, steps=t.steps - first),

@@ -1,0 +1,67 @@
+"""The plan held against a GPU run's steady steps (run/plancheck.py): silent while the steps are not steady or are
+within 15% of the plan; once, when one is not, a line naming the step, both times, the GPU's idle time, the SSD
+tier's disk rate against the plan's and the probe that would make the plan right; never for a CPU run."""
+
+import io
+from pathlib import Path
+
+from transformers import AutoConfig
+
+from megatrain.models import get_adapter
+from megatrain.planner import Workload, make_plan
+from megatrain.planner.profile import DEFAULTS, GiB
+from megatrain.run.metrics import MetricsLogger
+from megatrain.run.plancheck import PlanCheck
+
+QWEN14 = Path(__file__).resolve().parent.parent / "bench" / "model-configs" / "qwen2.5-14b"
+
+
+def ssd_plan(device: str = "cuda"):
+    """Qwen2.5-14B 158 x 1024 with Adam v and m on the SSD tier, as bench/results/2026-11-27/x2-h100 ran it."""
+    adapter = get_adapter(AutoConfig.from_pretrained(QWEN14))
+    w = Workload((79, 79), 1024, device=device, compile=True, disk_states=("v", "m"))
+    return make_plan(adapter, w, DEFAULTS, suggest=False, host_available=128 * GiB)
+
+
+def record(step: int, s: float, **extra) -> dict:
+    return {"step": step, "loss": 1.0, "step_time_s": s, **extra}
+
+
+def test_silent_until_steady_then_once_and_only_when_off_the_plan():
+    plan = ssd_plan()
+    pred = plan.time["step_s"]
+    check = PlanCheck(plan, first_step=0)
+    assert check(record(1, pred * 3)) is None and check(record(2, pred * 3)) is None  # not steady yet
+    assert check(record(3, pred * 1.1)) is None  # within 15%
+    assert check(record(4, pred * 3)) is None  # said at most once, on the first steady step
+
+    check = PlanCheck(plan, first_step=5)  # a resumed process: steady after its own first two steps
+    assert check(record(7, pred / 1.36)) is None
+    line = check(record(8, pred / 1.36, busy_compute=0.23, disk_gbps=1.53, disk_busy=0.96))
+    ssd = plan.time["ssd"]
+    assert line.startswith(f"plan check: step 8 took {pred / 1.36:.2f} s, the plan {pred:.2f} s (36% long; bound by")
+    assert f"GPU idle {0.77 * pred / 1.36:.2f} s (planned {plan.time['gpu_idle_s']:.2f})" in line
+    assert (f"the SSD tier's disk did 1.53 GB/s while busy (96% of the step) where the plan used read "
+            f"{ssd['read_bps'] / 1e9:.2f}, write {ssd['write_bps'] / 1e9:.2f} GB/s") in line
+    assert line.count("megatrain probe --disk") == 1 and "built-in H200 rates" in line
+    assert check(record(9, pred * 3)) is None
+
+    short = PlanCheck(plan, first_step=0)(record(3, pred * 1.5))
+    assert "33% short" in short and "disk did" not in short  # no disk fields in the record: not claimed
+
+
+def test_a_cpu_run_or_no_plan_is_never_checked():
+    plan = ssd_plan("cpu")
+    assert PlanCheck(plan, 0)(record(3, plan.time["step_s"] * 10)) is None
+    assert PlanCheck(None, 0)(record(3, 1.0)) is None
+
+
+def test_the_logger_shows_the_line_once(tmp_path):
+    plan = ssd_plan()
+    out = io.StringIO()
+    log = MetricsLogger(tmp_path, total_steps=5, stream=out)
+    log.check = PlanCheck(plan, 0)
+    for step in range(1, 6):
+        log.log(record(step, plan.time["step_s"] * 2, tokens=161792, tokens_per_s=1.0, grad_norm=1.0, lr=1e-5))
+    log.close()
+    assert out.getvalue().count("plan check: step 3 took") == 1 and "(50% short;" in out.getvalue()
