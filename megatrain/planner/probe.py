@@ -25,11 +25,11 @@ import torch
 
 from .. import __version__
 from ..errors import ArgumentParser, MegatrainError, check_file_target, report
-from .profile import PROFILE_VERSION, default_profile_path, layer_shape, peak_bf16_for, this_host
-from ..runtime.disk_probe import describe, measure_disk
 from ..runtime.disk_files import check_disk_path
+from ..runtime.disk_probe import START_BYTES, describe, measure_disk
 from ..runtime.layer import layer_backward
 from ..runtime.lmhead import HeadKernels, default_chunk, head_loss
+from .profile import PROFILE_VERSION, default_profile_path, layer_shape, peak_bf16_for, this_host
 from .sysmem import host_memory, memlock_limit
 
 GiB = 2**30
@@ -396,7 +396,9 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--disk", metavar="DIR", default=None,
                    help="measure the disk under DIR as the SSD tier uses it (memory.disk_path): O_DIRECT, 8 requests "
                         "of 16 MiB in flight, written then read back")
-    p.add_argument("--disk-gib", type=float, default=8.0, help="GiB written and read by --disk (default 8)")
+    p.add_argument("--disk-gib", type=float, default=START_BYTES / GiB,
+                   help=f"GiB written and read by --disk (default {START_BYTES / GiB:g}, as `megatrain train` "
+                        "measures at its start)")
     args = p.parse_args(argv)
     layers = [parse_layer(s) for s in args.layer]
     out = Path(args.out).expanduser()

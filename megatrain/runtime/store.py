@@ -188,13 +188,9 @@ class HostStore:
                     self.refresh_stream_copy(t, st["master"])
             return
         n = min(len(self.tiles), threads or len(os.sched_getaffinity(0)))
-        if n > 1:
-            with ThreadPoolExecutor(n, thread_name_prefix="megatrain-init") as pool:
-                for _ in pool.map(lambda i: fill(i, self.tiles[i].master), range(len(self.tiles))):
-                    pass
-        else:
-            for i, t in enumerate(self.tiles):
-                fill(i, t.master)
+        with ThreadPoolExecutor(n, thread_name_prefix="megatrain-init") as pool:
+            for _ in pool.map(lambda i: fill(i, self.tiles[i].master), range(len(self.tiles))):
+                pass
         for t in self.tiles:
             self.refresh_stream_copy(t)
 
