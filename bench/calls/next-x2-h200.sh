@@ -14,6 +14,8 @@
 #   3. the CPU AdamW's threads on this 32-vCPU host: Qwen2.5-7B 158 x 1024 on one GPU. In session 30, with all 32
 #      threads, the GPU was 65-77% busy (19.5 s a step, planned 14.8); on at most three quarters of the cores now
 #      (probe.adamw_thread_counts). Target: GPU busy >= 0.9, the step within 10% of the plan.
+# Session 31: after the 32B on x4 (~12 min of device time) ~17 min were left: the SSD run has 2 measured steps, not
+# 3 (~700 s with start-up), and the 7B runs only if time remains.
 S=/tmp/xh SSD=/var/tmp/megatrain-ssd
 if ! detached_started chain; then
   mkdir -p $S $SSD
@@ -31,7 +33,7 @@ else
   echo "qwen14b_80g: not run (not an H200: issue 11's row is an H200 held to 80 GiB)"
 fi
 df -h /var/tmp > $S/disk.log
-run_in $S qwen14b_ssd 1000 python3 bench/bench_cli.py \$Q14 --steps 3 --warmup 2 --host-budget-gb 128 \\
+run_in $S qwen14b_ssd 1000 python3 bench/bench_cli.py \$Q14 --steps 2 --warmup 2 --host-budget-gb 128 \\
   --disk-path $SSD --label qwen2.5-14b-158x1024-host128-ssd-cli --workdir $S/wssd --json $S/qwen14b_ssd.json
 cp $S/wssd/cli.log $S/qwen14b_ssd_cli.log 2>/dev/null
 cp $S/wssd/run/metrics.jsonl $S/qwen14b_ssd_metrics.log 2>/dev/null  # (JSON lines)
