@@ -189,7 +189,8 @@ def test_cache_waits_for_a_slot_when_every_one_is_in_use(tmp_path):
 
 def test_never_written_pieces_are_zeros_without_a_read(tmp_path):
     """Adam m and v start as holes in the tier's files: the first pass reads none of them from the disk (zeros
-    filled in RAM, counted as no read, even into a slot or buffer that held other values), while the pass after it,
+    filled in RAM, counted as no read, even into a slot or buffer that held other values; at most its end reads
+    ahead the next pass's first piece, which it wrote), while the pass after it,
     whose pieces were written behind, reads every piece the cache no longer holds; read_unit likewise."""
     numels = [3 * 2**20 + 5, 2**20]
     tier = DiskTier(tmp_path, ("exp_avg_sq", "exp_avg"), numels, piece=2**20, depth=1)
@@ -211,9 +212,24 @@ def test_never_written_pieces_are_zeros_without_a_read(tmp_path):
         tier.flush()
         return seen
 
+    reads = []  # (unit, offset) of every read request issued
+    unit_of = {fd: u for (u, _), fd in tier.fds.items()}
+    io = tier._io
+
+    def spy(fd, mv, offset, write):
+        if not write:
+            reads.append((unit_of[fd], offset // 4))
+        return io(fd, mv, offset, write)
+
+    tier._io = spy
     assert one_pass(1.0) == [0.0] * 2 * (4 + 1)  # every piece of both kinds: zeros
     first = tier.take_stats()
-    assert first["read_bytes"] == 0 and first["write_bytes"] >= 2 * 4 * sum(numels)
+    # No hole is read. The read-ahead is cyclic: the pass's last releases may read ahead the next pass's first
+    # piece (depth 1: unit 1's only piece), which this pass wrote; whether they do depends on whether a slot's
+    # write has completed by then (so the bytes are 0 or that piece of both kinds: 8 MiB).
+    assert set(reads) <= {(1, 0)}, reads
+    assert first["read_bytes"] == (2 * 4 * numels[1] if reads else 0), (first, reads)
+    assert first["write_bytes"] >= 2 * 4 * sum(numels)
     assert one_pass(1.0) == [1.0] * 2 * (4 + 1)  # what the first pass wrote
     second = tier.take_stats()
     assert second["read_bytes"] >= 2 * 4 * (sum(numels) - 3 * 2**20)  # at most the 3 slots' pieces were cached
