@@ -70,6 +70,10 @@ class EngineConfig(_Strict):
     num_slots: int = Field(2, ge=2, description="GPU weight slots (double buffering needs 2)")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile the layer template (auto: on CUDA only; fuses the elementwise work)")
+    tune_first: bool = Field(False, description="compiled, one process: compile and tune the layers' kernels on a "
+                                                "copy of the model with one layer of each kind, before the host "
+                                                "store is allocated, so the autotuner's page-locked copies never "
+                                                "add to its peak (run/tune_first.py)")
 
     @field_validator("compile", mode="before")
     @classmethod

@@ -122,6 +122,11 @@ def check_inputs(cfg: Config, dist=None) -> Inputs:
                              "share one host store and shard its updates, which the tier does not); unset "
                              "memory.disk_path, or run `megatrain train` without torchrun")
     device = dist.device if dist is not None else resolve_device(cfg.train.device)
+    if cfg.engine.tune_first and (dist is not None or not compiled(cfg, device)):
+        raise MegatrainError("engine.tune_first: " + (
+            "one process only (each rank would build its own copy of the model); unset it under torchrun"
+            if dist is not None else f"the layers are not compiled on {device.type} (engine.compile: "
+            f"{cfg.engine.compile}): there is nothing to tune; unset it, or set engine.compile: on"))
     hf_config = load_hf_config(cfg.model.path)
     adapter = get_adapter(hf_config)
     if (gen := Path(cfg.model.path) / "generation_config.json").is_file():
@@ -202,6 +207,12 @@ def prepare(cfg: Config, dist=None, since_process_start: bool = False) -> Run:
     options = runtime_options(cfg, inp.device, plan, dist.world.local_size if dist is not None else 1)
     stream_dtype, compute_dtype = store_dtypes(cfg.train.precision, options.engine.placement.stream_dtype)
     disk_states = disk_states_of(cfg, plan)
+    if cfg.engine.tune_first:
+        from .tune_first import first_step, tune_first
+
+        step = first_step(inp.loader, inp.resumed.state["loader"] if inp.resumed is not None else None)
+        tune_first(inp.hf_config, inp.device, options.engine, cfg.train.precision, step, inp.eval_batches)
+        clock.lap("kernels compiled and tuned first (a copy of the model with one layer of each kind)")
     with host_allocation("host store (fp32 master, Adam m and v, streaming copy)", plan, adapter):
         store = HostStore(adapter, stream_dtype, compute_dtype, allocate=dist.memory.allocate if dist else None,
                           disk_path=cfg.memory.disk_path if disk_states else None, disk_states=disk_states)
@@ -249,11 +260,16 @@ def disk_states_of(cfg: Config, plan=None) -> tuple[str, ...]:
     return tuple(k for k in ("v", "m", "master") if k in (cfg.memory.disk_states or ()))
 
 
+def compiled(cfg: Config, device: torch.device) -> bool:
+    """engine.compile: on, or auto on CUDA."""
+    return cfg.engine.compile == "on" or (cfg.engine.compile == "auto" and device.type == "cuda")
+
+
 def runtime_options(cfg: Config, device: torch.device, plan=None, ranks_per_node: int = 1) -> RuntimeOptions:
     """The runtime the plan was made for: its placement (without a plan: the memory keys set, defaults for the
     rest), and its optimizer's threads."""
     e = cfg.engine
-    compile_layers = e.compile == "on" or (e.compile == "auto" and device.type == "cuda")
+    compile_layers = compiled(cfg, device)
     if plan is not None:
         placement = plan.placement
     else:

@@ -1,0 +1,119 @@
+"""Compile and tune the layers' kernels before the host store exists (`engine.tune_first`).
+
+A compiled run's first step compiles the layer template. The first time an Inductor kernel with several
+configurations runs, Inductor benchmarks them. Before it does, it copies aside the buffers the kernel writes: to the
+GPU when the GPU's peak so far leaves room, else to page-locked host memory
+(`CachingAutotuner.copy_args_to_cpu_if_needed`). torch's caching host allocator keeps those in power-of-two
+blocks. For Qwen2.5-7B at 80,896 tokens per micro-batch that is 4 GiB on top of the whole host store: with fp32
+streaming, a peak of 12.88 B/param, against 12.30 when Inductor's cache already had the kernels tuned
+(bench/results/2026-11-25/h200-rss-diag).
+
+Here the same compiling and tuning runs first, on a copy of the model with only the layers it needs (up to the
+first layer of each attention kind, so every kind's graph is compiled), over a store of its own, on the run's first
+step (drawn from the loader and put back: the step resumed from, after a resume) and the evaluation batches. It
+happens while host RAM holds only that copy. Then the copy is freed and torch's page-locked blocks are returned.
+The run's own engine reuses the compiled graphs: Dynamo's guards hold for another adapter of the same shapes
+(bench/autotune_copies.py, mode two-engines; tests/test_tune_first.py), so the run compiles and tunes nothing
+again for those shapes. A later step whose batches have other shapes (rows padded to a shorter length with
+data.group_by_length) compiles and tunes in that step, as without this.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import time
+
+import torch
+
+from ..models import get_adapter
+from ..runtime import (
+    CpuAdamW,
+    EngineOptions,
+    HostStore,
+    MicroBatch,
+    Placement,
+    RuntimeOptions,
+    build_runtime,
+)
+from ..runtime.pinned import release_torch_pinned_cache
+from ..runtime.store import store_dtypes
+from .prefetch import prepare_step
+
+SEED = 20261127  # the copy's weights and tokens: private generators, the run's random state is not touched
+
+
+def layers_needed(kinds: list[str]) -> int:
+    """Layers of the copy: up to the first layer of each attention kind (each kind compiles its own graphs)."""
+    return 1 + max(kinds.index(k) for k in set(kinds))
+
+
+def truncated_config(hf_config, layers: int):
+    c = copy.deepcopy(hf_config)
+    c.num_hidden_layers = layers
+    if getattr(c, "layer_types", None):
+        c.layer_types = list(c.layer_types)[:layers]
+    return c
+
+
+def first_step(loader, resumed_state: dict | None = None) -> list[MicroBatch]:
+    """The run's first step's micro-batches, the loader left where it was (at `resumed_state` after a resume)."""
+    if resumed_state is not None:
+        loader.load_state_dict(resumed_state)
+    state = loader.state_dict()
+    try:
+        return prepare_step(loader.next_step(), pin=False)
+    finally:
+        loader.load_state_dict(state)
+
+
+def distinct(mbs: list[MicroBatch]) -> list[MicroBatch]:
+    """One micro-batch of each shape (rows, tokens; packed or not): each compiles its own graphs."""
+    out = {}
+    for mb in mbs:
+        out.setdefault((tuple(mb.input_ids.shape), mb.packed, mb.token_mask is not None), mb)
+    return list(out.values())
+
+
+def tune_first(hf_config, device: torch.device, options: EngineOptions, precision: str, step: list[MicroBatch],
+               eval_batches=None) -> str:
+    """Run the layers' compiling and tuning on a truncated copy of the model (see the module's note) over `step`'s
+    micro-batch shapes and the evaluation batches'; return what it did. `options`: the run's engine options (their
+    tiles, stash and attention blocks decide the graphs; the rest of the placement does not)."""
+    t0 = time.perf_counter()
+    layers = layers_needed(get_adapter(hf_config).layer_kinds)
+    adapter = get_adapter(truncated_config(hf_config, layers))
+    pl = options.placement
+    placement = Placement(seq_tile=pl.seq_tile, reuse_attention=min(pl.reuse_attention, layers),
+                          attn_block=pl.attn_block, stream_dtype=pl.stream_dtype)
+    store = HostStore(adapter, *store_dtypes(precision, pl.stream_dtype))
+    store.init_random(SEED, 0.02)
+    runtime = build_runtime(store, device, CpuAdamW(), RuntimeOptions(
+        engine=EngineOptions(loss_chunk_tokens=options.loss_chunk_tokens, num_slots=options.num_slots,
+                             compile_layers=options.compile_layers, placement=placement,
+                             head_kernels=options.head_kernels)))
+    shapes = 0
+    try:
+        for mb in distinct(step):
+            runtime.pipeline.begin_step(lr=None)
+            out = runtime.engine.train_step([mb])
+            out.loss_sum.item()
+            runtime.pipeline.finish_step(lr=0.0, clip_coef=1.0)
+            shapes += 1
+        evals = [MicroBatch.from_labels(b["input_ids"], b["labels"], b.get("position_ids"))
+                 for b in eval_batches or []]
+        for mb in distinct(evals):
+            runtime.engine.eval_loss([mb])
+            shapes += 1
+        runtime.pipeline.drain()
+    finally:
+        runtime.close()
+    del runtime, store
+    gc.collect()
+    released = 0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        released = release_torch_pinned_cache(min_idle=0)
+    return (f"{shapes} shape{'s' if shapes != 1 else ''} on a {layers}-layer copy in {time.perf_counter() - t0:.1f} "
+            f"s" + (f", {released / 2**30:.2f} GiB of autotuning copies returned" if released else ""))
