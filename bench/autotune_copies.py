@@ -105,6 +105,7 @@ def child(args) -> dict:
         first = one_engine_step(args, seed=1)
         rec["first_step_s"] = first["step_s"]
         rec["first_pinned_peak_gib"] = pinned_peak() / GiB
+        rec["first_graphs"] = int(dyn.counters["stats"].get("unique_graphs", 0))  # "graphs" then counts both
         release_torch_pinned_cache(min_idle=0)
         if cuda:
             reset = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
@@ -179,7 +180,7 @@ def main() -> int:
         write_json(args.json, {"command": " ".join(sys.argv), "git": git_rev(), "machine": machine(),
                                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows})
     cols = ("mode", "step_s", "pinned_peak_gib", "rss_peak_gib", "gpu_peak_gib", "gpu_reserved_gib", "graphs",
-            "first_step_s", "first_pinned_peak_gib", "bump_gib", "process_s")
+            "first_graphs", "first_step_s", "first_pinned_peak_gib", "bump_gib", "process_s")
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
