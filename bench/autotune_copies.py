@@ -59,16 +59,8 @@ def one_engine_step(args, seed: int) -> dict:
     from common import hf_config
 
     from megatrain.models import get_adapter
-    from megatrain.runtime import (
-        CpuAdamW,
-        EngineOptions,
-        HostStore,
-        MicroBatch,
-        Placement,
-        RuntimeOptions,
-        build_runtime,
-        store_dtypes,
-    )
+    from megatrain.runtime import (CpuAdamW, EngineOptions, HostStore, MicroBatch, Placement, RuntimeOptions,
+                                   build_runtime, store_dtypes)
 
     tiny = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                 vocab_size=1024, head_dim=64) if args.tiny else {}  # --tiny: the script's own check on CPU

@@ -27,15 +27,7 @@ import time
 import torch
 
 from ..models import get_adapter
-from ..runtime import (
-    CpuAdamW,
-    EngineOptions,
-    HostStore,
-    MicroBatch,
-    Placement,
-    RuntimeOptions,
-    build_runtime,
-)
+from ..runtime import CpuAdamW, EngineOptions, HostStore, MicroBatch, Placement, RuntimeOptions, build_runtime
 from ..runtime.pinned import release_torch_pinned_cache
 from ..runtime.store import store_dtypes
 from .prefetch import prepare_step
