@@ -129,7 +129,8 @@ def run_mode(args, mode: str, cache: str) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
     cmd = [sys.executable, __file__, "--child", mode, "--model", args.model, "--layers", str(args.layers),
            "--seq", str(args.seq), "--micro", str(args.micro), "--device", args.device,
-           "--stream-dtype", args.stream_dtype, "--margin-gib", str(args.margin_gib)] + (["--tiny"] if args.tiny else [])
+           "--stream-dtype", args.stream_dtype, "--margin-gib", str(args.margin_gib)]
+    cmd += ["--tiny"] if args.tiny else []
     t = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
     lines = [x for x in p.stdout.splitlines() if x.startswith("{")]

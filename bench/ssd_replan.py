@@ -131,8 +131,8 @@ def main() -> int:
               f"{x['pred_s']:>9.1f}{meas:>11.1f}{x['pred_s'] / meas - 1:>+8.1%}")
     print("first row of each run: its plan re-made with the rates it measured at its start (the run's own plan: "
           + ", ".join(f"{x['run_plan_s']:.1f} s" for x in rows if x["step"] is None) + ") against the mean of its "
-          "steady steps (after the first optimizer pass)\n* the first optimizer pass: before session 30 its reads were of "
-          "never-written regions (holes), counted as disk reads; since, such pieces are zero-filled and not read")
+          "steady steps (after the first optimizer pass)\n* the first optimizer pass: before session 30 its reads were "
+          "of never-written regions (holes), counted as disk reads; since, such pieces are zero-filled and not read")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
