@@ -211,7 +211,7 @@ def prepare(cfg: Config, dist=None, since_process_start: bool = False) -> Run:
         from .tune_first import first_step, tune_first
 
         step = first_step(inp.loader, inp.resumed.state["loader"] if inp.resumed is not None else None)
-        tune_first(inp.hf_config, inp.device, options.engine, cfg.train.precision, step, inp.eval_batches)
+        tune_first(adapter, inp.device, options.engine, cfg.train.precision, step, inp.eval_batches)
         clock.lap("kernels compiled and tuned first (a copy of the model with one layer of each kind)")
     with host_allocation("host store (fp32 master, Adam m and v, streaming copy)", plan, adapter):
         store = HostStore(adapter, stream_dtype, compute_dtype, allocate=dist.memory.allocate if dist else None,

@@ -67,14 +67,14 @@ def distinct(mbs: list[MicroBatch]) -> list[MicroBatch]:
     return list(out.values())
 
 
-def tune_first(hf_config, device: torch.device, options: EngineOptions, precision: str, step: list[MicroBatch],
+def tune_first(run_adapter, device: torch.device, options: EngineOptions, precision: str, step: list[MicroBatch],
                eval_batches=None) -> str:
     """Run the layers' compiling and tuning on a truncated copy of the model (see the module's note) over `step`'s
     micro-batch shapes and the evaluation batches'; return what it did. `options`: the run's engine options (their
     tiles, stash and attention blocks decide the graphs; the rest of the placement does not)."""
     t0 = time.perf_counter()
-    layers = layers_needed(get_adapter(hf_config).layer_kinds)
-    adapter = get_adapter(truncated_config(hf_config, layers))
+    layers = layers_needed(run_adapter.layer_kinds)
+    adapter = get_adapter(truncated_config(run_adapter.hf_config, layers))
     pl = options.placement
     placement = Placement(seq_tile=pl.seq_tile, reuse_attention=min(pl.reuse_attention, layers),
                           attn_block=pl.attn_block, stream_dtype=pl.stream_dtype)
@@ -92,10 +92,11 @@ def tune_first(hf_config, device: torch.device, options: EngineOptions, precisio
             out.loss_sum.item()
             runtime.pipeline.finish_step(lr=0.0, clip_coef=1.0)
             shapes += 1
-        evals = [MicroBatch.from_labels(b["input_ids"], b["labels"], b.get("position_ids"))
-                 for b in eval_batches or []]
-        for mb in distinct(evals):
-            runtime.engine.eval_loss([mb])
+        evals = {}  # one batch of each shape, before any is prepared (an evaluation set may have thousands)
+        for b in eval_batches or []:
+            evals.setdefault((tuple(b["input_ids"].shape), b.get("position_ids") is not None), b)
+        for b in evals.values():
+            runtime.engine.eval_loss([MicroBatch.from_labels(b["input_ids"], b["labels"], b.get("position_ids"))])
             shapes += 1
         runtime.pipeline.drain()
     finally:
