@@ -70,16 +70,16 @@ class EngineConfig(_Strict):
     num_slots: int = Field(2, ge=2, description="GPU weight slots (double buffering needs 2)")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile the layer template (auto: on CUDA only; fuses the elementwise work)")
-    tune_first: bool = Field(False, description="compiled, one process: compile and tune the layers' kernels on a "
-                                                "copy of the model with one layer of each kind, before the host "
-                                                "store is allocated, so the autotuner's page-locked copies never "
-                                                "add to its peak (run/tune_first.py)")
+    tune_first: Literal["auto", "on", "off"] = Field(
+        "auto", description="compile and tune the layers' kernels on a copy of the model with one layer of each kind, "
+                            "before the host store is allocated, so the autotuner's page-locked copies never add to "
+                            "its peak (run/tune_first.py; auto: when the layers are compiled on CUDA in one process)")
 
-    @field_validator("compile", mode="before")
+    @field_validator("compile", "tune_first", mode="before")
     @classmethod
     def _on_off(cls, v):
         """YAML 1.1 reads an unquoted `on` / `off` (in a file, or `engine.compile=on` on the command line) as a
-        boolean: take it as the word it was written as."""
+        boolean (`true` / `false` too): take it as the word."""
         return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 

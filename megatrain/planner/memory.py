@@ -171,7 +171,7 @@ def host_memory(units, w: Workload, tied: bool = False) -> dict[str, float]:
     # tokenizer and sampler index; the tokenised data itself stays in memory-mapped Arrow files (page cache)
     out["data (one step's batches, tokenizer)"] = 64.0 * w.tokens_per_step + 0.25 * GiB
     out["runtime (python, torch" + (", CUDA" if w.device == "cuda" else "") + ")"] = RUNTIME_HOST[w.device]
-    if w.compile and w.device == "cuda":
+    if w.compile and w.device == "cuda" and not w.tune_first:  # tuned first: before the store exists, not here
         out[AUTOTUNE] = autotune_host(units, w)
     return out
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..runtime.layer import can_stash
-from .memory import DEVICE_WORK, checkpoint_bytes, gpu_needed, gpu_phases, host_memory, peak_phase, pinned_bytes
+from .memory import (DEVICE_WORK, autotune_host, checkpoint_bytes, gpu_needed, gpu_phases, host_memory, peak_phase,
+                     pinned_bytes)
 from .placement import choose, describe
 from .profile import COMPILED_SPEEDUP, GiB, Profile
 from .report import refusal, render
@@ -175,6 +176,10 @@ def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float |
         w, why = choose(adapter, units, w, profile, _rank_host_limit(host_available, params, world), gpu_limit,
                         frozenset(choose_keys), disk=bool(disk_path) and world.size == 1)
     host = host_memory(units, w, adapter.tied)
+    if w.tune_first and w.compile and w.device == "cuda":
+        notes.append(f"engine.tune_first: the kernels are compiled and tuned on a copy of the model before the store "
+                     f"is allocated; the autotuner's page-locked copies (up to {autotune_host(units, w) / GiB:.2f} "
+                     f"GiB) come then, not on this peak")
     pinned = pinned_bytes(host, w)
     name, comps = peak_phase(gpu_phases(adapter, units, w, notes, profile))
     peak = sum(comps.values())
@@ -242,7 +247,7 @@ def plan_for_config(cfg, adapter, device: str, profile: Profile | None = None, w
     from .profile import load_profile, this_host
 
     prof = profile or load_profile(cfg.plan.profile)
-    w = workload_from_config(cfg, device)
+    w = workload_from_config(cfg, device, distributed=world.size > 1)
     # host RAM: the configured amount, else this machine's (cgroup-aware), else (planning for the profiled
     # machine from elsewhere) what the profile recorded
     if cfg.memory.host_budget_gb:

@@ -36,6 +36,8 @@ class Workload:
     #                        start during backward; OptimizerPipeline.begin_step)
     disk_states: tuple[str, ...] = ()  # states on the SSD tier (memory.disk_states: 'v', 'm', 'master';
     #                                    HostStore's disk_states, runtime/disk_tier.py)
+    tune_first: bool = False  # the kernels compiled and tuned on a copy of the model before the store exists
+    #                           (engine.tune_first, run/tune_first.py): the autotuner's copies are not on the peak
 
     @property
     def tokens_per_step(self) -> int:
@@ -75,9 +77,22 @@ def fixed_placement(cfg) -> dict:
     return {k: v for k in PLACEMENT_KEYS if (v := getattr(cfg.memory, k)) is not None}
 
 
-def workload_from_config(cfg, device: str) -> Workload:
+def compiles_layers(engine, device: str) -> bool:
+    """engine.compile (a validated EngineConfig): on, or auto on CUDA."""
+    return engine.compile == "on" or (engine.compile == "auto" and device == "cuda")
+
+
+def tunes_first(engine, device: str, distributed: bool = False) -> bool:
+    """engine.tune_first: on, or auto where the autotuner's page-locked copies occur (compiled layers on CUDA) in a
+    run of one process (each rank of a torchrun would build a copy of its own)."""
+    if engine.tune_first != "auto":
+        return engine.tune_first == "on"
+    return device == "cuda" and not distributed and compiles_layers(engine, device)
+
+
+def workload_from_config(cfg, device: str, distributed: bool = False) -> Workload:
     """The workload of a validated megatrain.config.Config on `device` ('cuda' or 'cpu'), with the placement keys
-    it sets and defaults for the rest (plan_for_config then chooses those)."""
+    it sets and defaults for the rest (plan_for_config then chooses those). distributed: several ranks."""
     t, eng = cfg.train, cfg.engine
     if t.precision == "fp32" and cfg.memory.stream_dtype == "bf16":
         raise MegatrainError("memory.stream_dtype: bf16 streaming cannot feed train.precision=fp32 (fp32 runs stream "
@@ -85,9 +100,10 @@ def workload_from_config(cfg, device: str) -> Workload:
     return Workload(
         micro_batches=(t.micro_batch_size,) * t.grad_accum_steps, seq_len=cfg.data.max_seq_len, device=device,
         precision=t.precision, loss_chunk_tokens=eng.loss_chunk_tokens, num_slots=eng.num_slots,
-        compile=eng.compile == "on" or (eng.compile == "auto" and device == "cuda"), packed=cfg.data.packing,
+        compile=compiles_layers(eng, device), packed=cfg.data.packing,
         placement=Placement(**fixed_placement(cfg)), clipping=t.clipping,
-        disk_states=tuple(k for k in ("v", "m", "master") if k in (cfg.memory.disk_states or ())))
+        disk_states=tuple(k for k in ("v", "m", "master") if k in (cfg.memory.disk_states or ())),
+        tune_first=tunes_first(eng, device, distributed))
 
 
 def checkpoint_copies(cfg) -> int:

@@ -27,7 +27,7 @@ from ..errors import MegatrainError, load_json, read_text
 from ..models import get_adapter, load_hf_config
 from ..runtime import (CpuAdamW, EngineOptions, HostStore, Placement, Runtime, RuntimeOptions, build_runtime,
                        store_dtypes)
-from ..planner.workload import fixed_placement
+from ..planner.workload import compiles_layers, fixed_placement, tunes_first
 from .oom import host_allocation
 
 
@@ -122,11 +122,11 @@ def check_inputs(cfg: Config, dist=None) -> Inputs:
                              "share one host store and shard its updates, which the tier does not); unset "
                              "memory.disk_path, or run `megatrain train` without torchrun")
     device = dist.device if dist is not None else resolve_device(cfg.train.device)
-    if cfg.engine.tune_first and (dist is not None or not compiled(cfg, device)):
+    if cfg.engine.tune_first == "on" and (dist is not None and dist.world.size > 1 or not compiled(cfg, device)):
         raise MegatrainError("engine.tune_first: " + (
             "one process only (each rank would build its own copy of the model); unset it under torchrun"
-            if dist is not None else f"the layers are not compiled on {device.type} (engine.compile: "
-            f"{cfg.engine.compile}): there is nothing to tune; unset it, or set engine.compile: on"))
+            if dist is not None and dist.world.size > 1 else f"the layers are not compiled on {device.type} "
+            f"(engine.compile: {cfg.engine.compile}): there is nothing to tune; unset it, or set engine.compile: on"))
     hf_config = load_hf_config(cfg.model.path)
     adapter = get_adapter(hf_config)
     if (gen := Path(cfg.model.path) / "generation_config.json").is_file():
@@ -207,7 +207,7 @@ def prepare(cfg: Config, dist=None, since_process_start: bool = False) -> Run:
     options = runtime_options(cfg, inp.device, plan, dist.world.local_size if dist is not None else 1)
     stream_dtype, compute_dtype = store_dtypes(cfg.train.precision, options.engine.placement.stream_dtype)
     disk_states = disk_states_of(cfg, plan)
-    if cfg.engine.tune_first:
+    if tunes_first(cfg.engine, inp.device.type, dist is not None and dist.world.size > 1):
         from .tune_first import first_step, tune_first
 
         step = first_step(inp.loader, inp.resumed.state["loader"] if inp.resumed is not None else None)
@@ -262,7 +262,7 @@ def disk_states_of(cfg: Config, plan=None) -> tuple[str, ...]:
 
 def compiled(cfg: Config, device: torch.device) -> bool:
     """engine.compile: on, or auto on CUDA."""
-    return cfg.engine.compile == "on" or (cfg.engine.compile == "auto" and device.type == "cuda")
+    return compiles_layers(cfg.engine, device.type)
 
 
 def runtime_options(cfg: Config, device: torch.device, plan=None, ranks_per_node: int = 1) -> RuntimeOptions:

@@ -21,6 +21,8 @@ data.group_by_length) compiles and tunes in that step, as without this.
 from __future__ import annotations
 
 import copy
+import ctypes
+import ctypes.util
 import gc
 import time
 
@@ -67,6 +69,16 @@ def distinct(mbs: list[MicroBatch]) -> list[MicroBatch]:
     return list(out.values())
 
 
+def trim_heap() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim): the copy's smaller allocations (below
+    malloc's mmap threshold) would otherwise stay in the process's resident set under the store. False where the
+    C library has no malloc_trim."""
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def tune_first(run_adapter, device: torch.device, options: EngineOptions, precision: str, step: list[MicroBatch],
                eval_batches=None) -> str:
     """Run the layers' compiling and tuning on a truncated copy of the model (see the module's note) over `step`'s
@@ -103,6 +115,7 @@ def tune_first(run_adapter, device: torch.device, options: EngineOptions, precis
         runtime.close()
     del runtime, store
     gc.collect()
+    trim_heap()
     released = 0
     if device.type == "cuda":
         torch.cuda.synchronize(device)
