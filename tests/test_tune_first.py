@@ -44,7 +44,7 @@ def test_the_first_step_is_drawn_and_put_back(tmp_path):
     assert loader.state_dict() == later
 
 
-def test_tune_first_compiles_what_the_run_runs_and_changes_nothing(tmp_path, monkeypatch):
+def test_tune_first_compiles_what_the_run_runs_and_changes_nothing(tmp_path, monkeypatch, capsys):
     """With engine.compile: on (CPU here), the copy compiles every graph the run's first step and its evaluations
     need; the run compiles none after it, and its losses, grad norms, evaluations and checkpoint equal those of the
     same run without tune_first, bit for bit (the copy's weights and tokens come from generators of its own)."""
@@ -63,17 +63,23 @@ def test_tune_first_compiles_what_the_run_runs_and_changes_nothing(tmp_path, mon
         return seen["message"]
 
     monkeypatch.setattr(tf, "tune_first", counted)
-    runs = {}
+    runs, logs = {}, {}
     try:
         for name, extra in (("tuned", ["engine.tune_first=true"]), ("plain", [])):
             torch._dynamo.reset()
             dyn.counters.clear()
+            capsys.readouterr()
             train(cfg_for(tmp_path / name, "engine.compile=on", *extra))
             runs[name] = dyn.counters["stats"]["unique_graphs"]
+            out = capsys.readouterr()
+            logs[name] = out.out + out.err
     finally:
         torch._dynamo.reset()
     assert seen["graphs"] > 0 and runs["tuned"] == seen["graphs"], (seen, runs)  # nothing compiled after the copy
     assert "on a 1-layer copy" in seen["message"]
+    # the start summary says what was compiled first, instead of "the first step compiles the layers"
+    assert f"the layers' kernels compiled and tuned first: {seen['message']}" in logs["tuned"]
+    assert "the first step compiles the layers" in logs["plain"]
     records = {n: [json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in runs}
     keys = ("loss", "grad_norm", "eval_loss")
     assert [[r.get(k) for k in keys] for r in records["tuned"]] == [[r.get(k) for k in keys] for r in records["plain"]]

@@ -124,7 +124,8 @@ def autotune_host(units, w: Workload) -> float:
     Inductor kernel with several configurations runs, its autotuning copies the buffers the kernel writes to host
     memory when a copy on the GPU would raise the GPU's peak so far, and torch's caching host allocator keeps them
     in blocks rounded up to a power of two (returned after the step now: runtime/pinned.release_torch_pinned_cache;
-    none when Inductor's on-disk cache has the kernels tuned: the same shapes again, a resume). The largest such
+    none when Inductor's on-disk cache has the kernels tuned: the same shapes again, a resume; not on the
+    store's peak when `engine.tune_first` tuned them on a copy of the model before the store existed). The largest such
     buffer of a dense layer is its widest projection's output over the micro-batch (or one tile of `seq_tile`
     tokens) in the compute dtype: measured 4.02 GiB for Qwen2.5-7B at 80,896 tokens (80,896 x 18,944 x 2 B = 2.85
     GiB, a 4 GiB block), 0.50 at 8,192 (0.29 GiB, a 0.5 GiB block), 0.27 for Llama-3.1-8B in tiles of 8,192 (0.22,

@@ -69,6 +69,7 @@ class Run:
     plan: object = None  # megatrain.planner.Plan of this run (None: it could not be computed)
     dist: object = None  # megatrain.distributed.Distributed of a distributed run (None: one process)
     startup_s: dict = field(default_factory=dict)  # seconds of each phase of `prepare` (StartupClock)
+    tuned_first: str = ""  # what engine.tune_first compiled and tuned before the store existed ("": it did not)
 
     @property
     def store(self) -> HostStore:
@@ -207,11 +208,12 @@ def prepare(cfg: Config, dist=None, since_process_start: bool = False) -> Run:
     options = runtime_options(cfg, inp.device, plan, dist.world.local_size if dist is not None else 1)
     stream_dtype, compute_dtype = store_dtypes(cfg.train.precision, options.engine.placement.stream_dtype)
     disk_states = disk_states_of(cfg, plan)
+    tuned = ""
     if tunes_first(cfg.engine, inp.device.type, dist is not None and dist.world.size > 1):
         from .tune_first import first_step, tune_first
 
         step = first_step(inp.loader, inp.resumed.state["loader"] if inp.resumed is not None else None)
-        tune_first(adapter, inp.device, options.engine, cfg.train.precision, step, inp.eval_batches)
+        tuned = tune_first(adapter, inp.device, options.engine, cfg.train.precision, step, inp.eval_batches)
         clock.lap("kernels compiled and tuned first (a copy of the model with one layer of each kind)")
     with host_allocation("host store (fp32 master, Adam m and v, streaming copy)", plan, adapter):
         store = HostStore(adapter, stream_dtype, compute_dtype, allocate=dist.memory.allocate if dist else None,
@@ -237,7 +239,7 @@ def prepare(cfg: Config, dist=None, since_process_start: bool = False) -> Run:
             runtime = build_distributed_runtime(store, inp.device, optimizer, options, dist)
     clock.lap("runtime built (buffers pinned, slots allocated)")
     return Run(cfg, adapter, runtime, inp.loader, inp.eval_batches, inp.exact_match, inp.tokenizer, inp.out_dir,
-               inp.resumed, plan, dist, startup_s=clock.phases)
+               inp.resumed, plan, dist, startup_s=clock.phases, tuned_first=tuned)
 
 
 def fill_store(cfg: Config, inp: Inputs, store: HostStore) -> None:

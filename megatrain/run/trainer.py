@@ -100,7 +100,8 @@ def start(run: Run) -> Session:
              f"{run.store.host_bytes() / 2**30:.2f} GiB; data: {run.loader.summary()}")
     if run.startup_s:
         log.info("start-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in run.startup_s.items())
-                 + ("; the first step compiles the layers" if run.engine.options.compile_layers else ""))
+                 + (f"; the layers' kernels compiled and tuned first: {run.tuned_first}" if run.tuned_first else
+                    "; the first step compiles the layers" if run.engine.options.compile_layers else ""))
     stats = attach(run, log)  # the plan's figures in the start summary; per-step throughput, memory, streams
     log.check = PlanCheck(run.plan, first)  # a GPU run's steady step off its plan is said, with where and why
     final = t.steps if cfg.checkpoint.at_end or cfg.export.at_end else None
