@@ -1,5 +1,5 @@
 """steps.txt: every step of every `megatrain train` run in runs/, with its host peak, start-up phases and plan
-(python make_steps.py > steps.txt, in this folder or ../h100-tune-first)."""
+(python make_steps.py > steps.txt here; in ../h100-tune-first: python ../x2-h100-c/make_steps.py > steps.txt)."""
 import glob
 import json
 
