@@ -150,3 +150,45 @@ def test_the_plan_leaves_the_autotuning_copies_off_the_peak_when_tuned_first(tmp
     assert abs(cold.host_total / GiB / 91.23 - 1) < 0.01  # measured cold (x2-h100-c)
     assert abs(tuned.host_total / GiB / 87.41 - 1) < 0.01  # measured tuned first
     assert any("engine.tune_first" in n and "4.00 GiB" in n for n in tuned.notes)
+
+
+def test_the_plan_counts_the_copy_phase_and_takes_it_where_it_is_the_peak():
+    """The copy's phase (planner/tune_copy.py) is counted as memory.host_memory counts a run, over the copy
+    run/tune_first.py builds: its store is the truncated model's, byte for byte. Qwen2.5-7B: 1 layer, 21 GiB, below
+    the run's 87 GiB. A 2-layer model at 80,896 tokens per micro-batch: the autotuner's block (64 MiB) outweighs the
+    layer the copy leaves out, so the copy's phase is the plan's host peak."""
+    from pathlib import Path
+
+    from conftest import tiny_hf_config
+
+    from megatrain.models import get_adapter, load_hf_config
+    from megatrain.planner.memory import AUTOTUNE, STATE_NAMES, TUNE_COPY, host_memory
+    from megatrain.planner.plan import make_plan
+    from megatrain.planner.profile import load_profile
+    from megatrain.planner.tune_copy import copy_host, truncated_config
+    from megatrain.planner.workload import Workload
+    from megatrain.runtime import HostStore, Placement
+    from megatrain.runtime.store import store_dtypes
+
+    GiB = 2**30
+    prof = load_profile(None)
+    tiny = get_adapter(tiny_hf_config("llama", layers=2))
+    w = Workload((79, 79), 1024, compile=True, tune_first=True)
+    layers, phase = copy_host(tiny, w)
+    store = HostStore(get_adapter(truncated_config(tiny.hf_config, layers)), *store_dtypes("bf16", "bf16"))
+    assert layers == 1 and phase[AUTOTUNE] > 0
+    assert sum(phase[k] for k in [*STATE_NAMES.values(), "bf16 streaming copy (pinned)"]) == store.host_bytes()
+    plan = make_plan(tiny, w, prof, suggest=False)
+    run_peak = sum(host_memory(tiny.units(), w, tiny.tied).values())
+    assert plan.host[TUNE_COPY] > 0 and plan.host_total == pytest.approx(sum(phase.values()))
+    assert plan.host_total > run_peak and any("with 1 layer" in n for n in plan.notes)
+
+    qwen = get_adapter(load_hf_config(str(Path(__file__).resolve().parents[1] / "bench" / "model-configs" /
+                                          "qwen2.5-7b")))
+    w7 = Workload((79, 79), 1024, compile=True, tune_first=True, placement=Placement(stream_dtype="fp32"))
+    layers, phase = copy_host(qwen, w7)
+    copy_params = sum(u.numel for u in qwen.units()) - 27 * qwen.units()[1].numel  # embedding, head, one layer
+    assert layers == 1 and phase[AUTOTUNE] == 4 * GiB
+    assert sum(phase[k] for k in STATE_NAMES.values()) == pytest.approx(12 * copy_params, rel=1e-3)
+    plan7 = make_plan(qwen, w7, prof, suggest=False)
+    assert TUNE_COPY not in plan7.host and 20 * GiB < sum(phase.values()) < 22 * GiB < plan7.host_total

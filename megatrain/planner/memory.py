@@ -78,6 +78,7 @@ MASTER = "fp32 master weights"
 SSD_CACHE = "SSD tier cache (read-ahead and write-behind slots)"
 AUTOTUNE = "autotuning copies (pinned; first compiled step)"
 SSD_STAGING = "SSD tier staging (one unit: checkpoint saves, resume)"
+TUNE_COPY = "engine.tune_first's copy of the model, above the run's own peak"
 STATE_NAMES = {"master": MASTER, "m": "Adam m (fp32)", "v": "Adam v (fp32)"}
 DEVICE_WORK = "device work (activations, gradients; peak)"  # a CPU run: the device is the host
 

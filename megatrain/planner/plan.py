@@ -21,13 +21,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..runtime.layer import can_stash
-from .memory import (DEVICE_WORK, autotune_host, checkpoint_bytes, gpu_needed, gpu_phases, host_memory, peak_phase,
-                     pinned_bytes)
+from .memory import (DEVICE_WORK, TUNE_COPY, autotune_host, checkpoint_bytes, gpu_needed, gpu_phases, host_memory,
+                     peak_phase, pinned_bytes)
 from .placement import choose, describe
 from .profile import COMPILED_SPEEDUP, GiB, Profile
 from .report import refusal, render
 from .suggest import suggestions
 from .timing import executed_flops, step_time
+from .tune_copy import copy_host
 from .workload import PLACEMENT_KEYS, Workload, checkpoint_copies, fixed_placement, workload_from_config
 from .world import World, comm, node_host, node_pinned, world_time
 
@@ -177,9 +178,14 @@ def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float |
                         frozenset(choose_keys), disk=bool(disk_path) and world.size == 1)
     host = host_memory(units, w, adapter.tied)
     if w.tune_first and w.compile and w.device == "cuda":
-        notes.append(f"engine.tune_first: the kernels are compiled and tuned on a copy of the model before the store "
-                     f"is allocated; the autotuner's page-locked copies (up to {autotune_host(units, w) / GiB:.2f} "
-                     f"GiB) come then, not on this peak")
+        layers, phase = copy_host(adapter, w)
+        total, run_peak = sum(phase.values()), sum(host.values())
+        if total > run_peak:  # few layers: the copy's phase, with the autotuner's block, is the peak
+            host[TUNE_COPY] = total - run_peak
+        notes.append(f"engine.tune_first: the kernels are compiled and tuned first on a copy of the model with "
+                     f"{layers} layer{'s' if layers > 1 else ''}, before the store is allocated: {total / GiB:.1f} GiB "
+                     f"of host then, the autotuner's page-locked copies (up to {autotune_host(units, w) / GiB:.2f} "
+                     f"GiB) included" + ("" if total > run_peak else ", not on this peak"))
     pinned = pinned_bytes(host, w)
     name, comps = peak_phase(gpu_phases(adapter, units, w, notes, profile))
     peak = sum(comps.values())

@@ -20,7 +20,6 @@ data.group_by_length) compiles and tunes in that step, as without this.
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import ctypes.util
 import gc
@@ -29,25 +28,13 @@ import time
 import torch
 
 from ..models import get_adapter
-from ..runtime import CpuAdamW, EngineOptions, HostStore, MicroBatch, Placement, RuntimeOptions, build_runtime
+from ..planner.tune_copy import copy_placement, layers_needed, truncated_config
+from ..runtime import CpuAdamW, EngineOptions, HostStore, MicroBatch, RuntimeOptions, build_runtime
 from ..runtime.pinned import release_torch_pinned_cache
 from ..runtime.store import store_dtypes
 from .prefetch import prepare_step
 
 SEED = 20261127  # the copy's weights and tokens: private generators, the run's random state is not touched
-
-
-def layers_needed(kinds: list[str]) -> int:
-    """Layers of the copy: up to the first layer of each attention kind (each kind compiles its own graphs)."""
-    return 1 + max(kinds.index(k) for k in set(kinds))
-
-
-def truncated_config(hf_config, layers: int):
-    c = copy.deepcopy(hf_config)
-    c.num_hidden_layers = layers
-    if getattr(c, "layer_types", None):
-        c.layer_types = list(c.layer_types)[:layers]
-    return c
 
 
 def first_step(loader, resumed_state: dict | None = None) -> list[MicroBatch]:
@@ -88,8 +75,7 @@ def tune_first(run_adapter, device: torch.device, options: EngineOptions, precis
     layers = layers_needed(run_adapter.layer_kinds)
     adapter = get_adapter(truncated_config(run_adapter.hf_config, layers))
     pl = options.placement
-    placement = Placement(seq_tile=pl.seq_tile, reuse_attention=min(pl.reuse_attention, layers),
-                          attn_block=pl.attn_block, stream_dtype=pl.stream_dtype)
+    placement = copy_placement(pl, layers)
     store = HostStore(adapter, *store_dtypes(precision, pl.stream_dtype))
     store.init_random(SEED, 0.02)
     runtime = build_runtime(store, device, CpuAdamW(), RuntimeOptions(
