@@ -17,7 +17,7 @@ def cfg_for(out, *overrides):
 
 
 def test_the_copy_has_one_layer_of_each_kind():
-    from megatrain.run.tune_first import layers_needed
+    from megatrain.planner.tune_copy import layers_needed
 
     assert layers_needed(["full"] * 32) == 1
     assert layers_needed(["full", "sliding"] * 4) == 2

@@ -35,13 +35,19 @@ def copy_placement(pl: Placement, layers: int) -> Placement:
                      stream_dtype=pl.stream_dtype)
 
 
-def copy_host(adapter, w: Workload) -> tuple[int, dict[str, float]]:
-    """(layers, host components) of the copy's phase, as memory.host_memory counts a run's."""
+def copy_adapter(adapter):
+    """(layers, the copy's adapter): the model truncated to the layers it needs, as run/tune_first.py builds it."""
     from ..models import get_adapter
-    from .memory import host_memory
 
     layers = layers_needed(adapter.layer_kinds)
-    small = get_adapter(truncated_config(adapter.hf_config, layers))
+    return layers, get_adapter(truncated_config(adapter.hf_config, layers))
+
+
+def copy_host(adapter, w: Workload) -> tuple[int, dict[str, float]]:
+    """(layers, host components) of the copy's phase, as memory.host_memory counts a run's."""
+    from .memory import host_memory
+
+    layers, small = copy_adapter(adapter)
     cw = replace(w, micro_batches=(max(w.micro_batches),), placement=copy_placement(w.placement, layers),
                  disk_states=(), tune_first=False)
     return layers, host_memory(small.units(), cw, small.tied)

@@ -123,7 +123,7 @@ def check_inputs(cfg: Config, dist=None) -> Inputs:
                              "share one host store and shard its updates, which the tier does not); unset "
                              "memory.disk_path, or run `megatrain train` without torchrun")
     device = dist.device if dist is not None else resolve_device(cfg.train.device)
-    if cfg.engine.tune_first == "on" and (dist is not None and dist.world.size > 1 or not compiled(cfg, device)):
+    if cfg.engine.tune_first == "on" and (dist is not None and dist.world.size > 1 or not compiles_layers(cfg.engine, device.type)):
         raise MegatrainError("engine.tune_first: " + (
             "one process only (each rank would build its own copy of the model); unset it under torchrun"
             if dist is not None and dist.world.size > 1 else f"the layers are not compiled on {device.type} "
@@ -262,16 +262,11 @@ def disk_states_of(cfg: Config, plan=None) -> tuple[str, ...]:
     return tuple(k for k in ("v", "m", "master") if k in (cfg.memory.disk_states or ()))
 
 
-def compiled(cfg: Config, device: torch.device) -> bool:
-    """engine.compile: on, or auto on CUDA."""
-    return compiles_layers(cfg.engine, device.type)
-
-
 def runtime_options(cfg: Config, device: torch.device, plan=None, ranks_per_node: int = 1) -> RuntimeOptions:
     """The runtime the plan was made for: its placement (without a plan: the memory keys set, defaults for the
     rest), and its optimizer's threads."""
     e = cfg.engine
-    compile_layers = compiled(cfg, device)
+    compile_layers = compiles_layers(cfg.engine, device.type)
     if plan is not None:
         placement = plan.placement
     else:

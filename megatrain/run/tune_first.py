@@ -27,8 +27,7 @@ import time
 
 import torch
 
-from ..models import get_adapter
-from ..planner.tune_copy import copy_placement, layers_needed, truncated_config
+from ..planner.tune_copy import copy_adapter, copy_placement
 from ..runtime import CpuAdamW, EngineOptions, HostStore, MicroBatch, RuntimeOptions, build_runtime
 from ..runtime.pinned import release_torch_pinned_cache
 from ..runtime.store import store_dtypes
@@ -72,11 +71,9 @@ def tune_first(run_adapter, device: torch.device, options: EngineOptions, precis
     micro-batch shapes and the evaluation batches'; return what it did. `options`: the run's engine options (their
     tiles, stash and attention blocks decide the graphs; the rest of the placement does not)."""
     t0 = time.perf_counter()
-    layers = layers_needed(run_adapter.layer_kinds)
-    adapter = get_adapter(truncated_config(run_adapter.hf_config, layers))
-    pl = options.placement
-    placement = copy_placement(pl, layers)
-    store = HostStore(adapter, *store_dtypes(precision, pl.stream_dtype))
+    layers, adapter = copy_adapter(run_adapter)
+    placement = copy_placement(options.placement, layers)
+    store = HostStore(adapter, *store_dtypes(precision, placement.stream_dtype))
     store.init_random(SEED, 0.02)
     runtime = build_runtime(store, device, CpuAdamW(), RuntimeOptions(
         engine=EngineOptions(loss_chunk_tokens=options.loss_chunk_tokens, num_slots=options.num_slots,
