@@ -6,6 +6,10 @@ Derived from these declarations: the validation of a Placement (`allows`), the `
 knobs (config.py), the plan's placement line (`settings`), the copy of the model `engine.tune_first` compiles on
 (planner/tune_copy.py: the knobs marked `graphs`) and docs/configuration.md (scripts/make_config_reference.py).
 tests/test_config_reference.py fails when a Placement field has no Knob or the reference is stale.
+
+A new knob is a Placement field made by `knob` (then rerun scripts/make_config_reference.py); what no declaration
+can say is how the schedule, the engine, the memory and time models (planner/memory.py, timing.py) and the
+planner's search (planner/placement.py) treat it.
 """
 
 from __future__ import annotations
