@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from .data.config import DataConfig
 from .errors import ConfigError, MegatrainError, check_dir_target, decode_utf8, load_json
+from .runtime.knobs import Knob, knobs
+from .runtime.schedule import Placement
 
 DEFAULT_CONFIG = Path(__file__).parent / "defaults" / "default.yaml"
 
@@ -32,31 +34,41 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
+    """The model to train."""
+
     path: str = Field(description="Hugging Face model directory (config.json, *.safetensors, tokenizer files)")
-    init: Literal["pretrained", "random"] = "pretrained"
+    init: Literal["pretrained", "random"] = Field(
+        "pretrained", description="pretrained: the weights in model.path; random: a fresh init of its architecture "
+                                  "(train.init_std)")
     tokenizer: str | None = Field(None, description="tokenizer directory, if not model.path")
 
 
 class TrainConfig(_Strict):
-    steps: int = Field(100, gt=0)
-    micro_batch_size: int = Field(1, gt=0)
-    grad_accum_steps: int = Field(1, gt=0)
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """The optimization: steps, batch, AdamW and its learning rate, precision, device, evaluation."""
+
+    steps: int = Field(100, gt=0, description="optimizer steps to run")
+    micro_batch_size: int = Field(1, gt=0, description="rows per micro-batch")
+    grad_accum_steps: int = Field(1, gt=0, description="micro-batches per optimizer step, their gradients accumulated")
+    lr: float = Field(1e-5, gt=0, description="AdamW's peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's (beta1, beta2)")
+    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon")
+    warmup_steps: int = Field(0, ge=0, description="steps of linear warmup up to train.lr")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "cosine", description="the learning rate after warmup: constant, or a linear or cosine decay to "
+                              "min_lr_ratio x lr at the last step")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the decay's floor, as a share of train.lr")
     max_grad_norm: float | None = Field(
         1.0, ge=0, description="clip the global gradient norm to this (null or 0: no clipping; then each unit's "
                                "update starts as soon as its gradient is complete, during backward)")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the data order and of a random init")
     precision: Literal["bf16", "fp32"] = "bf16"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the step runs (auto: CUDA when "
+                                                                      "torch sees a device)")
     eval_every: int = Field(0, ge=0, description="steps between evaluations (0: only at the end, if eval data)")
     exact_match_path: str | None = Field(None, description="alpaca JSONL whose answers greedy decoding must match")
-    init_std: float | None = Field(None, gt=0, description="std of random init; default: config.json's initializer_range")
+    init_std: float | None = Field(None, gt=0, description="std of random init; default: config.json's "
+                                                          "initializer_range")
 
     @property
     def clipping(self) -> bool:
@@ -66,6 +78,8 @@ class TrainConfig(_Strict):
 
 
 class EngineConfig(_Strict):
+    """How the GPU runs the step: the LM head's chunks, weight slots, compiling."""
+
     loss_chunk_tokens: int = Field(0, ge=0, description="target tokens per LM-head chunk (0: from vocabulary size)")
     num_slots: int = Field(2, ge=2, description="GPU weight slots (double buffering needs 2)")
     compile: Literal["auto", "on", "off"] = Field(
@@ -83,44 +97,27 @@ class EngineConfig(_Strict):
         return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
-class MemoryConfig(_Strict):
-    """Where things live. The planner chooses every placement from the budgets; a key set here fixes that choice."""
-
+class _Budgets(_Strict):
     gpu_budget_gb: float | None = Field(None, gt=0, description="GPU memory the run may use, in GiB (default: "
                                                                "what the device has free)")
     host_budget_gb: float | None = Field(None, gt=0, description="host RAM the run may use, in GiB (default: "
                                                                 "what this machine has free, cgroup-aware)")
-    checkpoint_every: int | None = Field(None, ge=1, description="keep every K-th layer's input in the forward; "
-                                                                 "rebuild the others in backward (default: chosen)")
-    keep_top_layers: int | None = Field(None, ge=0, description="with checkpoint_every > 1: the top N layers keep "
-                                                                "their inputs, only the layers below are rebuilt "
-                                                                "in blocks (default: chosen)")
-    spill_layers: int | None = Field(None, ge=0, description="kept inputs of the lowest N layers live in pinned "
-                                                             "host memory (default: chosen)")
-    grads_to_host: int | None = Field(None, ge=0, description="the first N units to finish their gradient (head, "
-                                                              "last layer, ...) send it to pinned host memory at "
-                                                              "once (default: chosen)")
-    wave_groups: int | None = Field(None, ge=1, description="run each step's micro-batches in G groups, each a "
-                                                            "whole forward and backward wave (default: chosen)")
-    group_grads: Literal["gpu", "host"] | None = Field(None, description="with wave groups: where gradient "
-                                                                        "accumulators wait between groups")
-    stream_dtype: Literal["bf16", "fp32"] | None = Field(
-        None, description="bf16 training: stream a bf16 copy kept on the host (14 B/param), or the fp32 master, "
-                          "cast on the GPU (12 B/param, the same numbers; default: bf16, fp32 when only that fits)")
-    seq_tile: int | None = Field(None, ge=0, description="run each layer's per-token work (q/k/v, o_proj, MLP) over "
-                                                         "tiles of this many tokens, so its working set stops "
-                                                         "growing with intermediate x sequence (0: whole; default: "
-                                                         "chosen)")
-    reuse_attention: int | None = Field(None, ge=0, description="the top N layers (those whose input is kept) keep "
-                                                                "their attention (q, k, v, output) on the GPU from "
-                                                                "the forward to their backward, which then does not "
-                                                                "run it again (0: none; default: chosen at long rows)")
-    attn_block: int | None = Field(None, ge=0, description="plain causal rows longer than this many tokens run the "
-                                                           "attention's backward over blocks of this many queries "
-                                                           "and keys, from the forward's output and log-sum-exp: "
-                                                           "no row-sized fp32 d(q) or per-query-head d(k), d(v) "
-                                                           "(0: the fused kernel over the row; default: chosen at "
-                                                           "long rows)")
+
+
+def _knob_field(k: Knob) -> tuple:
+    """The memory.* field of a placement knob: its type, bounds and description from its declaration; unset (null)
+    lets the planner choose."""
+    kind = Literal[k.choices] if k.choices else int  # type: ignore[valid-type]
+    return kind | None, Field(None, description=k.description, **({"ge": k.ge} if k.ge is not None else {}))
+
+
+# one key per field of runtime.schedule.Placement, in its order (runtime/knobs.py)
+_PlacementKeys = create_model("_PlacementKeys", __base__=_Budgets, **{k.name: _knob_field(k) for k in knobs(Placement)})
+
+
+class MemoryConfig(_PlacementKeys):
+    """Where things live. The planner chooses every placement from the budgets; a key set here fixes that choice."""
+
     disk_path: str | None = Field(None, description="a folder on a local SSD for the optimizer states host RAM "
                                                     "cannot hold (the SSD tier): the planner moves Adam v, then m, "
                                                     "then the fp32 master there when memory.host_budget_gb is too "
@@ -132,13 +129,17 @@ class MemoryConfig(_Strict):
 
 
 class OutputConfig(_Strict):
-    dir: str = "runs/megatrain"
-    tensorboard: bool = False
+    """Where the run writes."""
+
+    dir: str = Field("runs/megatrain", description="the run's folder: metrics, logs, checkpoints, the export")
+    tensorboard: bool = Field(False, description="also write TensorBoard events (output.dir/tensorboard)")
     overwrite: bool = Field(False, description="allow writing into a non-empty output.dir")
     wandb: bool = Field(False, description="also log metrics to Weights & Biases (needs the wandb package)")
 
 
 class PlanConfig(_Strict):
+    """The plan made before the run (`megatrain plan` prints it)."""
+
     profile: str | None = Field(None, description="machine profile written by `megatrain probe` (default: "
                                                   "~/.cache/megatrain/profile.json if present, else H200 defaults)")
     check: bool = Field(True, description="`megatrain train` refuses, before loading weights, a run the plan says "
@@ -146,12 +147,16 @@ class PlanConfig(_Strict):
 
 
 class CheckpointConfig(_Strict):
+    """Checkpoints for exact resume."""
+
     every: int = Field(0, ge=0, description="steps between checkpoints in output.dir/checkpoints (0: only at the end)")
     keep: int = Field(2, ge=0, description="newest complete checkpoints kept (0: all)")
     at_end: bool = Field(True, description="save a checkpoint when training finishes")
 
 
 class ExportConfig(_Strict):
+    """A Hugging Face model directory of the trained weights."""
+
     at_end: bool = Field(False, description="export a Hugging Face model directory when training finishes")
     dir: str | None = Field(None, description="where the export goes (default: output.dir/export)")
     dtype: Literal["bf16", "fp32"] = Field("bf16", description="dtype of the exported weights")
@@ -177,7 +182,8 @@ MOVED_KEYS = {("engine", "spill_layers"): "memory.spill_layers",
               ("engine", "offload_grad_units"): "memory.grads_to_host",
               ("engine", "gpu_memory_budget_gb"): "memory.gpu_budget_gb",
               ("plan", "host_memory_gb"): "memory.host_budget_gb"}
-INPUT_PATHS = (("model", "path"), ("model", "tokenizer"), ("train", "exact_match_path"))  # data paths: DataConfig.resolve_relative
+# data paths: DataConfig.resolve_relative
+INPUT_PATHS = (("model", "path"), ("model", "tokenizer"), ("train", "exact_match_path"))
 MERGE_TAG = "tag:yaml.org,2002:merge"
 DEMO_HINT = ("give a config file (megatrain train my_run.yaml) or model.path=... on the command line; "
              "`megatrain train` alone runs the embedded demo")

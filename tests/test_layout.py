@@ -18,7 +18,7 @@ ALLOWED = {
     "planner": {"runtime", "models"},
     "distributed": {"runtime", "models"},
     "run": {"runtime", "data", "checkpoint", "planner", "models", "config", "distributed"},
-    "config": {"data"},
+    "config": {"data", "runtime"},  # runtime: the placement knobs' declarations (runtime/knobs.py)
     "cli": {"run", "planner", "checkpoint", "data", "config", "models"},
     "__main__": {"cli"},
 }

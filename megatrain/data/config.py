@@ -78,6 +78,8 @@ class DatasetSpec(BaseModel):
 
 
 class DataConfig(BaseModel):
+    """The training and evaluation data, and how rows become tokens and batches."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # --- where the data is ----------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..runtime.knobs import settings
 from ..runtime.layer import can_stash
 from ..runtime.schedule import Placement, group_sizes
 from .memory import gpu_needed, gpu_phases, host_memory
@@ -78,23 +79,8 @@ GROUP_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 def describe(pl: Placement, groups: int) -> str:
-    """A placement in config keys."""
-    parts = [f"memory.checkpoint_every={pl.checkpoint_every}"]
-    if pl.checkpoint_every > 1:
-        parts.append(f"memory.keep_top_layers={pl.keep_top_layers}")
-    parts += [f"memory.spill_layers={pl.spill_layers}", f"memory.grads_to_host={pl.grads_to_host}",
-              f"memory.wave_groups={groups}"]
-    if groups > 1:
-        parts.append(f"memory.group_grads={pl.group_grads}")
-    if pl.stream_dtype == "fp32":
-        parts.append("memory.stream_dtype=fp32")
-    if pl.seq_tile:
-        parts.append(f"memory.seq_tile={pl.seq_tile}")
-    if pl.attn_block:
-        parts.append(f"memory.attn_block={pl.attn_block}")
-    if pl.reuse_attention:
-        parts.append(f"memory.reuse_attention={pl.reuse_attention}")
-    return " ".join(parts)
+    """A placement in config keys, with the wave groups that run (the keys shown: runtime/knobs.Knob.shown)."""
+    return settings(replace(pl, wave_groups=groups))
 
 
 def attn_block_for(adapter, w: Workload) -> int:

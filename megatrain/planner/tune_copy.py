@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
+from ..runtime.knobs import knobs
 from ..runtime.schedule import Placement
 from .workload import Workload
 
@@ -29,10 +30,11 @@ def truncated_config(hf_config, layers: int):
 
 
 def copy_placement(pl: Placement, layers: int) -> Placement:
-    """The copy's placement: the run's tiles, kept attention and attention blocks decide the graphs; nothing is
-    spilled, offloaded or grouped."""
-    return Placement(seq_tile=pl.seq_tile, reuse_attention=min(pl.reuse_attention, layers), attn_block=pl.attn_block,
-                     stream_dtype=pl.stream_dtype)
+    """The copy's placement: the run's values of the knobs that decide the compiled graphs (Knob.graphs: tiles,
+    kept attention, attention blocks, streaming dtype), kept attention in at most its layers; nothing is spilled,
+    offloaded or grouped."""
+    kw = {k.name: getattr(pl, k.name) for k in knobs(Placement) if k.graphs}
+    return Placement(**{**kw, "reuse_attention": min(pl.reuse_attention, layers)})
 
 
 def copy_adapter(adapter):

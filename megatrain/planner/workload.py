@@ -1,8 +1,8 @@
 """What a run asks of the engine: the planner's one input besides the model and the machine.
 
 A `Workload` is the step's shape (micro-batches, tokens per row) and the engine's settings that change what it
-allocates or how long it takes (streaming precision, weight slots, LM-head chunk, compile, and the `Placement`:
-checkpoint interval, spilled checkpoints, gradients to host, wave groups). Each field names the runtime argument
+allocates or how long it takes (streaming precision, weight slots, LM-head chunk, compile, and the `Placement`,
+whose knobs runtime/knobs.py declares with their memory.* keys). Each field names the runtime argument
 it stands for: `EngineOptions` in megatrain/runtime, the micro-batches the trainer builds (megatrain/run).
 `workload_from_config` reads it from a validated `megatrain.config.Config` (the memory keys a config sets; the
 planner chooses the rest: plan.py); bench/plan_vs_measured.py builds one from a benchmark's command line.
@@ -10,12 +10,13 @@ planner chooses the rest: plan.py); bench/plan_vs_measured.py builds one from a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from ..errors import MegatrainError
+from ..runtime.knobs import knobs
 from ..runtime.schedule import Placement, group_sizes
 
-PLACEMENT_KEYS = tuple(f.name for f in fields(Placement))  # each a memory.* config key
+PLACEMENT_KEYS = tuple(k.name for k in knobs(Placement))  # each a memory.* config key
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ and a CPU optimizer that overlaps the GPU. Modules, one job each:
 
     schedule.py            one step's order of work as data (Placement -> Uses: which units, which pass, which
                            checkpoints are kept, spilled or rebuilt, where each gradient goes); the planner simulates it
+    knobs.py               Knob: each Placement field's config key, bounds and doc, declared with the field
     accumulators.py        gradient accumulators kept across wave groups, on the GPU or parked in host memory
     engine.py              executes the schedule: slots, streams, events, waves (its docstring: the protocol)
     layer.py               one layer's forward and recompute + backward for one micro-batch, its per-token parts

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
+from .knobs import knob, knobs
+
 TIED_INPUT = -1  # the accumulator of a tied embedding's input-side gradient (unit 0 accumulates its LM-head side)
 
 Kind = Literal["embed", "forward", "head", "rebuild", "backward", "embed_backward"]
@@ -54,25 +56,48 @@ Kind = Literal["embed", "forward", "head", "rebuild", "backward", "embed_backwar
 
 @dataclass(frozen=True)
 class Placement:
-    checkpoint_every: int = 1  # K
-    keep_top_layers: int = 0  # with K > 1: the top T layers keep their inputs; the layers below are in blocks of K
-    spill_layers: int = 0  # kept inputs of layers below this live in pinned host memory
-    grads_to_host: int = 0  # first N units to complete send their gradient to pinned host memory
-    wave_groups: int = 1  # G
-    group_grads: Literal["gpu", "host"] = "gpu"  # where accumulators wait between wave groups (G > 1)
-    stream_dtype: Literal["bf16", "fp32"] = "bf16"  # bf16 compute: stream a host bf16 copy (14 B/param), or the fp32
-    #                                                 master itself, cast on the device (12 B/param, twice the bus)
-    seq_tile: int = 0  # a layer's per-token work runs over tiles of this many tokens (runtime/layer.py; 0: whole)
-    reuse_attention: int = 0  # the top N layers whose inputs are kept keep their attention from the forward wave
-    #                           for their backward (runtime/layer.AttentionStash; 0: the backward runs it again)
-    attn_block: int = 0  # plain causal rows longer than this run the attention's backward over blocks of this
-    #                      many queries and keys (models/attention.blockwise_causal; 0: the fused kernel, whole)
+    """Where a step's tensors live (the module's note says how each knob shapes the schedule). Each field is a knob,
+    declared once here with its config key (memory.<name>), bounds and doc (runtime/knobs.py)."""
+
+    checkpoint_every: int = knob(
+        1, "keep every K-th layer's input in the forward; rebuild a block's others in backward, streaming its "
+           "weights once more", ge=1, shown="always")
+    keep_top_layers: int = knob(
+        0, "with checkpoint_every > 1: the top N layers keep their inputs, only the layers below are rebuilt in "
+           "blocks", ge=0, shown="checkpoint_every")
+    spill_layers: int = knob(
+        0, "kept inputs of the lowest N layers live in pinned host memory, fetched back a block ahead of their "
+           "backward", ge=0, shown="always", code="runtime/activation_spill.py")
+    grads_to_host: int = knob(
+        0, "the first N units to finish their gradient (head, last layer, ...) send it to pinned host memory at once, "
+           "instead of waiting on the GPU for the optimizer", ge=0, shown="always",
+        code="runtime/optimizer_pipeline.py")
+    wave_groups: int = knob(
+        1, "run each step's micro-batches in G groups, each a whole forward and backward wave; gradients accumulate "
+           "across groups", ge=1, shown="always")
+    group_grads: Literal["gpu", "host"] = knob(
+        "gpu", "with wave groups: where gradient accumulators wait between groups", choices=("gpu", "host"),
+        shown="wave_groups", code="runtime/accumulators.py")
+    stream_dtype: Literal["bf16", "fp32"] = knob(
+        "bf16", "bf16 training: stream the host's bf16 copy (14 B/param), or the fp32 master, cast on the GPU: "
+                "12 B/param, twice the bus traffic, the same numbers", choices=("bf16", "fp32"),
+        unset="chosen: bf16, or fp32 where only it fits, it is faster, or the bf16 copy would leave too little host "
+              "RAM free", graphs=True, code="runtime/store.py")
+    seq_tile: int = knob(
+        0, "run each layer's per-token work (q/k/v, o_proj, MLP) over tiles of this many tokens, so its working set "
+           "stops growing with intermediate x sequence", ge=0, zero="whole", graphs=True, code="runtime/layer.py")
+    attn_block: int = knob(
+        0, "plain causal rows longer than this many tokens run the attention's backward over blocks of this many "
+           "queries and keys: no row-sized fp32 d(q) or per-query-head d(k), d(v)", ge=0,
+        zero="the fused kernel over the row", unset="chosen at long rows", graphs=True,
+        code="models/attention.blockwise_causal")
+    reuse_attention: int = knob(
+        0, "the top N layers whose input is kept keep their attention (q, k, v, output) on the GPU from the forward "
+           "to their backward, which does not run it again", ge=0, zero="none", unset="chosen at long rows",
+        graphs=True, code="runtime/layer.AttentionStash")
 
     def __post_init__(self):
-        counts = (self.spill_layers, self.grads_to_host, self.keep_top_layers, self.seq_tile, self.reuse_attention,
-                  self.attn_block)
-        if self.checkpoint_every < 1 or self.wave_groups < 1 or min(counts) < 0 or \
-                self.stream_dtype not in ("bf16", "fp32") or self.group_grads not in ("gpu", "host"):
+        if not all(k.allows(getattr(self, k.name)) for k in knobs(Placement)):
             raise ValueError(f"invalid placement {self}")
 
 
