@@ -115,8 +115,8 @@ GPU_RESERVE_LONG_ROW_STREAMS = _fit(
     f"{_LONG} --seq 524288 --set memory.spill_layers=S (reserved / allocated)")
 CUDA_CONTEXT = _fit(
     "CUDA_CONTEXT", int(0.6 * GiB), "bytes",
-    "the CUDA context and libraries' device memory, outside the caching allocator (nvidia-smi less reserved)",
-    f"{_BENCH} --json OUT.json (device memory used against gpu_reserved_gib)")
+    "the CUDA context and libraries' device memory, outside the caching allocator",
+    f"{_BENCH} --json OUT.json (the GPU's used memory in nvidia-smi during the run, less gpu_reserved_gib)")
 COMPILED_ACTIVATIONS = _fit(
     "COMPILED_ACTIVATIONS", 0.67, "compiled / eager",
     "a compiled layer's recompute+backward activation peak against the eager template's (measured on the meta "
@@ -218,7 +218,7 @@ MOE_DEFAULT_SHARE = _fit(
     "layers, 256 x 4096 per step, compiled): the layers took 21.2 s of the 24.4 s busy compute, the dense rate gave "
     "17.2 s. A probed MoE layer (`megatrain probe --layer MODEL:BxT`) replaces it",
     "python3 bench/bench_megatrain.py --model bench/model-configs/qwen3-30b-a3b --layers 12 --seq 4096 --seqs 256 "
-    f"--micro 16 --compile --json OUT.json; {_PVM}")
+    f"--compile --json OUT.json; {_PVM}")
 
 # The default machine profile (profile.Profile's defaults, profile.DEFAULTS): one H200's, used until `megatrain
 # probe` measures the machine. The probe measures each of these but layer_flops and attention_flops, which it derives
@@ -254,7 +254,7 @@ DEFAULT_HEAD_FLOPS = _fit(
     f"python3 bench/head_attn_variants.py --model bench/model-configs/llama-3.1-8b --micro 16 --seq 4096, or {_PROBE}")
 DEFAULT_ADAMW_PARAMS_PER_S = _fit(
     "DEFAULT_ADAMW_PARAMS_PER_S", 4.55e9, "parameters/s",
-    "the CPU AdamW alone on the machine, bf16 copy written (16 threads); the planner takes ADAMW_IN_STEP of it in a "
+    "the CPU AdamW alone on the machine (16 cores), bf16 copy written; the planner takes ADAMW_IN_STEP of it in a "
     "step. `megatrain train` measures the machine's own at its start when no profile is given", _PROBE)
 DEFAULT_CPU_FLOPS = _fit(
     "DEFAULT_CPU_FLOPS", 0.5e12, "FLOP/s", "the CPU's bf16 matmul rate, for plans of CPU-device runs", _PROBE)

@@ -228,7 +228,7 @@ def _activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | No
                      f"device as it runs eagerly (compiling shrinks only the per-tile work)")
     elif w.compile:
         notes.append(f"compiled template: layer activations taken as {COMPILED_ACTIVATIONS:.2f} x the eager "
-                     f"template's (fitted to measured runs); a probe at this shape measures them")
+                     f"template's (fitted to the H200 runs); a probe at this shape measures them")
     return out
 
 
