@@ -88,7 +88,7 @@ def test_a_probe_killed_half_way_leaves_a_folder_the_tier_removes(tmp_path):
 
 
 def test_profile_disk_section_and_its_source(tmp_path):
-    assert not DEFAULTS.disk_measured and "DESIGN.md" in DEFAULTS.disk_source
+    assert not DEFAULTS.disk_measured and DEFAULTS.disk_source.startswith("the defaults")
     p = from_dict({"disk": {"read_bps": 7e9, "write_bps": 3e9, "path": "/nvme"}}, "prof.json")
     assert (p.disk_read_bps, p.disk_write_bps, p.disk_measured) == (7e9, 3e9, True)
     assert p.disk_source == "prof.json, measured at /nvme"
@@ -152,7 +152,7 @@ def test_plan_names_the_disk_rates_it_used(tmp_path):
                                                      "model-configs" / "qwen2.5-14b"))
     w = Workload((158,), 1024, compile=True, disk_states=("v",))
     text = make_plan(adapter, w, DEFAULTS, disk_path="/ssd", suggest=False).report()
-    assert "at 1.20 GB/s read, 1.60 GB/s write (DESIGN.md's local disk (the defaults" in text
+    assert "at 1.20 GB/s read, 1.60 GB/s write (the defaults: a local disk with O_DIRECT" in text
     prof = with_disk_measured(DEFAULTS, str(tmp_path), nbytes=2 * MiB)
     p = make_plan(adapter, w, prof, disk_path=str(tmp_path), suggest=False)
     assert p.ssd["read_bps"] == prof.disk_read_bps and p.ssd["source"] == prof.disk_source

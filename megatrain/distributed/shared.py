@@ -12,7 +12,7 @@ them (`release_files`); the mappings stay.
 Each rank faults in its own 1/local_size of every allocation's pages as it maps it (`populate`: madvise
 MADV_POPULATE_WRITE, which allocates the pages without changing what they hold, so it cannot race with local rank
 0 filling the store). Otherwise Adam m and v, which nothing writes before the first update, would be faulted in by
-the optimizer during the first steps. Measured on an nvidia-h100-x4 (2026-11-27): in a 2-rank Qwen2.5-7B run each
+the optimizer during the first steps. Measured on an nvidia-h100-x4: in a 2-rank Qwen2.5-7B run each
 rank's resident memory grew from 45 to 73 GiB during the first measured step, whose GPU was busy 51-64% of the time
 against 89% in the next step; that machine wrote fresh pages at 16 GB/s, and 74 GB/s once they were there. The pages
 are wanted from the start in any case (the plan counts them), and a node short of memory now fails while the store

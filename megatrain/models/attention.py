@@ -16,7 +16,7 @@ from .base import AttnContext
 _COMPILED = None
 # Distinct input shapes (and masks) FlexAttention is compiled for in one process. Past torch's recompile limit (8)
 # dynamo would silently run FlexAttention eagerly, which builds the full T x T score matrix in fp32 (256 GiB at
-# 32k tokens and 64 heads: seen on the H200 on 2026-11-25, after a test file's earlier shapes). Above this many,
+# 32k tokens and 64 heads: seen on the H200 after a test file's earlier shapes). Above this many,
 # the run stops with a clear error instead.
 FLEX_SHAPES = 256
 
@@ -133,12 +133,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Att
 # needs no more than q, k, v and its output). What differs from the fused kernel: each pair's gradient is rounded
 # to the input dtype before the fp32 sum (the fused kernel sums in fp32 and rounds once). Measured on the H100 in
 # bf16, 8,192 tokens in blocks of 1,024, against a float64 truth: d(q), d(k), d(v) off by 2.6e-3, 3.4e-3, 3.3e-3,
-# SDPA's by 2.5e-3, 3.0e-3, 2.9e-3 (bench/results/2026-11-25/h100-llama512k). On CUDA the kernels are the ones SDPA
+# SDPA's by 2.5e-3, 3.0e-3, 2.9e-3 (tests/gpu/test_blockwise_cuda.py). On CUDA the kernels are the ones SDPA
 # itself picks for the whole row (`blocked_kernel`): cuDNN's fused attention on Hopper, whose backward takes the row's
 # output and log-sum-exp the same way, else the flash op. On the H200 the blocked forward + backward with cuDNN runs
 # at SDPA's speed (537 / 530 TFLOP/s against 541 / 530 at 131,072 / 262,144 tokens in blocks of 65,536); the flash
-# op's ran 323 / 320 (bench/blocked_attention.py, results/2026-11-25/h200-rss-diag; planner/profile.py:
-# BLOCKED_ATTENTION_SLOWDOWN).
+# op's ran 323 / 320 (bench/blocked_attention.py; planner/calibration.py: BLOCKED_ATTENTION_SLOWDOWN).
 
 
 def blocked_kernel(q, k, v, scale: float) -> str:

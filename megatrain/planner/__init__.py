@@ -12,6 +12,8 @@ is read; and `megatrain probe`, which measures the machine it plans for. Modules
     suggest.py      what would fit when the run does not
     report.py       the plan as text, and the refusal `megatrain train` gives
     profile.py      the machine profile (rates, sizes) and its H200 defaults
+    calibration.py  every fitted constant (rates, efficiencies, overheads, slowdowns): value, unit, meaning, and
+                    the benchmark that refits it
     probe.py        `megatrain probe`: measures this machine into a profile
     sysmem.py       host RAM free (cgroup-aware), disk free, memlock
     flops.py        FLOP counting for throughput reports

@@ -1,8 +1,8 @@
 """Memory of a run, from config.json and the workload alone: host RAM by component, and the GPU phase by phase.
 
 Nothing is allocated. Where megatrain/runtime has a function that sizes an allocation, the planner calls it; what
-the runtime does not size itself (the runtime's own RSS, allocator reserve, CUDA context) is calibrated on the H200
-runs (the constants below):
+the runtime does not size itself (the runtime's own RSS, allocator reserve, CUDA context) is fitted to measured runs
+(calibration.py):
 
     host    `host_memory`: HostStore's tiles (runtime/store.py: each unit padded by `padded_numel`; fp32 master, m, v
             and, in bf16 mode, a bf16 streaming copy), the OptimizerPipeline's two pinned landing buffers of
@@ -43,30 +43,12 @@ from ..runtime.schedule import TIED_INPUT, grads_to_host, spilled_layers, step_s
 from ..runtime.schedule import slot_numel as _slot_numel
 from ..runtime.store import padded_numel
 from . import activations as actsim
+from .calibration import (CHECKPOINT_EXTRA, COMPILED_ACTIVATIONS, COMPILED_HOST_BASE_GIB, COMPILED_HOST_FROM_TOKENS,
+                          COMPILED_HOST_FULL_TOKENS, COMPILED_HOST_RISE_GIB, CUDA_CONTEXT, DATA_BYTES_PER_TOKEN,
+                          DATA_FIXED_GIB, GPU_RESERVE, GPU_RESERVE_COMPILED, GPU_RESERVE_LONG_ROW,
+                          GPU_RESERVE_LONG_ROW_STREAMS, GPU_RESERVE_STREAMS, GPU_WORKSPACE, LONG_ROW, RUNTIME_HOST)
 from .profile import GiB, Profile, layer_shape
 from .workload import Workload
-
-RUNTIME_HOST = {"cuda": 1.5 * GiB, "cpu": 0.6 * GiB}  # peak RSS beyond the store's buffers (H200 runs)
-GPU_WORKSPACE = int(0.25 * GiB)  # cuBLAS/cuDNN workspaces in the caching allocator
-# caching-allocator fragmentation, reserved / allocated on the H200 runs: eager 1.07-1.09 (1.29 with spill and
-# offload, whose record_stream delays reuse); compiled 1.18-1.49
-GPU_RESERVE = 0.10
-GPU_RESERVE_COMPILED = 0.35
-# Not lower for every tiled layer: Gemma-2-9B's 8 x 4,096-token micro-batches through tiles of 8,192 reserved 1.43x
-# their allocated peak (h200-gptoss-gemma): the tiling alone does not stop fragmentation. One long row per
-# micro-batch does (GPU_RESERVE_LONG_ROW below).
-GPU_RESERVE_STREAMS = 0.20  # added with spill or offload
-# One row per micro-batch of LONG_ROW tokens or more through the tiled layer: a few large same-sized buffers per
-# layer use, which the allocator reuses. Reserved / allocated measured on the H200 (2026-11-25): Llama-3.1-8B 128k
-# 1.013 (h200-reuse), Qwen2.5-7B 128k 1.020, 256k 1.083, 512k 1.152 with spilled inputs and a gradient sent to host
-# (h200-longctx-qwen); the same Llama row untiled (compiled whole layer) 1.30, which this does not cover. On the H100
-# Llama-3.1-8B 512k with spilled inputs and the attention's backward in blocks, expandable segments on: 1.216
-# (58.9 GiB allocated, 71.6 reserved; results/2026-11-25/h100-llama512k).
-LONG_ROW = 131072
-GPU_RESERVE_LONG_ROW = 0.10
-GPU_RESERVE_LONG_ROW_STREAMS = 0.12  # added with spill or offload (the 512k rows: 1.152, 1.216)
-CUDA_CONTEXT = int(0.6 * GiB)  # outside the caching allocator
-COMPILED_ACTIVATIONS = 0.67  # compiled / eager layer backward peak, fitted to the 2026-11-21 compiled runs
 
 # host components with a name other modules look for
 STREAM_COPY_PINNED = "bf16 streaming copy (pinned)"
@@ -102,7 +84,7 @@ def slot_numel(units, tied: bool) -> int:
 def checkpoint_bytes(params: int) -> float:
     """Disk per checkpoint: fp32 master, Adam m and v of every parameter (checkpoint/saver.py's KINDS), plus the
     run state and manifest."""
-    return 12.0 * params + 16 * 2**20
+    return 12.0 * params + CHECKPOINT_EXTRA
 
 
 def ssd_traffic(units, w: Workload) -> dict[str, float]:
@@ -114,14 +96,16 @@ def ssd_traffic(units, w: Workload) -> dict[str, float]:
 
 # ---- host ---------------------------------------------------------------------------------------------------
 def compiled_runtime_host(tokens_per_micro_batch: int) -> float:
-    """Extra peak RSS of a torch.compile'd MoE run (the fit of the 2026-11-21 dense runs, kept where `autotune_host`
-    has no model): 0.3 GiB at 32k tokens per micro-batch, 4.4 GiB from 81k on."""
-    share = min(1.0, max(0.0, (tokens_per_micro_batch - 32768) / (80896 - 32768)))
-    return (0.3 + 4.1 * share) * GiB
+    """Extra peak RSS of a torch.compile'd MoE run (a fit to compiled dense runs, kept where `autotune_host` has no
+    model): COMPILED_HOST_BASE_GIB up to COMPILED_HOST_FROM_TOKENS tokens per micro-batch, rising linearly by
+    COMPILED_HOST_RISE_GIB to COMPILED_HOST_FULL_TOKENS."""
+    share = min(1.0, max(0.0, (tokens_per_micro_batch - COMPILED_HOST_FROM_TOKENS) /
+                         (COMPILED_HOST_FULL_TOKENS - COMPILED_HOST_FROM_TOKENS)))
+    return (COMPILED_HOST_BASE_GIB + COMPILED_HOST_RISE_GIB * share) * GiB
 
 
 def autotune_host(units, w: Workload) -> float:
-    """Page-locked host memory of a compiled run's first step (results/2026-11-25/h200-rss-diag): the first time an
+    """Page-locked host memory of a compiled run's first step (bench/autotune_copies.py measures it): the first time an
     Inductor kernel with several configurations runs, its autotuning copies the buffers the kernel writes to host
     memory when a copy on the GPU would raise the GPU's peak so far, and torch's caching host allocator keeps them
     in blocks rounded up to a power of two (returned after the step now: runtime/pinned.release_torch_pinned_cache;
@@ -171,7 +155,7 @@ def host_memory(units, w: Workload, tied: bool = False) -> dict[str, float]:
         out[PARKED] = 4.0 * sum(units[max(i, 0)].numel for i in own)
     # one step's rows as int64 (input ids, labels, positions), the pinned copies sent to the device, the
     # tokenizer and sampler index; the tokenised data itself stays in memory-mapped Arrow files (page cache)
-    out["data (one step's batches, tokenizer)"] = 64.0 * w.tokens_per_step + 0.25 * GiB
+    out["data (one step's batches, tokenizer)"] = DATA_BYTES_PER_TOKEN * w.tokens_per_step + DATA_FIXED_GIB * GiB
     out["runtime (python, torch" + (", CUDA" if w.device == "cuda" else "") + ")"] = RUNTIME_HOST[w.device]
     if w.compile and w.device == "cuda" and not w.tune_first:  # tuned first: before the store exists, not here
         out[AUTOTUNE] = autotune_host(units, w)

@@ -1,6 +1,6 @@
 """Where things live: the planner chooses a run's placement (runtime/schedule.Placement) from the budgets.
 
-The knobs, cheapest first in step time (DESIGN.md rules 9-11):
+The knobs, cheapest first in step time (docs/design.md, rules 9-11):
 
     grads_to_host N     finished gradients copied to pinned host memory during backward (the copies overlap the
                         backward, and the next step's copy-out shrinks): costs 4 B/param of host RAM for those units
@@ -37,9 +37,9 @@ each (G, where accumulators wait) the smallest K that fits, each with the fewest
 the fewest spilled inputs that bring the GPU under its budget (both shrink the GPU need monotonically), for K > 1
 also with the most top layers kept that still fits (host and GPU) by the same rule, and keeps,
 of the candidates predicted (timing.py) within NEAR_FASTEST of the shortest step, the one with the least host RAM
-(host RAM is the scarce resource: DESIGN.md rule 11), then the fewest groups; the bf16 copy is kept when a placement
-with it is among those and leaves HOST_HEADROOM of the host RAM free (a placement planned to the last GiB of the host
-is one the plan's error can overrun, so one with room comes first). Every
+(host RAM is the scarce resource: docs/design.md, rule 11), then the fewest groups; the bf16 copy is kept when a
+placement with it is among those and leaves HOST_HEADROOM of the host RAM free (a placement planned to the last GiB of
+the host is one the plan's error can overrun, so one with room comes first). Every
 candidate is planned by the same memory model as the plan itself (memory.py), so what is chosen is what is
 reported.
 """
@@ -51,6 +51,7 @@ from dataclasses import replace
 from ..runtime.knobs import settings
 from ..runtime.layer import can_stash
 from ..runtime.schedule import Placement, group_sizes
+from .calibration import ATTN_BLOCK, HOST_HEADROOM, NEAR_FASTEST, REUSE_FROM, SEQ_TILE
 from .memory import gpu_needed, gpu_phases, host_memory
 from .profile import GiB, Profile
 from .timing import step_time
@@ -58,23 +59,6 @@ from .workload import PLACEMENT_KEYS, Workload
 
 FREE_ALL = frozenset(PLACEMENT_KEYS)
 CHECKPOINT_INTERVALS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
-# Tokens per MLP tile when the planner tiles: GEMMs of 8192 rows run at the dense rate on an H100/H200 (DESIGN.md:
-# 686-741 TFLOP/s at 16k tokens; the 8B's 4096-token micro-batches ran at 467 TFLOP/s 6N), and one tile's MLP work
-# of a 7-8B layer is 1-2 GiB, small beside the attention part's at the lengths that need tiling.
-SEQ_TILE = 8192
-# Rows from which the planner lets layers keep their attention for the backward: there the attention forward is
-# 6% or more of a 7-8B step (32k; 14% at 128k, where it was ~8 s of Llama-3.1-8B's 50.8 s on the H200); below, it
-# would trade the whole compiled layer for the split one (q/k/v, attention, the rest) for about 1%.
-REUSE_FROM = 32768
-# Queries and keys per block of the attention's backward when the planner blocks it: a 65,536 x 65,536 pair is
-# ~10^14 FLOPs for a 32-head layer (a kernel call long enough to run at the kernel's rate), and the pair's working
-# set ~2.75 GiB (fp32 d(q) accumulator, per-query-head d(k), d(v)), against 16 GiB for the fused one at 512k.
-ATTN_BLOCK = 65536
-NEAR_FASTEST = 0.05  # placements predicted this close to the fastest count as fast: the least host RAM wins
-# The share of the host RAM limit a placement should leave free to be preferred over one that uses less: the plan's
-# host figure has been within 4.6% of the measured peak (bench/plan_vs_measured.py), so a placement planned closer
-# to the limit than this may not fit, and one that leaves room comes first when both are near the fastest.
-HOST_HEADROOM = 0.05
 GROUP_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -381,7 +365,7 @@ def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None
         return w, (f"no placement fits (tried {tried}): the default needs {default_gpu / GiB:.1f} GiB of GPU "
                    f"memory{tiled}, and {s.memory(w.placement)[0] / GiB:.1f} GiB of host RAM" +
                    _least_host(units, adapter, used)), False
-    fastest = min(c[0] for c in candidates)  # host RAM is the scarce resource (DESIGN.md rule 11): of the
+    fastest = min(c[0] for c in candidates)  # host RAM is the scarce resource (docs/design.md, rule 11): of the
     #   placements within NEAR_FASTEST of the fastest, the one using least; but the bf16 copy is kept when that is
     #   as fast (fp32 streaming doubles the bus traffic for 2 B/param) and leaves HOST_HEADROOM of the host free
     near = [c for c in candidates if c[0] <= fastest * (1 + NEAR_FASTEST)]

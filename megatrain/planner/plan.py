@@ -170,7 +170,7 @@ def make_plan(adapter, w: Workload, profile: Profile, *, host_available: float |
                              "attention blocked for its backward runs a fused kernel (cuDNN's or flash's), which takes "
                              "bf16 on CUDA; set memory.attn_block: 0 or leave it unset")
     if not profile.measured:
-        notes.append("no machine profile: rates are the H200 defaults (DESIGN.md, bench 2026-11-21); "
+        notes.append("no machine profile: rates are the built-in defaults, one H200's (planner/calibration.py); "
                      "run `megatrain probe` on the training machine for its own")
     why = "as given"
     if choose_keys or disk_path:

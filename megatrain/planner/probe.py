@@ -29,6 +29,7 @@ from ..runtime.disk_files import check_disk_path
 from ..runtime.disk_probe import START_BYTES, describe, measure_disk
 from ..runtime.layer import layer_backward
 from ..runtime.lmhead import HeadKernels, default_chunk, head_loss
+from .calibration import ADAMW_THREADS_TOLERANCE, ALL_CORES_UP_TO
 from .profile import PROFILE_VERSION, default_profile_path, layer_shape, peak_bf16_for, this_host
 from .sysmem import host_memory, memlock_limit
 
@@ -72,27 +73,17 @@ def adamw_rates(numel: int, stream_dtype: torch.dtype, threads: list[int], reps:
     return {t: numel / s for t, s in best.items()}
 
 
-# A smaller thread count is chosen when its rate is within this share of the fastest count's.
-ADAMW_THREADS_TOLERANCE = 0.05
-
-
-# Every core is a candidate for the CPU AdamW only on nodes of at most this many: on larger ones a run that gave it
-# every core starved the threads that feed the GPU, although the update alone measured fastest that way.
-ALL_CORES_UP_TO = 16
-
-
 def adamw_thread_counts(cores: int) -> list[int]:
     """The thread counts tried for the CPU AdamW on `cores` cores: three quarters and half, and all of them on a node
     of at most ALL_CORES_UP_TO. The update is bound by the host's DRAM, which half the cores of the hosts measured
     here saturate; more threads add stragglers, and every core leaves none to the runtime's own threads (the one
     that launches the GPU's work, the copy threads). Measured:
-      - the nvidia-h100-x4's 64-vCPU host (bench/results/2026-11-27/x4-h100): 3.7-4.2 Gparam/s with 32 threads, 3.1
-        with 48, 0.1-3.2 (varying from one call to the next) with 56-64, so that a run with torch's default of 64
-        waited for its optimizer 40% of each step; with 32, Qwen2.5-7B 158 x 1024 on one GPU kept it 94-97% busy
-        (x4-h100-b);
-      - the nvidia-h200-x2's 32-vCPU host (bench/results/2026-11-27/x2-h100): 3.58 Gparam/s alone with 32 threads
-        against 3.14 with 16, but the same 7B on one GPU with 32 threads kept it only 65-77% busy (19.5 s a step,
-        planned 14.8), while two ranks of 8 threads each on that host kept theirs 95-97% busy;
+      - a 64-vCPU host (nvidia-h100-x4): 3.7-4.2 Gparam/s with 32 threads, 3.1 with 48, 0.1-3.2 (varying from one
+        measurement to the next) with 56-64, so that a run with torch's default of 64 waited for its optimizer 40%
+        of each step; with 32, Qwen2.5-7B 158 x 1024 on one GPU kept it 94-97% busy;
+      - a 32-vCPU host (nvidia-h200-x2's H100 host): 3.58 Gparam/s alone with 32 threads against 3.14 with 16, but
+        the same 7B on one GPU with 32 threads kept it only 65-77% busy (19.5 s a step, planned 14.8), while two
+        ranks of 8 threads each on that host kept theirs 95-97% busy;
       - the 16-vCPU hosts of nvidia-h200 and nvidia-h100-x1: all 16 cores, the 7B at 14.7 s a step as planned."""
     if cores < 8:
         return [max(1, cores)]

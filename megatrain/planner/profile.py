@@ -1,8 +1,8 @@
 """The machine profile the planner uses: transfer and compute rates, CPU optimizer rate, memory sizes.
 
-`megatrain probe` measures one and writes it as JSON; without one the planner uses `DEFAULTS`, the H200
-measurements of DESIGN.md and of the first benchmark runs (bench/results/2026-11-21), and says so. Only the
-standard library is imported here (the probe runs where pydantic is not installed).
+`megatrain probe` measures one and writes it as JSON; without one the planner uses `DEFAULTS`, one H200's rates
+(calibration.py, DEFAULT_*), and says so. Only the standard library is imported here (the probe runs where pydantic
+is not installed).
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-GiB = 2**30
+from .calibration import (ATTENTION_BY_SEQ, COMPILED_SPEEDUP, DEFAULT_ADAMW_PARAMS_PER_S, DEFAULT_ATTENTION_FLOPS,
+                          DEFAULT_BIDIR_BPS, DEFAULT_CPU_FLOPS, DEFAULT_D2H_BPS, DEFAULT_DISK_READ_BPS,
+                          DEFAULT_DISK_WRITE_BPS, DEFAULT_GPU_TOTAL_BYTES, DEFAULT_H2D_BPS, DEFAULT_HEAD_FLOPS,
+                          DEFAULT_LAYER_FLOPS, DEFAULT_MATMUL_FLOPS, GiB, RATE_SEQ_RANGE)
+from .calibration import BLOCKED_ATTENTION_SLOWDOWN, FLEX_MEASURED, FLEX_SHAPE_FLOPS, MOE_DEFAULT_SHARE  # noqa: F401
+#                        (the rates' constants, importable from here as before)
+
 PROFILE_VERSION = 1
 
 # Dense bf16 peak FLOP/s by device name (datasheets), for MFU. Unknown devices report no MFU.
@@ -29,11 +35,6 @@ def peak_bf16_for(name: str) -> float | None:
             return flops
     return None
 
-
-# Compiled / eager rate of a decoder layer on the H200 (2026-11-21): qwen2.5-7b at the same 161,792 tokens per
-# step, the layers took 16.12 s eager (32-row micro-batches) and 13.75 s compiled (79 rows), the busy compute time
-# less the LM head (eager in both runs): 1.17. Converts a layer rate the profile has only in the other mode.
-COMPILED_SPEEDUP = 1.17
 
 
 def default_profile_path() -> Path:
@@ -81,50 +82,9 @@ def layer_shape(adapter) -> tuple[int, ...]:
             adapter.head_dim, *moe)
 
 
-# The attention rate against the row length, as a multiple of Profile.attention_flops (the 1k-4k fit), log-linear
-# between anchors, flat beyond 256k (not measured). 32k: fitted to Llama-3.1-8B with one 32,768-token row per step
-# on an H200 (bench/results/2026-11-25/h200-noclip: 5.3-5.5 s of busy compute, which the layer matmuls at the
-# default rate leave to attention at 390 TFLOP/s, x COMPILED_SPEEDUP compiled). 128k: fitted to the Llama-3.1-8B
-# one-sequence 131,072-token run (nvidia-h200, bench/results/2026-11-25/h200-longctx-128k: 50.8 s; the earlier
-# anchor, SDPA's forward decline 674 -> 564 TFLOP/s from 32k, planned 59.3 s): per FLOP the step's attention runs
-# at 128k as at 32k. 256k: the 128k anchor times SDPA's forward decline from 128k (564 -> 526, measured on the
-# H200), not yet checked against a run.
-RATE_SEQ_RANGE = 4.0  # a probed layer's rate applies to rows within this factor of its own (Profile.layer_rate)
-ATTENTION_BY_SEQ = ((4096, 1.0), (32768, 390 / 170), (131072, 2.34), (262144, 2.34 * 526 / 564))
-
-# FlexAttention against SDPA's causal flash kernel at the same shape, by the score FlexAttention applies and
-# head_dim: (flash forward, flash forward + backward, flex forward, flex forward + backward) in milliseconds over
-# 8 rows x 4096 tokens with heads x head_dim = 4096 (FLEX_SHAPE_FLOPS forward FLOPs by the planner's count);
-# measured on the H200 through megatrain's own attention functions (bench/attention_kernels.py,
-# bench/results/2026-11-25/h200-diag/attention_kernels.json; Llama's shape at one 32k row: 14.7 / 55.7 / 20.5 /
-# 77.1). A layer runs FlexAttention for packed rows, a sliding window shorter than the row, or a score SDPA cannot
-# apply (ModelAdapter.cuda_attention). The planner's attention rate is fitted to flash runs; a FlexAttention layer
-# costs the measured difference per FLOP on top (timing.flex_extra).
-FLEX_MEASURED = {
-    ("plain", 64): (2.488, 9.902, 3.207, 14.013), ("sinks", 64): (2.488, 9.902, 3.567, 15.275),
-    ("plain", 128): (1.818, 7.658, 2.991, 11.196),
-    ("plain", 256): (1.654, 9.407, 4.107, 25.179), ("softcap", 256): (1.654, 9.407, 6.778, 35.421),
-}
-FLEX_SHAPE_FLOPS = 2.0 * 4096 * 4096 * 8 * 4096
 # FlexAttention computes whole blocks of 128 queries x 128 keys: a sliding window of W keys costs the blocks it
 # touches, W rounded up to blocks plus one.
 FLEX_BLOCK = 128
-
-# The attention whose backward runs over blocks (Placement.attn_block, models/attention.blockwise_causal): forward
-# over the row, backward per block pair, with the kernels SDPA itself picks for the row (cuDNN's on Hopper), where
-# the planner's attention rate is SDPA's for the whole row. Measured on the H200 (bench/blocked_attention.py,
-# results/2026-11-25/h200-rss-diag; Llama-3.1-8B's heads, blocks of 65,536): forward + backward 1.0075x and 1.0002x
-# SDPA's at 131,072 and 262,144 tokens (0.917 s against 0.910; 3.717 against 3.716). Until 2026-11-25 the blocked
-# attention ran the flash op, at 1.66-1.68x (H100, results/2026-11-25/h100-llama512k; the H200: 1.68x). Where SDPA
-# picks the flash op itself (before Hopper) the blocked one runs the same kernels: not measured there.
-BLOCKED_ATTENTION_SLOWDOWN = 1.01
-
-# A MoE layer with no measured rate runs at this share of the default (dense) layer rate: routing, the token
-# permutation and grouped GEMMs over a few thousand tokens per expert are slower than one dense GEMM. Fitted to
-# the one MoE run measured (Qwen3-30B-A3B, 12 layers, 256 x 4096 per step, compiled, one H200,
-# bench/results/2026-11-25/h200-moe): the layers took 21.2 s of the 24.4 s busy compute (the head 3.1 s), the
-# default rate gave 17.2 s. A probed MoE layer (`megatrain probe --layer MODEL:BxT`) replaces it.
-MOE_DEFAULT_SHARE = 0.81
 
 
 @dataclass
@@ -134,37 +94,32 @@ class Profile:
     host: str = ""
     created: str = ""
     gpu_name: str = "NVIDIA H200 (assumed)"
-    gpu_total_bytes: int = int(139.8 * GiB)
+    gpu_total_bytes: int = DEFAULT_GPU_TOTAL_BYTES
     peak_bf16: float | None = 989.4e12
-    h2d_bps: float = 55.5e9  # pinned, one direction alone
-    d2h_bps: float = 55.5e9
-    bidir_bps: float = 50.8e9  # per direction, when both run at once (101.6 GB/s together)
-    matmul_flops: float = 790e12
+    h2d_bps: float = DEFAULT_H2D_BPS  # pinned, one direction alone
+    d2h_bps: float = DEFAULT_D2H_BPS
+    bidir_bps: float = DEFAULT_BIDIR_BPS  # per direction, when both run at once
+    matmul_flops: float = DEFAULT_MATMUL_FLOPS
     layer_rates: list[LayerRate] = field(default_factory=list)
-    # Rates used when no measured layer shape applies, fitted (least squares on the relative step time, the
-    # rates below held at their probed values) to the 19 H200 runs of bench/results/2026-11-21 (7B/8B, a 3B
-    # shape, a 16-128 layer depth sweep, spill/offload): eager layer matmuls (x COMPILED_SPEEDUP compiled),
-    # causal flash attention. A measured profile sets layer_flops from its largest probed layer, as an eager rate.
-    layer_flops: float = 560e12
-    attention_flops: float = 170e12
-    # The chunked LM head with its CUDA kernels (fused cross-entropy, in-GEMM accumulation): 628 TFLOP/s at the
-    # Llama-3.1-8B shape (bench/results/2026-11-21/call10/kernel_variants_call10.json; the eager head of the
-    # first runs: 387). The CPU AdamW (alone on the machine, bf16 copy written): the H200 probe
-    # (bench/results/2026-11-21/h200_profile.json). The planner applies the in-step share of the AdamW rate.
-    head_flops: float = 628e12
-    adamw_params_per_s: float = 4.55e9
+    # Rates used when no measured layer shape applies: eager layer matmuls (x COMPILED_SPEEDUP compiled), causal
+    # flash attention. A measured profile sets layer_flops from its largest probed layer, as an eager rate.
+    layer_flops: float = DEFAULT_LAYER_FLOPS
+    attention_flops: float = DEFAULT_ATTENTION_FLOPS
+    # The chunked LM head with its CUDA kernels; the CPU AdamW alone on the machine (the planner applies the
+    # in-step share of it, calibration.ADAMW_IN_STEP).
+    head_flops: float = DEFAULT_HEAD_FLOPS
+    adamw_params_per_s: float = DEFAULT_ADAMW_PARAMS_PER_S
     adamw_threads: int | None = None  # the optimizer's intra-op threads the rate was measured with (None: torch's)
     cpu_count: int | None = None
-    cpu_flops: float = 0.5e12  # CPU matmul rate (bf16), for CPU-device plans
+    cpu_flops: float = DEFAULT_CPU_FLOPS  # CPU matmul rate (bf16), for CPU-device plans
     host_total_bytes: int | None = None
     host_available_bytes: int | None = None
-    # The SSD tier's disk (memory.disk_path): O_DIRECT with 16 MiB requests, DESIGN.md's local disk (a real NVMe
-    # RAID does 10-25 GB/s). A profile's "disk": {"read_bps", "write_bps"} (`megatrain probe --disk PATH`)
-    # replaces them, as does the measurement `megatrain train` makes at memory.disk_path when the profile has none
-    # (runtime/disk_probe.py); disk_source says which.
-    disk_read_bps: float = 1.2e9
-    disk_write_bps: float = 1.6e9
-    disk_source: str = "DESIGN.md's local disk (the defaults; `megatrain probe --disk PATH` measures one)"
+    # The SSD tier's disk (memory.disk_path), O_DIRECT with 16 MiB requests. A profile's "disk": {"read_bps",
+    # "write_bps"} (`megatrain probe --disk PATH`) replaces them, as does the measurement `megatrain train` makes at
+    # memory.disk_path when the profile has none (runtime/disk_probe.py); disk_source says which.
+    disk_read_bps: float = DEFAULT_DISK_READ_BPS
+    disk_write_bps: float = DEFAULT_DISK_WRITE_BPS
+    disk_source: str = "the defaults: a local disk with O_DIRECT; `megatrain probe --disk PATH` measures one"
     disk_measured: bool = False
 
     def layer_rate(self, adapter, micro: int, seq: int, compile: bool) -> tuple[LayerRate | None, str]:

@@ -52,22 +52,11 @@ import math
 
 from ..runtime.optimizer_pipeline import DEVICE_GRADS, landing_piece, update_order
 from ..runtime.schedule import grads_to_host, kept, stashes, step_schedule
+from .calibration import (ADAMW_IN_STEP, BLOCKED_ATTENTION_SLOWDOWN, COMPILED_SPEEDUP, FLEX_MEASURED, FLEX_SHAPE_FLOPS,
+                          FP32_SLOWDOWN, MOE_DEFAULT_SHARE, SATURATED)
 from .flops import attention_span, flops_per_token, kind_span
-from .profile import (BLOCKED_ATTENTION_SLOWDOWN, COMPILED_SPEEDUP, FLEX_BLOCK, FLEX_MEASURED, FLEX_SHAPE_FLOPS,
-                      MOE_DEFAULT_SHARE, Profile)
+from .profile import FLEX_BLOCK, Profile
 from .workload import Workload
-
-# The CPU AdamW inside a training step runs at this share of the probe's rate (measured alone on an idle machine):
-# in a step it shares the cores with the training thread and host memory with the PCIe copies. On the 19 H200
-# runs of 2026-11-21, the GPU idle time each measured (the forward of unit u waiting for unit u's update) implies
-# 0.44-0.72 of the probe's 4.55 Gparam/s, median 0.62 (2.8 Gparam/s), in runs of 33k to 262k tokens per step.
-ADAMW_IN_STEP = 0.62
-# fp32 streaming computes in fp32 without TF32: H100/H200 datasheet dense bf16 989 TFLOP/s against fp32 67 TFLOP/s.
-# Not measured by the probe (a run in fp32 mode is for exactness, not speed); the plan says so in its rate source.
-FP32_SLOWDOWN = 989.0 / 67.0
-# Without clipping, the CPU optimizer sets the step when, having made the GPU wait, it was busy (updating or waiting
-# for a gradient's copy) this share of the time from the first gradient queued to the embedding's update.
-SATURATED = 0.9
 
 
 def flex_extra(score: str, head_dim: int) -> tuple[float, float]:

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-INTRA_NODE_BPS = 300e9
-INTER_NODE_BPS = 40e9
+from .calibration import INTER_NODE_BPS, INTRA_NODE_BPS
+
 STORE_PARTS = ("fp32 master weights", "Adam m (fp32)", "Adam v (fp32)", "bf16 streaming copy")
 SHARDED_PARTS = ("gradients sent to host during backward",)
 

@@ -6,7 +6,7 @@ the first optimizer pass: the SSD tier's states not yet written, the CPU AdamW's
 step's GPU idle time against the plan's, the rate the SSD tier's disk gave while busy against the rates the plan
 used (and where those came from), and, when the plan ran on built-in rates, `megatrain probe`, which measures the
 machine's own. Issue 16's runs are why: the disk measured at one run's start read 1.38 / 1.17 GB/s where its steps
-then got about 1.5 (bench/results/2026-11-27/x2-h100), and the plan was 36% long with nothing in the run to say so.
+then got about 1.5, and the plan was 36% long with nothing in the run to say so.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ GPU when the GPU's peak so far leaves room, else to page-locked host memory
 (`CachingAutotuner.copy_args_to_cpu_if_needed`). torch's caching host allocator keeps those in power-of-two
 blocks. For Qwen2.5-7B at 80,896 tokens per micro-batch that is 4 GiB on top of the whole host store: with fp32
 streaming, a peak of 12.88 B/param, against 12.30 when Inductor's cache already had the kernels tuned
-(bench/results/2026-11-25/h200-rss-diag).
+(bench/autotune_copies.py measures both).
 
 Here the same compiling and tuning runs first, on a copy of the model with only the layers it needs (up to the
 first layer of each attention kind, so every kind's graph is compiled), over a store of its own, on the run's first

@@ -11,8 +11,8 @@ within about 30% (nvidia-h100-x1: `dd` 1.1 read / 1.2 write GB/s, this measureme
 nothing says a real NVMe drive is as forgiving: they need many requests in flight to reach their rate.
 
 What the measurement must match is a steady step's disk, and reads of data the tier wrote a step earlier: on
-nvidia-h200-x2's H100 host (bench/results/2026-11-27/x2-h100) a steady step (the third: the first update pass reads
-only never-written regions, which the tier no longer asks the disk for) read 1.35-1.50 GB/s and wrote 1.40-1.64,
+nvidia-h200-x2's H100 host a steady step (the third: the first update pass reads only never-written regions, which
+the tier no longer asks the disk for) read 1.35-1.50 GB/s and wrote 1.40-1.64,
 while this measurement at the start of those runs gave 1.64 / 1.82 and, minutes later on the same machine,
 1.38 / 1.17: over 2 GiB a virtual disk's burst and its background work show. START_BYTES is therefore 8 GiB: on
 this project's CI machine's disk, 2 GiB runs read 3.80, 1.19, 1.53 and 1.54 GB/s in a row and 8 GiB runs 1.35 and

@@ -19,9 +19,9 @@ that:
                   `write_unit` (checkpoints, resume, initialisation) go through the cache for pieces it holds;
     never written a piece not written since the tier opened (Adam m, v before the first update: holes) is zero-filled
                   in RAM, not read, and counted as no read: holes "read" at 8-11 GB/s on the GPU hosts' disks and
-                  made the first optimizer pass look like a fast disk (bench/results/2026-11-27/x2-h100).
+                  made the first optimizer pass look like a fast disk.
 
-I/O: every piece's transfer is split into requests of `request` bytes (16 MiB: DESIGN.md's local disk measured
+I/O: every piece's transfer is split into requests of `request` bytes (16 MiB: the GPU hosts' local disk measured
 1.6 GB/s write, 1.2 GB/s read at that size with O_DIRECT) issued to a pool of `threads` worker threads, so many
 requests are in flight at once. The files are opened with O_DIRECT (no page cache: the data would otherwise also
 sit in the RAM the tier exists to save, and the kernel's copy would cost memory bandwidth the CPU AdamW needs);

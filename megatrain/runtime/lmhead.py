@@ -1,5 +1,5 @@
 """The LM head: final norm + LM head + cross-entropy with its backward, over chunks of target tokens, so full
-logits never exist (DESIGN.md rule 7). `head_loss` is a plain function: the engine runs it in every step, the
+logits never exist (docs/design.md, rule 7). `head_loss` is a plain function: the engine runs it in every step, the
 probe times it and the planner measures its memory with it on the meta device.
 
 On CUDA the cross-entropy is one Triton kernel (ce_triton.py) that writes the gradient over the logits, and the
@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-# Logits per chunk: 1 GiB in bf16 (2 GiB as the eager version's fp32 copy). H200, Llama-3.1-8B head with the
-# eager cross-entropy (bench/results/2026-11-21/call10, call8): 4096 rows 463 TFLOP/s, 2048 rows 447, 512 rows 357.
+# Logits per chunk: 1 GiB in bf16 (2 GiB as the eager version's fp32 copy). The Llama-3.1-8B head with the eager
+# cross-entropy on an H200 (bench/head_attn_variants.py): 4096 rows 463 TFLOP/s, 2048 rows 447, 512 rows 357.
 CHUNK_LOGITS = 1 << 29
 CHUNK_ALIGN = 256  # rows per chunk a multiple of the GEMM tile: no ragged last tile in every chunk
 

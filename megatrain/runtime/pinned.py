@@ -1,10 +1,10 @@
 """Page-locked host memory: the one owner of every `cudaHostRegister` in megatrain.
 
 The GPU copies to and from host memory at full PCIe speed only when that memory is page-locked (pinned):
-55 GB/s against 10 GB/s from pageable memory (DESIGN.md). `torch.empty(pin_memory=True)` is slow (0.3-0.5 s/GiB)
-and rounds every block up to a power of two, so megatrain allocates ordinary page-aligned memory, touches it,
-and registers it with `cudaHostRegister` (~0.03 s/GiB, exact size). `PinnedHost` does that for the host store's
-streaming copy, the optimizer pipeline's landing buffers and offloaded gradients, and the activation spill:
+55 GB/s against 10 GB/s from pageable memory (docs/design.md, rule 5). `torch.empty(pin_memory=True)` is slow
+(0.3-0.5 s/GiB) and rounds every block up to a power of two, so megatrain allocates ordinary page-aligned memory,
+touches it, and registers it with `cudaHostRegister` (~0.03 s/GiB, exact size). `PinnedHost` does that for the host
+store's streaming copy, the optimizer pipeline's landing buffers and offloaded gradients, and the activation spill:
 every registration's error is checked (a failure names the buffer and the memlock limit), and `close()`
 unregisters whatever is still registered. Without CUDA nothing is registered and the buffers are plain memory.
 """
@@ -93,7 +93,7 @@ class PinnedHost:
 # torch's own caching host allocator (pin_memory(), tensors Inductor's autotuning copies to host: it keeps the
 # mutated arguments of a kernel it benchmarks in page-locked host memory when a copy on the GPU would raise the
 # GPU's peak) keeps every block it ever made. A compiled run's first step left 4 GiB there (Qwen2.5-7B, micro-batches
-# of 80,896 tokens, fp32 streaming; results/2026-11-25/h200-rss-diag), which no later step used.
+# of 80,896 tokens, fp32 streaming; bench/autotune_copies.py measures it), which no later step used.
 TORCH_PINNED_IDLE = 64 * 2**20
 
 

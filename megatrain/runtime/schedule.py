@@ -1,4 +1,5 @@
-"""One training step's order of work, as data: the engine executes it, the planner simulates it (DESIGN.md rule 10).
+"""One training step's order of work, as data: the engine executes it, the planner simulates it (docs/design.md,
+rule 10).
 
 A step is a list of `Use`s. Each streams the weights of one or two units into a slot (none for the embedding's
 backward) while every micro-batch of one wave group passes through them (layer-major waves, rule 1). A `Placement`
