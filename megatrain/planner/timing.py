@@ -50,7 +50,8 @@ from __future__ import annotations
 
 import math
 
-from ..runtime.optimizer_pipeline import DEVICE_GRADS, landing_piece, update_order
+from ..runtime.adamw import landing_piece
+from ..runtime.optimizer_pipeline import DEVICE_GRADS, update_order
 from ..runtime.schedule import grads_to_host, kept, stashes, step_schedule
 from .flops import attention_span, flops_per_token, kind_span
 from .profile import (BLOCKED_ATTENTION_SLOWDOWN, COMPILED_SPEEDUP, FLEX_BLOCK, FLEX_MEASURED, FLEX_SHAPE_FLOPS,
