@@ -2,9 +2,8 @@
 the limits it was planned for, and `estimate`, which computes it.
 
     estimate   the placement (placement.py: chosen from the budgets for the keys the caller leaves free), memory
-               (memory.py), time (timing.py) and the checks against what is available; what would fit when the run
-               does not is suggest.py's, which estimates its candidates here, and make_plan's (plan.py), which
-               adds it
+               (memory.py), time (timing.py) and the checks against what is available. What would fit when the
+               run does not is suggest.py's, which estimates its candidates with it; make_plan (plan.py) adds that
     Plan       the figures, as fields (report.py renders them as text) and as JSON (`megatrain plan --json`)
 """
 
