@@ -36,6 +36,7 @@ from megatrain.models import get_adapter  # noqa: E402
 from megatrain.planner import Workload, make_plan  # noqa: E402
 from megatrain.planner.placement import FREE_ALL  # noqa: E402
 from megatrain.planner.profile import GiB, load_profile  # noqa: E402
+from megatrain.planner.report import render  # noqa: E402
 
 LOCAL = (1.2e9, 1.6e9)  # DESIGN.md's local disk: read, write
 RAID = (12e9, 12e9)
@@ -81,7 +82,7 @@ def main() -> int:
             p, r = plan_row(name, b, n, seq, host, disk, clip, prof)
             rows.append(r)
             if i == 0 and clip:
-                print(p.report())
+                print(render(p))
                 print()
     print(f"{'model':<22}{'rows':>10}{'host GiB':>9}{'disk r/w GB/s':>14} {'clip':<5}{'fits':<6}{'on SSD':<15}{'stream':<7}"
           f"{'host use':>9}{'SSD GiB':>9}{'r+w GiB/step':>13}{'disk s':>8}{'hide GB/s':>10}{'step s':>8}{'TFLOP/s':>8}  bound")

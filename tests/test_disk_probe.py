@@ -147,16 +147,17 @@ def test_plan_names_the_disk_rates_it_used(tmp_path):
     from megatrain.models import get_adapter
     from megatrain.planner import Workload, make_plan
     from megatrain.planner.plan import with_disk_measured
+    from megatrain.planner.report import render
 
     adapter = get_adapter(AutoConfig.from_pretrained(Path(__file__).resolve().parent.parent / "bench" /
                                                      "model-configs" / "qwen2.5-14b"))
     w = Workload((158,), 1024, compile=True, disk_states=("v",))
-    text = make_plan(adapter, w, DEFAULTS, disk_path="/ssd", suggest=False).report()
+    text = render(make_plan(adapter, w, DEFAULTS, disk_path="/ssd", suggest=False))
     assert "at 1.20 GB/s read, 1.60 GB/s write (the defaults: a local disk with O_DIRECT" in text
     prof = with_disk_measured(DEFAULTS, str(tmp_path), nbytes=2 * MiB)
     p = make_plan(adapter, w, prof, disk_path=str(tmp_path), suggest=False)
     assert p.ssd["read_bps"] == prof.disk_read_bps and p.ssd["source"] == prof.disk_source
-    assert f"write (measured here at start: disk at {tmp_path}: read" in p.report()
+    assert f"write (measured here at start: disk at {tmp_path}: read" in render(p)
 
 
 def test_probe_cli_writes_the_disk_section(tmp_path):

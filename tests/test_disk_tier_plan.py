@@ -14,6 +14,7 @@ from megatrain.planner import Workload, make_plan
 from megatrain.planner.memory import SSD_CACHE, SSD_STAGING, host_memory
 from megatrain.planner.placement import FREE_ALL
 from megatrain.planner.profile import DEFAULTS, GiB, from_dict
+from megatrain.planner.report import render
 from megatrain.runtime.schedule import Placement
 
 QWEN14 = Path(__file__).resolve().parent.parent / "bench" / "model-configs" / "qwen2.5-14b"
@@ -106,7 +107,7 @@ def test_search_moves_v_then_m_then_master(qwen14, host_gib, states, stream):
                   disk_path="/ssd", suggest=False)
     assert p.fits and p.workload.disk_states == states and p.placement.stream_dtype == stream
     assert p.host_total <= host_gib * GiB and "SSD tier" in p.why
-    text = p.report()
+    text = render(p)
     assert "SSD tier (/ssd)" in text and f"{p.ssd['resident_bytes'] / GiB:.1f} GiB resident" in text
     assert "bound by SSD" in text
     js = p.as_json()

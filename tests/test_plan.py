@@ -26,7 +26,8 @@ from megatrain.planner.memory import gpu_phases, landing_piece, padded_elems, sl
 from megatrain.planner.placement import FREE_ALL
 from megatrain.planner.workload import PLACEMENT_KEYS
 from megatrain.planner.profile import DEFAULTS, GiB
-from megatrain.runtime.store import HostStore, LayerTile
+from megatrain.runtime.store import HostStore
+from megatrain.runtime.tile import LayerTile
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "bench" / "model-configs"
@@ -74,13 +75,12 @@ class _FakeCudart:
 @pytest.mark.parametrize("chunk,piece_max", [(512, 1 << 20), (512, 2048), (1 << 20, 64 << 20)])
 def test_landing_buffers_equal_optimizer_pipeline(monkeypatch, chunk, piece_max):
     """The pinned landing buffers the OptimizerPipeline allocates on a CUDA machine (cudaHostRegister faked)."""
-    import megatrain.runtime.optimizer_pipeline
     import megatrain.runtime.adamw
     from megatrain.runtime.optimizer_pipeline import OptimizerPipeline
     from megatrain.runtime.adamw import CpuAdamW
 
     monkeypatch.setattr(megatrain.runtime.adamw, "CHUNK", chunk)
-    monkeypatch.setattr(megatrain.runtime.optimizer_pipeline, "PIECE_MAX", piece_max)
+    monkeypatch.setattr(megatrain.runtime.adamw, "PIECE_MAX", piece_max)
     cudart = _FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: object())

@@ -1,8 +1,10 @@
 """The planner: what a run will use and how fast it goes, from config.json and the config alone, before any weight
 is read; and `megatrain probe`, which measures the machine it plans for. Modules, one job each:
 
-    plan.py         the entry points: Plan and make_plan (a workload's plan and whether it fits), plan_for_config,
-                    plan_command (`megatrain plan`), check_before_run (`megatrain train`'s check), target_device
+    plan.py         the entry points: make_plan (a workload's plan, and what would fit when it does not),
+                    plan_for_config, plan_command (`megatrain plan`), check_before_run (`megatrain train`'s check),
+                    target_device
+    estimate.py     Plan (a workload's figures and whether they fit) and estimate, which computes it
     workload.py     Workload, what the run asks of the engine (step shape, engine settings), from a Config
     memory.py       host RAM by component and the GPU phase by phase, walking the runtime's step schedule
     activations.py  one layer's and the LM head's activation memory, measured by running the runtime's own
@@ -25,7 +27,8 @@ Engine nor calls a private name of the runtime. Only the standard library and to
 runs where pydantic is not installed).
 """
 
-from .plan import Plan, World, check_before_run, make_plan, plan_command, plan_for_config, target_device
+from .estimate import Plan
+from .plan import World, check_before_run, make_plan, plan_command, plan_for_config, target_device
 from .report import refusal
 from .suggest import suggestions
 from .workload import Workload

@@ -38,7 +38,7 @@ from ..runtime.pinned import PAGE
 from ..runtime.engine import STAGE_ELEMS
 from ..runtime.lmhead import default_chunk
 from ..runtime.optimizer_pipeline import DEVICE_GRADS, NUM_LANDING, update_order
-from ..runtime.optimizer_pipeline import landing_piece as _landing_piece
+from ..runtime.adamw import landing_piece as _landing_piece
 from ..runtime.schedule import TIED_INPUT, grads_to_host, spilled_layers, step_schedule
 from ..runtime.schedule import slot_numel as _slot_numel
 from ..runtime.store import padded_numel

@@ -48,7 +48,7 @@ def adamw_rates(numel: int, stream_dtype: torch.dtype, threads: list[int], reps:
     from ..models.base import TensorSpec, Unit
     from ..runtime.adamw import CpuAdamW
     from ..runtime.pinned import aligned_empty
-    from ..runtime.store import LayerTile
+    from ..runtime.tile import LayerTile
 
     unit = Unit("layer", 0, (TensorSpec("w", "w", (numel,), True, "normal"),))
     master = aligned_empty(numel, torch.float32, zero=False).normal_(0, 0.02)

@@ -6,17 +6,13 @@ against what is available, the GPU's components at its peak phase and what the a
 disk per checkpoint, the predicted step time with its parts and bound (timing.py), the optimizer's mode (clipping
 or not), the share of the step it may use and what it costs, with the other mode's figures beside it, the notes on
 where the figures come from, and, when the run does not fit, the problems and what would fit (suggest.py). Nothing
-is computed here: every figure is a field of the Plan (plan.py).
+is computed here: every figure is a field of the Plan (estimate.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from .estimate import Plan
 from .profile import GiB
-
-if TYPE_CHECKING:
-    from .plan import Plan
 
 
 def _g(x: float) -> str:
@@ -33,7 +29,7 @@ def _flops(x: float) -> str:
 
 
 def render(p: Plan) -> str:
-    """The report `megatrain plan` prints (Plan.report)."""
+    """The report `megatrain plan` prints (plan.plan_command)."""
     w, t = p.workload, p.time
     streamed = "fp32 master streamed, cast to bf16" if w.fp32_stream else f"{w.precision} streaming"
     moe = f" ({_count(p.active_params)} active per token)" if p.active_params != p.params else ""

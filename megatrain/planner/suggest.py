@@ -1,6 +1,6 @@
 """What would fit: config changes that bring a run that does not fit under the machine's limits.
 
-Each candidate is a changed `Workload` planned again with make_plan (plan.py) against the same host RAM and GPU
+Each candidate is a changed `Workload` planned again with estimate (estimate.py) against the same host RAM and GPU
 limit, the planner choosing the placement keys the config leaves free (placement.py); the suggestions are the ones
 that fit, least disruptive first:
 
@@ -18,14 +18,11 @@ out-of-memory error, with a GPU target below the peak the plan predicted.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
+from .estimate import Plan, estimate
 from .placement import FREE_ALL
 from .profile import GiB
 from .workload import Workload
-
-if TYPE_CHECKING:
-    from .plan import Plan
 
 
 def memory_ok(p: Plan, gpu_target: float | None) -> bool:
@@ -38,8 +35,6 @@ def memory_ok(p: Plan, gpu_target: float | None) -> bool:
 def suggestions(adapter, plan: Plan, gpu_target: float | None = None) -> list[str]:
     """Config changes that would fit, least disruptive first. gpu_target: GPU bytes to get under instead of the
     plan's limit (after an out-of-memory error: a share of the predicted peak)."""
-    from .plan import make_plan  # make_plan calls suggestions: imported here, not at the top
-
     w = plan.workload
     per_step, micro = sum(w.micro_batches), max(w.micro_batches)
     out: list[str] = []
@@ -48,9 +43,9 @@ def suggestions(adapter, plan: Plan, gpu_target: float | None = None) -> list[st
         gpu_target = 0.95 * plan.gpu_limit  # a suggestion keeps 5% of the GPU in hand
 
     def trial(cand: Workload, free: frozenset = plan.free, disk_path: str | None = plan.disk_path) -> Plan | None:
-        p = make_plan(adapter, cand, plan.profile, host_available=plan.host_available, host_source=plan.host_source,
-                      gpu_limit=gpu_target, suggest=False, config_keys=frozenset(plan.config_keys),
-                      choose_keys=free, disk_path=disk_path)
+        p = estimate(adapter, cand, plan.profile, host_available=plan.host_available, host_source=plan.host_source,
+                     gpu_limit=gpu_target, config_keys=frozenset(plan.config_keys), choose_keys=free,
+                     disk_path=disk_path)
         return p if memory_ok(p, gpu_target) else None
 
     def line(p: Plan, change: str) -> str:

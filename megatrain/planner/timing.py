@@ -50,7 +50,8 @@ from __future__ import annotations
 
 import math
 
-from ..runtime.optimizer_pipeline import DEVICE_GRADS, landing_piece, update_order
+from ..runtime.adamw import landing_piece
+from ..runtime.optimizer_pipeline import DEVICE_GRADS, update_order
 from ..runtime.schedule import grads_to_host, kept, stashes, step_schedule
 from .calibration import (ADAMW_IN_STEP, BLOCKED_ATTENTION_SLOWDOWN, COMPILED_SPEEDUP, FLEX_MEASURED, FLEX_SHAPE_FLOPS,
                           FP32_SLOWDOWN, MOE_DEFAULT_SHARE, SATURATED)

@@ -11,12 +11,14 @@ and a CPU optimizer that overlaps the GPU. Modules, one job each:
     lmhead.py, ce_triton.py  the chunked LM-head loss with its backward; the fused cross-entropy kernel (CUDA)
     microbatch.py          a micro-batch's tensors in, a step's loss and norm out
     store.py               HostStore: per-unit tiles of fp32 master, Adam m and v, the streaming copy
+    tile.py                LayerTile: one unit's views of those states, what the optimizer updates
     disk_tier.py           the SSD tier: states host RAM cannot hold in per-unit files, read ahead, written behind
     disk_files.py          its scratch folders (locked; a dead run's removed), the O_DIRECT probe, the request loop
     disk_probe.py          the disk's read and write rates, measured as the tier moves data (memory.disk_path)
     pinned.py              PinnedHost: the one owner of page-locked (cudaHostRegister'ed) host memory
     optimizer_pipeline.py  gradients to host, CPU AdamW overlapped with the next forward, updates in order
-    adamw.py               the CPU AdamW kernel per tile, clipping, learning-rate schedules
+    adamw.py               the CPU AdamW kernel per tile, the pieces it updates a tile in, clipping,
+                           learning-rate schedules
     activation_spill.py    layer-boundary activations parked in pinned host memory
     timeline.py            busy shares of the CUDA streams
 

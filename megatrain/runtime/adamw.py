@@ -1,4 +1,4 @@
-"""CPU AdamW per tile, global-norm clipping and learning-rate schedules.
+"""CPU AdamW per tile, the pieces a tile is updated in, global-norm clipping and learning-rate schedules.
 
 Each tile is laid out decayed tensors first (matrices, embeddings), then the rest (norms, biases), so one tile
 is two contiguous segments: AdamW with weight decay on the first, without on the second. The update runs in
@@ -12,13 +12,22 @@ import math
 
 import torch
 
-from .store import LayerTile
+from .tile import LayerTile
 
 # Elements per fused call: 16 MiB of fp32 state per array stays in the last-level cache. Calls always cover
 # absolute CHUNK-aligned blocks of a tile: the kernel's rounding depends on how its range is split (vector body
 # vs scalar tail), so an update in pieces whose boundaries are multiples of CHUNK is bit-identical to one call
 # per tile.
 CHUNK = 1 << 20
+PIECE_MAX = 64 << 20  # elements per landing buffer
+
+
+def landing_piece(max_unit_numel: int) -> int:
+    """Elements per landing buffer: the largest unit rounded down to CHUNK (pieces on CHUNK boundaries keep
+    a piecewise update bit-identical to a whole-tile one), at least one CHUNK, at most PIECE_MAX (256 MiB: copies
+    that large run at full PCIe bandwidth, and two buffers cost 0.5 GiB of host memory however large the layers).
+    The optimizer pipeline lands and updates gradients in pieces of this size; the SSD tier reads and writes them."""
+    return min(PIECE_MAX, max(CHUNK, max_unit_numel // CHUNK * CHUNK))
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:

@@ -21,7 +21,7 @@ When the jobs are queued depends on clipping, which the trainer states per step 
                   blocks the engine's thread beyond that), so their GPU memory is bounded whatever the CPU's pace.
 
 Either way a unit's update is the same AdamW, bit for bit, as updating everything after backward (tested on CPU).
-Landing buffers are a bounded pool (two buffers of at most PIECE_MAX elements); units pass through them in pieces.
+Landing buffers are a bounded pool (two buffers of adamw.landing_piece elements); units pass through them in pieces.
 
 With an SSD tier (the store's `disk`, runtime/disk_tier.py) the states placed on disk are fetched piece by piece
 right before the piece's update (`acquire`: the tier has read them ahead, following the update order this step
@@ -41,13 +41,11 @@ from typing import Callable
 import torch
 
 from ..errors import MegatrainError
-from . import adamw
-from .adamw import CpuAdamW
+from .adamw import CpuAdamW, landing_piece
 from .pinned import PinnedHost
 from .schedule import gradient_order
 from .store import HostStore
 
-PIECE_MAX = 64 << 20  # elements per landing buffer
 NUM_LANDING = 2  # landing buffers: the copy of piece k+1 overlaps the update of piece k
 DEVICE_GRADS = 2  # no clipping: finished gradients handed over and not yet landed, at most (a threaded worker)
 _STOP = object()
@@ -58,13 +56,6 @@ def update_order(num_units: int, clipping: bool = True) -> list[int]:
     them); without, the order the gradients are complete (head, last layer, ..., embedding). What a tier that reads
     a unit's state ahead of its update would follow."""
     return list(range(num_units)) if clipping else gradient_order(num_units)
-
-
-def landing_piece(max_unit_numel: int) -> int:
-    """Elements per landing buffer: the largest unit rounded down to adamw.CHUNK (pieces on CHUNK boundaries keep
-    a piecewise update bit-identical to a whole-tile one), at least one CHUNK, at most PIECE_MAX (256 MiB: copies
-    that large run at full PCIe bandwidth, and two buffers cost 0.5 GiB of host memory however large the layers)."""
-    return min(PIECE_MAX, max(adamw.CHUNK, max_unit_numel // adamw.CHUNK * adamw.CHUNK))
 
 
 class OptimizerThreadError(RuntimeError):

@@ -21,16 +21,17 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from ..errors import MegatrainError
-from ..models import ModelAdapter, Unit
+from ..models import ModelAdapter
+from .adamw import landing_piece
 from .disk_tier import KIND_NAMES, DiskTier
 from .pinned import PAGE, aligned_empty
+from .tile import LayerTile
 
 ALIGN_ELEMS = PAGE // 2  # tile starts aligned to 2048 elements: page-aligned in bf16 and in fp32 buffers
 IGNORED_CHECKPOINT_TENSORS = ("rotary_emb.inv_freq",)
@@ -39,26 +40,6 @@ IGNORED_CHECKPOINT_TENSORS = ("rotary_emb.inv_freq",)
 def padded_numel(numel: int) -> int:
     """Elements a unit of `numel` parameters takes in each store allocation (its tile, padded to ALIGN_ELEMS)."""
     return -(-numel // ALIGN_ELEMS) * ALIGN_ELEMS
-
-
-@dataclass
-class LayerTile:
-    """One unit's slice of each host allocation, plus its layout."""
-
-    unit: Unit
-    master: torch.Tensor | None  # fp32, flat (None: on the SSD tier)
-    exp_avg: torch.Tensor | None  # Adam m, fp32 (None: on the SSD tier)
-    exp_avg_sq: torch.Tensor | None  # Adam v, fp32 (None: on the SSD tier)
-    stream: torch.Tensor  # what is sent to the GPU: bf16 copy, or the master itself in fp32 mode
-    step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))  # Adam step count
-
-    @property
-    def numel(self) -> int:
-        return self.unit.numel
-
-    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Named views into any flat buffer laid out like this tile (host tile, GPU slot, gradient)."""
-        return self.unit.views(flat)
 
 
 def store_dtypes(precision: str, stream: str = "bf16") -> tuple[torch.dtype, torch.dtype]:
@@ -97,9 +78,7 @@ class HostStore:
             raise ValueError("the fp32 master is the streaming copy (fp32 streaming): it cannot move to disk")
         self.on_disk = tuple(KIND_NAMES[k] for k in KIND_NAMES if k in disk_states)  # attribute names
         self.disk: DiskTier | None = None
-        if self.on_disk:
-            from .optimizer_pipeline import landing_piece  # the update's pieces are the tier's pieces
-
+        if self.on_disk:  # the update's pieces are the tier's pieces
             self.disk = DiskTier(disk_path, self.on_disk, [u.numel for u in self.units],
                                  landing_piece(max(u.numel for u in self.units)))
         none = torch.empty(0, dtype=torch.float32)

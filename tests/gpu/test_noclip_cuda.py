@@ -28,7 +28,7 @@ from test_placement_cuda import batches, make_model
 
 from megatrain.models import get_adapter, load_hf_config
 from megatrain.runtime import CpuAdamW, EngineOptions, HostStore, Placement, RuntimeOptions, build_runtime
-from megatrain.runtime import optimizer_pipeline
+from megatrain.runtime import adamw
 from megatrain.runtime.schedule import gradient_order
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
@@ -102,7 +102,7 @@ def setup(tmp_path_factory):
 
 @pytest.fixture
 def small_pieces(monkeypatch):
-    monkeypatch.setattr(optimizer_pipeline, "PIECE_MAX", 4 << 20)
+    monkeypatch.setattr(adamw, "PIECE_MAX", 4 << 20)
 
 
 @pytest.mark.parametrize("name", list(PLACEMENTS))
