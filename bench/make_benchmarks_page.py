@@ -171,8 +171,10 @@ def page() -> str:
               "targets: memory within 10%, time within 15%. `python3 bench/plan_vs_measured.py` re-plans every run "
               "under `bench/results` with today's planner (the runtime-bench runs too), the runs of "
               "`planner-fit-h200` in-sample.", ""] + plan_table() + [""]
-    lines += ["## Plots", ""]
-    for what, path, script in PLOTS:
+    plots = [(what, path, script) for what, path, script in PLOTS if (PAGE.parent / path).is_file()]
+    if plots:  # those the plot scripts have written
+        lines += ["## Plots", ""]
+    for what, path, script in plots:
         lines += [f"{what} (`{script}`):", "", f"![{what}]({path})", ""]
     lines += ["## Reference runs", "",
               "Other reference data: the machine profiles `probe-h200/profile.json` and `probe-h100/profile.json` "
