@@ -1,7 +1,8 @@
 """GPU peak against depth and against tokens per step: what `megatrain plan` predicts (lines) with the default
 placement (every layer's input and every finished gradient on the GPU) and with the placement the planner chooses
 (no memory keys; or under memory.gpu_budget_gb), and what the GPU runs measured (markers:
-torch.cuda.max_memory_allocated), from the reference runs under bench/results.
+torch.cuda.max_memory_allocated), from the reference runs under bench/results. The lines of the tokens panel are
+planned in micro-batches of one row; a run in micro-batches of 16 holds more at once.
 
     python bench/plot_gpu_memory.py [--out docs/img/gpu_memory]   (needs matplotlib)
 
@@ -34,8 +35,8 @@ MEASURED = {  # (series, x, reference run, label of its run)
               for d, s in ((16, 0), (32, 16), (64, 48), (128, 64))] + [
               ("planner, no keys (H200)", d, "depth-131k-h200", f"depth-{d}-131k-auto") for d in (16, 32, 64, 128)] + [
               ("planner, gpu_budget_gb=16 (H200 of the x2 kind)", 128, "depth-128-131k-budget16-h200", None)],
-    "tokens": [("planner, no keys (H200)", 64 * 4096, "llama-3.1-8b-64x4096-h200", None),
-               ("planner, H100 80 GB", 64 * 4096, "llama-3.1-8b-64x4096-h100-cli", None),
+    "tokens": [("planner, micro-batches of 16 rows (H200)", 64 * 4096, "llama-3.1-8b-64x4096-h200", None),
+               ("planner, H100 80 GB, micro-batches of 16 rows", 64 * 4096, "llama-3.1-8b-64x4096-h100-cli", None),
                ("planner, gpu_budget_gb=22 (H100)", 16 * 4096, "llama-3.1-8b-16x4096-budget22-h100-cli", None)],
 }
 
