@@ -1,6 +1,6 @@
 """Where a compiled run's first step puts Inductor's autotuning copies, and what would keep them off the host
-(issue 16: the host peak of Qwen2.5-7B with fp32 streaming is 12.30 B/param once Inductor's cache has the kernels
-tuned, 12.88 on a cold cache; results/2026-11-25/h200-rss-diag).
+(the host peak of Qwen2.5-7B with fp32 streaming is 12.30 B/param once Inductor's cache has the kernels tuned,
+12.88 on a cold cache: bench/results/qwen2.5-7b-158x1024-tune-first-h100x2-cli).
 
 The first time an Inductor kernel with several configurations runs, its autotuner benchmarks them; the buffers the
 kernel writes are copied aside first, to the GPU when `max_memory_allocated() - memory_allocated()` has room, else

@@ -302,8 +302,7 @@ def stop_tree(pid: int):
     """A signal handler for the benchmark stopped from outside (a call script's `timeout`): SIGKILL to the run it
     launched and every process under it, then exit 124. A run stopped with SIGTERM would save a checkpoint first,
     as `megatrain train` does for users, holding its GPU meanwhile (torchrun's ranks run in sessions of their own,
-    out of reach of a process-group signal): on 2026-11-27 a Qwen2.5-32B run started after a timed-out 14B run
-    found 16.6 of the H100's 80 GB free."""
+    out of reach of a process-group signal), and a run started after it would find the GPU taken."""
     def handler(signum, frame):
         for p in reversed(NodeMemory._tree(pid)):  # the tree as it is now, leaves first
             try:

@@ -2,11 +2,9 @@
 causal GQA call against the flash op and the cuDNN op called directly, forward alone and the backward over block
 pairs, at Llama-3.1-8B's heads over long rows.
 
-megatrain's blocked attention (models/attention.blockwise_causal) called the flash op until 2026-11-25: on the H100
-its backward took 1.66x SDPA's (results/2026-11-25/h100-llama512k), and a 524,288-token Llama-3.1-8B step 1,270 s
-where SDPA's rate gives ~830 s. On the H200 the cuDNN op per block pair ran at SDPA's speed (results/2026-11-25/
-h200-rss-diag), and the engine now runs the kernel SDPA picks (models/attention.blocked_kernel). This measures, per row
-length:
+With the flash op per block pair, the blocked backward took 1.66x SDPA's on the H100, and a 524,288-token
+Llama-3.1-8B step 1,270 s where SDPA's rate gives ~830 s; the cuDNN op per block pair runs at SDPA's speed, so the
+engine runs the kernel SDPA picks (models/attention.blocked_kernel). This measures, per row length:
 
     sdpa      F.scaled_dot_product_attention(is_causal, enable_gqa): the backend SDPA picks (torch._fused_sdp_choice,
               recorded), forward alone and forward + backward over the whole row (what the planner's rate is)

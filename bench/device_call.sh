@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call: the set-up every call needs, then a call script (a list of commands), then the results table.
+# One device call: the set-up every call needs, then a call script (a list of commands).
 #
-#   MEGATRAIN_REV=<commit> OUT=/tmp/out bash bench/device_call.sh bench/calls/<date>-<name>.sh
+#   MEGATRAIN_REV=<commit> OUT=/tmp/out bash bench/device_call.sh CALL_SCRIPT
 #
 # Set-up: strict pipes, unbuffered Python, NVLink multicast off (NCCL, PyTorch, NVSHMEM), MEGATRAIN_REV (the
 # device's copy of the tree has no usable git history: pass the commit it runs; the JSONs record it), OUT (default
@@ -10,8 +10,7 @@
 # into /tmp/site and put first on PYTHONPATH, and the machine (GPUs and, with several, their topology, Python,
 # torch, CUDA, the libraries megatrain imports, CPUs, memory) printed and saved to $OUT/machine.txt. The call script
 # is then sourced in a subshell (an `exit` in it ends the call script, not this runner) with OUT, M
-# (bench/model-configs) and the helpers below available; a copy of it is kept as $OUT/run.sh. Last,
-# bench/summarize.py tabulates every benchmark JSON under $OUT.
+# (bench/model-configs) and the helpers below available; a copy of it is kept as $OUT/run.sh.
 #
 #   run_logged NAME SECONDS CMD ARGS...   runs CMD under `timeout SECONDS`, its output to $OUT/NAME.log (the last
 #                                         ${TAIL:-6} lines shown), and appends "NAME rc=N" to $OUT/status.txt
@@ -147,5 +146,4 @@ echo "== call script exit status $rc"
 if [ $rc -eq 0 ] && [ -f "$OUT/status.txt" ] && grep -qE " rc=[1-9]" "$OUT/status.txt"; then
   rc=1  # a command run with run_logged failed
 fi
-python3 bench/summarize.py "$OUT"
 exit $rc

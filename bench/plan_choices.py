@@ -2,11 +2,22 @@
 before and after a change to the planner to see which runs it moves (and re-measure those whose placement changed).
 
     python bench/plan_choices.py [--json OUT.json]
+    python bench/plan_choices.py --ssd [--json OUT.json]
 
 Every row: compiled layers, CUDA, no memory keys but the GPU budget the row names (else the profile's GPU) and the
-host RAM given; the H100 rows use the H100's probe (results/2026-11-23/bounded-h100-2), the rows planned with the
-H200 probe say so, the rest use the default (H200) profile. Prints one line a row: fits, host GiB of the limit,
-predicted step, placement keys; the table last.
+host RAM given; the H100 rows use the H100's probe (bench/results/probe-h100), the rows planned with the H200 probe
+(bench/results/probe-h200) say so, the rest use the default (H200) profile. Prints one line a row: fits, host GiB of
+the limit, predicted step, placement keys; the table last.
+
+--ssd: what the plan says of the SSD tier (memory.disk_path) instead, with the H200 probe and the disk's read/write
+rates given: which states go to the SSD (Adam v, then m, then the fp32 master), the host RAM used, the SSD's bytes
+resident and moved per step, the disk's seconds, the bandwidth that would hide them, the predicted step and its
+bound; each row with gradient clipping on and off. Rows: Qwen2.5-14B 158 x 1024 in 128 GiB with a local disk
+(1.2 / 1.6 GB/s; bench/results/qwen2.5-14b-host128-ssd-h100-cli measured it); Mistral-Large-2 (123B) at 158 x 1024
+and at 1M tokens (32 x 32 rows), 1,536 GiB of host RAM and a 12 GB/s NVMe RAID; Llama-3.1-405B at 160 x 1024 (10 x 16
+rows) with the RAID and the local disk, and at 1M tokens (64 x 16 rows). With clipping 405B does not fit: the finished
+gradients waiting for the global norm (4 B/param) fit neither the GPU nor the host, and the SSD tier does not take
+gradients; at 1M tokens the wave groups' fp32 accumulators wait in host RAM either way.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -23,9 +35,10 @@ from megatrain.models import get_adapter  # noqa: E402
 from megatrain.planner import Workload, make_plan  # noqa: E402
 from megatrain.planner.placement import FREE_ALL  # noqa: E402
 from megatrain.planner.profile import DEFAULTS, GiB, load_profile  # noqa: E402
+from megatrain.planner.report import render  # noqa: E402
 
-H100 = HERE / "results" / "2026-11-23" / "bounded-h100-2" / "h100_profile.json"
-H200 = HERE / "results" / "2026-11-21" / "h200_profile.json"
+H100 = HERE / "results" / "probe-h100" / "profile.json"
+H200 = HERE / "results" / "probe-h200" / "profile.json"
 # label, model, rows per micro-batch, micro-batches, tokens per row, GPU budget GiB (None: the profile's GPU),
 # host GiB, profile (None: defaults), clipping, layers (None: the config's)
 RUNS = [
@@ -64,10 +77,70 @@ def plan_row(label, name, micro, n, seq, gpu_gib, host_gib, profile, clipping, l
             "gpu_needed_gib": p.gpu_needed / GiB, "step_s": p.step_s, "placement": p.placement_keys, "why": p.why}
 
 
+LOCAL, RAID = (1.2e9, 1.6e9), (12e9, 12e9)  # disk read, write bytes/s: a local disk, an NVMe RAID
+# --ssd: model, rows per micro-batch, micro-batches, tokens per row, host GiB, disk
+SSD_RUNS = [("qwen2.5-14b", 79, 2, 1024, 128.0, LOCAL), ("mistral-large-2-123b", 79, 2, 1024, 1536.0, RAID),
+            ("mistral-large-2-123b", 32, 32, 1024, 1536.0, RAID), ("llama-3.1-405b", 16, 10, 1024, 1536.0, RAID),
+            ("llama-3.1-405b", 16, 10, 1024, 1536.0, LOCAL), ("llama-3.1-405b", 16, 64, 1024, 1536.0, RAID)]
+
+
+def ssd_row(name, micro, n_micro, seq, host_gib, disk, clipping, prof):
+    from transformers import AutoConfig
+
+    adapter = get_adapter(AutoConfig.from_pretrained(HERE / "model-configs" / name))
+    prof = replace(prof, disk_read_bps=disk[0], disk_write_bps=disk[1])
+    p = make_plan(adapter, Workload((micro,) * n_micro, seq, compile=True, clipping=clipping), prof, suggest=False,
+                  gpu_limit=float(prof.gpu_total_bytes), host_available=host_gib * GiB, host_source="given",
+                  choose_keys=FREE_ALL, disk_path="memory.disk_path")
+    ssd = p.ssd
+    return p, {"model": name, "rows": micro * n_micro, "micro_batch": micro, "seq": seq, "host_budget_gib": host_gib,
+               "clipping": clipping, "disk_read_gbps": disk[0] / 1e9, "disk_write_gbps": disk[1] / 1e9,
+               "fits": p.fits, "disk_states": list(p.workload.disk_states), "stream_dtype": p.placement.stream_dtype,
+               "placement": p.placement_keys, "why": p.why, "host_gib": p.host_total / GiB,
+               "host_bytes_per_param": p.host_total / p.params, "params": p.params,
+               "ssd_resident_gib": ssd["resident_bytes"] / GiB if ssd else 0.0,
+               "ssd_read_gib_per_step": ssd["read_bytes"] / GiB if ssd else 0.0,
+               "ssd_write_gib_per_step": ssd["write_bytes"] / GiB if ssd else 0.0,
+               "disk_s": ssd["disk_s"] if ssd else 0.0, "hidden_gbps": ssd["hidden_bps"] / 1e9 if ssd else 0.0,
+               "step_s": p.step_s, "compute_s": p.time["compute_s"], "bound": p.time["bound"],
+               "tokens_per_s": p.time["tokens_per_s"], "tflops_6n": p.time["tflops_6n"],
+               "gpu_needed_gib": p.gpu_needed / GiB, "problems": p.problems}
+
+
+def ssd_main(json_out: str | None) -> int:
+    """The SSD tier's plans: the first row's report in full, then the table."""
+    prof = load_profile(H200)
+    rows = []
+    for i, run in enumerate(SSD_RUNS):
+        for clip in (True, False):
+            p, r = ssd_row(*run, clip, prof)
+            rows.append(r)
+            if i == 0 and clip:
+                print(render(p) + "\n")
+    print(f"{'model':<22}{'rows':>10}{'host GiB':>9}{'disk r/w GB/s':>14} {'clip':<5}{'fits':<6}{'on SSD':<15}"
+          f"{'stream':<7}{'host use':>9}{'SSD GiB':>9}{'r+w GiB/step':>13}{'disk s':>8}{'hide GB/s':>10}{'step s':>8}"
+          f"{'TFLOP/s':>8}  bound")
+    for r in rows:
+        rows_seq = f"{r['rows']}x{r['seq']}"
+        print(f"{r['model']:<22}{rows_seq:>10}{r['host_budget_gib']:>9.0f}"
+              f"{r['disk_read_gbps']:>7.1f}/{r['disk_write_gbps']:<6.1f} "
+              f"{'on' if r['clipping'] else 'off':<5}{str(r['fits']):<6}{','.join(r['disk_states']) or '-':<15}"
+              f"{r['stream_dtype']:<7}{r['host_gib']:>9.1f}{r['ssd_resident_gib']:>9.1f}"
+              f"{r['ssd_read_gib_per_step'] + r['ssd_write_gib_per_step']:>13.1f}{r['disk_s']:>8.1f}"
+              f"{r['hidden_gbps']:>10.2f}{r['step_s']:>8.1f}{r['tflops_6n'] if r['fits'] else 0:>8.0f}  "
+              f"{r['bound'] if r['fits'] else 'does not fit'}")
+    if json_out:
+        Path(json_out).write_text(json.dumps({"profile": str(H200.relative_to(HERE.parent)), "runs": rows}, indent=1))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
+    ap.add_argument("--ssd", action="store_true", help="the SSD tier's plans instead")
     args = ap.parse_args()
+    if args.ssd:
+        return ssd_main(args.json)
     rows = []
     for run in RUNS:
         rows.append(plan_row(*run))

@@ -1,12 +1,12 @@
 """What `megatrain plan` says of one long sequence per step (issue 15's runs), from config.json alone with a machine
-profile (default: the H200 probe of bench/results/2026-11-21), CUDA defaults (compiled layers), no memory keys set,
+profile (default: the H200 probe, bench/results/probe-h200), CUDA defaults (compiled layers), no memory keys set,
 the host RAM given (default 125 GiB, what the H100/H200 machines have free): fits or not, the placement chosen
 (memory.seq_tile among it), predicted step time, GPU peak and need, host RAM.
 
     python bench/plan_long_context.py [--json OUT.json] [--profile PROFILE.json] [--host-gib 125]
 
 Each row: model, tokens, the GPU's memory (GiB; the profile's GPU unless stated), compiled or eager, gradient clipping
-(train.max_grad_norm 1.0) or none (null: no gradient waits for the global norm, DESIGN.md rule 11).
+(train.max_grad_norm 1.0) or none (null: no gradient waits for the global norm).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def plan_row(name: str, seq: int, gpu_gib: float | None, compile: bool, prof, ho
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", default=str(HERE / "results" / "2026-11-21" / "h200_profile.json"))
+    ap.add_argument("--profile", default=str(HERE / "results" / "probe-h200" / "profile.json"))
     ap.add_argument("--host-gib", type=float, default=125.0)
     ap.add_argument("--json")
     args = ap.parse_args()

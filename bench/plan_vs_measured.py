@@ -2,15 +2,15 @@
 
     python bench/plan_vs_measured.py [RESULTS_DIR ...] [--profile PROFILE.json]
 
-For every benchmark JSON (bench_megatrain.py --json) under the given folders (default: bench/results), the
-plan is made for the same model, shape, micro-batches, precision and compile mode, and compared with what the
-run measured; for a `megatrain train` run (bench_cli.py --json) that recorded the plan it made at its start
-(output.dir/plan.json, written since 2026-11-25), that plan, as the run printed it: torch.cuda.max_memory_allocated, the process's peak RSS, and the mean step time. Targets: memory
-within 10%, time within 15%. Without --profile the plan uses its defaults (which were fitted to the
-2026-11-21 runs: those rows are in-sample). With --profile bench/results/2026-11-21/h200_profile.json it uses
-that H200's probe instead; two planner constants were still taken from these runs (plan.ADAMW_IN_STEP, the
-in-step share of the probed AdamW rate, and profile.COMPILED_SPEEDUP, for layers probed in one compile mode only).
-The GPU idle column is the step's time without compute: the forward waiting for the CPU optimizer, mostly.
+For every benchmark result (a result.json of bench_megatrain.py runs, or of `megatrain train` runs through
+bench_cli.py that recorded the plan they made at their start) under the given folders (default: bench/results), the
+plan is made for the same model, shape, micro-batches, precision and compile mode and compared with what the run
+measured; a `megatrain train` run is compared with its own plan, as the run printed it. Measured:
+torch.cuda.max_memory_allocated, the process's peak RSS (several ranks: the node's summed PSS) and the mean step
+time. Targets: memory within 10%, time within 15%. Without --profile the plan uses its defaults (fitted to the runs
+of bench/results/planner-fit-h200: those rows are in-sample); --profile bench/results/probe-h200/profile.json uses
+that H200's probe instead. The GPU idle column is the step's time without compute: the forward waiting for the CPU
+optimizer, mostly.
 """
 
 from __future__ import annotations
@@ -38,13 +38,15 @@ def load_results(*dirs: Path) -> list[dict]:
                 payload = json.loads(f.read_text())
             except (OSError, json.JSONDecodeError):
                 continue
-            r = payload.get("result") if isinstance(payload, dict) else None
-            cmd = payload.get("command", "") if isinstance(payload, dict) else ""
-            cli = "bench_cli" in cmd and isinstance(r, dict) and isinstance(r.get("plan"), dict)
-            if (isinstance(r, dict) and "step_s" in r and ("bench_megatrain" in cmd or cli)
-                    and r.get("device", "cuda") == "cuda"):  # --device cpu runs check the script only
-                out.append({**r, "file": str(f.relative_to(HERE.parent) if f.is_relative_to(HERE.parent) else f),
-                            "command": payload.get("command", "")})
+            if not isinstance(payload, dict):
+                continue
+            for run in payload.get("runs") or [payload]:  # a reference run of several runs lists them
+                r, cmd = run.get("result"), run.get("command", "")
+                cli = "bench_cli" in cmd and isinstance(r, dict) and isinstance(r.get("plan"), dict)
+                if (isinstance(r, dict) and "step_s" in r and ("bench_megatrain" in cmd or cli)
+                        and r.get("device", "cuda") == "cuda"):  # --device cpu runs check the script only
+                    out.append({**r, "file": str(f.relative_to(HERE.parent) if f.is_relative_to(HERE.parent) else f),
+                                "command": cmd})
     return out
 
 
@@ -55,8 +57,8 @@ def _arg(command: str, name: str, default=None):
 
 def workload_of(r: dict, vocab: int) -> Workload:
     seqs, micro = r["seqs_per_step"], r["micro"]
-    # results from before the LM-head chunk was recorded ran the head of that time: chunks of ~1 GiB of fp32
-    # logits and the eager cross-entropy (no CUDA head kernels)
+    # a result that does not record the LM-head chunk ran the older head: chunks of ~1 GiB of fp32 logits and the
+    # eager cross-entropy (no CUDA head kernels)
     chunk = int(r.get("loss_chunk") or max(128, (1 << 28) // vocab))
     head_kernels = "loss_chunk" in r
     sizes = [micro] * (seqs // micro) + ([seqs % micro] if seqs % micro else [])
@@ -64,7 +66,7 @@ def workload_of(r: dict, vocab: int) -> Workload:
     pl = r.get("placement")
     if isinstance(pl, dict):  # the placement the run used (--auto: the planner's)
         placement = Placement(**pl)
-    else:  # results from before placements: spill and offloaded gradients only
+    else:  # a result that records no placement: spill and offloaded gradients only
         placement = Placement(spill_layers=int(r.get("spill_layers") or _arg(cmd, "--spill", 0)),
                               grads_to_host=int(r.get("offload_units") or _arg(cmd, "--offload", 0)))
     return Workload(tuple(sizes), r["seq"], device="cuda", precision=r.get("precision", "bf16"),

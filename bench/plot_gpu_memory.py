@@ -1,11 +1,12 @@
-"""GPU peak against depth and against tokens per step, before and after issue 11: what `megatrain plan` predicts
-(lines) with the default placement (every layer's input and every finished gradient on the GPU: the engine before
-placements) and with the placement the planner chooses (no memory keys; or under memory.gpu_budget_gb), and what the
-GPU runs measured (markers: torch.cuda.max_memory_allocated).
+"""GPU peak against depth and against tokens per step: what `megatrain plan` predicts (lines) with the default
+placement (every layer's input and every finished gradient on the GPU) and with the placement the planner chooses
+(no memory keys; or under memory.gpu_budget_gb), and what the GPU runs measured (markers:
+torch.cuda.max_memory_allocated), from the reference runs under bench/results. The lines of the tokens panel are
+planned in micro-batches of one row; a run in micro-batches of 16 holds more at once.
 
-    python bench/plot_gpu_memory.py [--out bench/results/2026-11-24/gpu_memory]   (needs matplotlib)
+    python bench/plot_gpu_memory.py [--out docs/img/gpu_memory]   (needs matplotlib)
 
-Planned with the H200 probe (bench/results/2026-11-21/h200_profile.json), compiled layers, from config.json alone.
+Planned with the H200 probe (bench/results/probe-h200), compiled layers, from config.json alone.
 Writes OUT.png and OUT.json (every point), prints a table last.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
 from transformers import AutoConfig  # noqa: E402
 
@@ -25,22 +27,17 @@ from megatrain.models import get_adapter  # noqa: E402
 from megatrain.planner import Workload, make_plan  # noqa: E402
 from megatrain.planner.placement import FREE_ALL  # noqa: E402
 from megatrain.planner.profile import GiB, load_profile  # noqa: E402
+from refruns import RESULTS, result  # noqa: E402
 
-PROFILE = load_profile(HERE / "results" / "2026-11-21" / "h200_profile.json")
-R = "bench/results/"
-MEASURED = {  # (series, x, GPU peak GiB, result file)
-    "depth": [("default placement (H200)", 16, None, R + "2026-11-21/depth131k_16.json"),
-              ("hand-set spill (H200, 2026-11-21)", 32, None, R + "2026-11-21/depth131k_32.json"),
-              ("hand-set spill (H200, 2026-11-21)", 64, None, R + "2026-11-21/depth131k_64.json"),
-              ("hand-set spill (H200, 2026-11-21)", 128, None, R + "2026-11-21/depth131k_128.json")] + [
-              ("planner, no keys (H200)", d, None, R + f"2026-11-24/depth-nokeys/depth_{d}.json")
-              for d in (16, 32, 64, 128)] + [
-              ("planner, gpu_budget_gb=16 (H200 of the x2 kind)", 128, None,
-               R + "2026-11-24/x2-peer2/depth_128_b16.json")],
-    "tokens": [("default placement, micro-batches of 16 rows (H200)", 64 * 4096, None, R + "2026-11-21/llama8b.json"),
-               ("planner, H100 80 GB", 64 * 4096, None, R + "2026-11-23/bounded-h100/llama8b_64x4096.json"),
-               ("planner, gpu_budget_gb=22 (H200)", 16 * 4096, None,
-                R + "2026-11-23/bounded-h200x2/llama8b_16x4096_22g.json")],
+PROFILE = load_profile(RESULTS / "probe-h200" / "profile.json")
+MEASURED = {  # (series, x, reference run, label of its run)
+    "depth": [("hand-set spill, 40 GiB cap (H200)", d, "planner-fit-h200", f"depth-{d}-131k-spill{s}-budget40")
+              for d, s in ((16, 0), (32, 16), (64, 48), (128, 64))] + [
+              ("planner, no keys (H200)", d, "depth-131k-h200", f"depth-{d}-131k-auto") for d in (16, 32, 64, 128)] + [
+              ("planner, gpu_budget_gb=16 (H200 of the x2 kind)", 128, "depth-128-131k-budget16-h200", None)],
+    "tokens": [("planner, micro-batches of 16 rows (H200)", 64 * 4096, "llama-3.1-8b-64x4096-h200", None),
+               ("planner, H100 80 GB, micro-batches of 16 rows", 64 * 4096, "llama-3.1-8b-64x4096-h100-cli", None),
+               ("planner, gpu_budget_gb=22 (H100)", 16 * 4096, "llama-3.1-8b-16x4096-budget22-h100-cli", None)],
 }
 
 
@@ -77,18 +74,17 @@ def measured() -> dict:
     out = {}
     for panel, pts in MEASURED.items():
         out[panel] = []
-        for label, x, _, f in pts:
-            path = HERE.parent / f
-            if path.exists():
-                out[panel].append((label, x, json.loads(path.read_text())["result"]["gpu_peak_gib"], f))
+        for label, x, name, run in pts:
+            out[panel].append((label, x, result(name, run)["gpu_peak_gib"], name))
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(HERE / "results" / "2026-11-24" / "gpu_memory"))
+    ap.add_argument("--out", default=str(HERE.parent / "docs" / "img" / "gpu_memory"))
     args = ap.parse_args()
     planned, meas = series(), measured()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps({"planned": planned, "measured": meas}, indent=1))
     import matplotlib
 

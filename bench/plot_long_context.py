@@ -1,10 +1,10 @@
 """Step time and GPU peak against sequence length, one sequence per step (issue 15): what `megatrain plan` predicts
 from config.json alone (lines: Qwen2.5-7B and Llama-3.1-8B on the H200, the placement the planner chooses with no
 memory keys, compiled, clipping on, 125 GiB of host RAM, the default H200 profile that the device runs plan with)
-and what the H200 runs measured (markers, from their JSON under bench/results/). A length the planner finds no
-placement for is left out of its line and listed in the table.
+and what the H200 runs measured (markers, from the reference runs under bench/results). A length the planner finds
+no placement for is left out of its line and listed in the table.
 
-    python bench/plot_long_context.py [--out bench/results/2026-11-25/long_context]   (needs matplotlib)
+    python bench/plot_long_context.py [--out docs/img/long_context]   (needs matplotlib)
 
 Writes OUT.png and OUT.json (every point), prints a table last.
 """
@@ -22,31 +22,29 @@ sys.path.insert(0, str(HERE))
 
 from megatrain.planner.profile import load_profile  # noqa: E402
 from plan_long_context import plan_row  # noqa: E402
+from refruns import RESULTS, result  # noqa: E402
 
 LENGTHS = (32768, 65536, 131072, 262144, 524288, 1048576)
 MODELS = ("qwen2.5-7b", "llama-3.1-8b")
-# (model, JSON under bench/results/, what it was): the H200 runs of one sequence per step, clipping on
+# (model, reference run, label of its run, what it was): the H200 runs of one sequence per step, clipping on
 MEASURED = [
-    ("llama-3.1-8b", "2026-11-25/h200-noclip/llama8b_32k_clip.json", "no keys (before reuse_attention)"),
-    ("llama-3.1-8b", "2026-11-25/h200-longctx-128k/llama8b_128k.json", "no keys (before reuse_attention)"),
-    ("llama-3.1-8b", "2026-11-25/h200-reuse/llama8b_128k.json", "no keys: seq_tile 8192, reuse_attention 32"),
-] + [("qwen2.5-7b", f"2026-11-25/h200-longctx-qwen/qwen7b_{k}k.json", "no keys" + (", --extend-context" if k > 128 else ""))
-     for k in (32, 64, 128, 256, 512)]
+    ("llama-3.1-8b", "llama-3.1-8b-32k-noclip-h200-cli", "llama-3.1-8b-1x32768-clip",
+     "no keys (before reuse_attention)"),
+    ("llama-3.1-8b", "llama-3.1-8b-131k-h200-cli", None, "no keys: seq_tile 8192, reuse_attention 32"),
+] + [("qwen2.5-7b", "qwen2.5-7b-long-context-h200-cli", f"qwen2.5-7b-1x{k * 1024}-cli",
+      "no keys" + (", --extend-context" if k > 128 else "")) for k in (32, 64, 128, 256, 512)]
 # Runs on the 80 GB H100 (squares), each beside the plan for its modes with the H100 probe profile (hollow squares):
-# (model, JSON, what, GPU budget GiB, clipping)
-H100 = "2026-11-23/bounded-h100-2/h100_profile.json"
+# (model, reference run, what, GPU budget GiB, clipping)
+H100 = RESULTS / "probe-h100" / "profile.json"
 MEASURED_H100 = [
-    ("llama-3.1-8b", "2026-11-25/h100-llama512k/llama8b_512k_h100.json",
-     "before cuDNN: no clipping, memory.gpu_budget_gb 74, attention backward in blocks with the flash op's kernels",
-     74.0, False),
-    ("llama-3.1-8b", "2026-11-25/h100-llama512k-cudnn/llama8b_512k_h100.json",
+    ("llama-3.1-8b", "llama-3.1-8b-524k-h100-cli",
      "no clipping, memory.gpu_budget_gb 74, attention backward in blocks with cuDNN's kernels", 74.0, False),
 ]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(HERE / "results" / "2026-11-25" / "long_context"))
+    ap.add_argument("--out", default=str(HERE.parent / "docs" / "img" / "long_context"))
     ap.add_argument("--host-gib", type=float, default=125.0)
     args = ap.parse_args()
     prof = load_profile(None)
@@ -56,14 +54,14 @@ def main() -> int:
             _, r = plan_row(name, seq, None, True, prof, args.host_gib)
             planned.append(r)
     measured = []
-    for name, path, what in MEASURED:
-        r = json.loads((HERE / "results" / path).read_text())["result"]
+    for name, path, label, what in MEASURED:
+        r = result(path, label)
         measured.append({"model": name, "tokens": r["seq"], "step_s": r["step_s"], "gpu_peak_gib": r["gpu_peak_gib"],
                          "tokens_per_s": r["tokens_per_s"], "file": path, "what": what})
     h100 = []
     for name, path, what, budget, clip in MEASURED_H100:
-        r = json.loads((HERE / "results" / path).read_text())["result"]
-        _, plan = plan_row(name, r["seq"], budget, True, load_profile(HERE / "results" / H100), args.host_gib, clip)
+        r = result(path)
+        _, plan = plan_row(name, r["seq"], budget, True, load_profile(H100), args.host_gib, clip)
         h100.append({"model": name, "tokens": r["seq"], "step_s": r["step_s"], "gpu_peak_gib": r["gpu_peak_gib"],
                      "tokens_per_s": r["tokens_per_s"], "file": path, "what": what, "plan": plan})
 
@@ -108,6 +106,7 @@ def main() -> int:
     fig.suptitle("One sequence per step on one H200 (squares: the H100): megatrain plan (lines, hollow) and measured")
     fig.tight_layout()
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out.with_suffix(".png"), dpi=110)
     out.with_suffix(".json").write_text(json.dumps({"profile": "default H200", "host_gib": args.host_gib,
                                                     "planned": planned, "measured": measured, "h100": h100},

@@ -3,19 +3,21 @@ step model from a wrong disk rate (issue 16: "step time within 15% of the plan")
 
     python bench/ssd_replan.py RESULT.json [RESULT.json ...] [--rerun CLI_LOG METRICS_JSONL ...]
 
-RESULT.json is a `bench/bench_cli.py --json` result of a run with memory.disk_path (its `_cli.log` beside it: the
-CPU AdamW rate and the disk rates the run measured at its start are read from the start summary). For each one the
+RESULT.json is a `bench/bench_cli.py --json` result of a run with memory.disk_path, or a reference run's result.json
+(its output beside it, `<stem>_cli.log` or the reference run's log.txt: the CPU AdamW rate and the disk rates the run
+measured at its start are read from the start summary). For each one the
 plan is re-made (`make_plan`) for the same model, batch, compile mode, clipping and placement (the run's, with the
 states the run put on the SSD: those missing from its plan's host lines) and the CPU AdamW rate it measured, with
   - the disk rates the run planned with (measured at its start), which must give the run's own plan back; and
   - each step's own rates: the tier's bytes over the seconds a read (write) was in flight in that step.
 The plan is compared with the steady steps: those after the first optimizer pass (with clipping on, the first step's
-updates run in the second step), whose reads find only never-written regions; before 2026-11-27 (session 30) such
-reads were counted as disk reads, at the rate at which the file system returns holes (8-11 GB/s), and are marked.
+updates run in the second step), whose reads find only never-written regions; runs whose tier did not zero-fill
+those regions counted such reads as disk reads, at the rate at which the file system returns holes (8-11 GB/s), and
+are marked.
 The step's own rates are each kind's bytes over the seconds during which one was in flight; the tier's reads and
-writes overlap in time, so these understate what the disk did and the re-plan with them runs long. Runs since
-session 30 also record the disk's rate with both kinds together over the seconds any request was in flight
-(`disk_gbps`): the row "this step's disk" re-plans with it as both rates.
+writes overlap in time, so these understate what the disk did and the re-plan with them runs long. Runs that record
+the disk's rate with both kinds together over the seconds any request was in flight (`disk_gbps`) get a row "this
+step's disk" that re-plans with it as both rates.
 
 --rerun: a run of the first RESULT's command whose benchmark JSON was not written (stopped at its time limit after
 its last step): its output and its metrics.jsonl. The table is printed last; --json writes it.
@@ -75,7 +77,8 @@ def rerun_result(like: dict, log: Path, metrics: Path) -> dict:
 def replan(path: Path, payload: dict | None = None, log: Path | None = None) -> list[dict]:
     payload = payload or json.loads(path.read_text())
     r = payload["result"]
-    rates = start_rates(log or path.with_name(path.stem + "_cli.log"))
+    cli_log = path.with_name(path.stem + "_cli.log")
+    rates = start_rates(log or (cli_log if cli_log.exists() else path.with_name("log.txt")))
     host_lines = " ".join(r["plan"]["host"])
     disk_states = tuple(k for k, name in STATES.items() if name not in host_lines)
     adapter = adapter_of({**r, "command": payload.get("command", "")})
@@ -100,12 +103,12 @@ def replan(path: Path, payload: dict | None = None, log: Path | None = None) -> 
     for x in steps:
         rd, wr = x["disk_read_gbps"] * 1e9, x["disk_write_gbps"] * 1e9
         if not rd:
-            continue  # the first pass of a run since session 30: no read to take a rate from
+            continue  # a first pass that read nothing (the tier zero-fills): no read to take a rate from
         rows.append({"run": r["label"], "file": str(path), "rates": "this step's own", "step": x["step"],
                      "read_gbps": rd / 1e9, "write_gbps": wr / 1e9, "pred_s": step_s(rd, wr),
                      "meas_s": x["step_time_s"], "run_plan_s": r["plan"]["step_time_s"],
                      "first_pass": x is steps[0]})
-        if x.get("disk_gbps"):  # since session 30: both kinds over the seconds any request was in flight
+        if x.get("disk_gbps"):  # both kinds over the seconds any request was in flight
             both = x["disk_gbps"] * 1e9
             rows.append({**rows[-1], "rates": "this step's disk", "read_gbps": both / 1e9, "write_gbps": both / 1e9,
                          "pred_s": step_s(both, both)})
@@ -131,8 +134,8 @@ def main() -> int:
               f"{x['pred_s']:>9.1f}{meas:>11.1f}{x['pred_s'] / meas - 1:>+8.1%}")
     print("first row of each run: its plan re-made with the rates it measured at its start (the run's own plan: "
           + ", ".join(f"{x['run_plan_s']:.1f} s" for x in rows if x["step"] is None) + ") against the mean of its "
-          "steady steps (after the first optimizer pass)\n* the first optimizer pass: before session 30 its reads were "
-          "of never-written regions (holes), counted as disk reads; since, such pieces are zero-filled and not read")
+          "steady steps (after the first optimizer pass)\n* the first optimizer pass: its reads were of never-written "
+          "regions (holes), counted as disk reads where the tier did not zero-fill them")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -148,7 +148,8 @@ def test_nothing_fits_says_what_the_host_would_have_to_hold(qwen14):
 
 
 def test_the_gpu_runs_of_the_ssd_tier_are_reproduced():
-    """The SSD-tier runs on an H100 of nvidia-h200-x2 (bench/results/2026-11-27/x2-h100, Qwen2.5-14B 158 x 1024 in
+    """The SSD-tier runs on an H100 of nvidia-h200-x2 (bench/results/qwen2.5-14b-host128-ssd-two-runs-h100-cli,
+    Qwen2.5-14B 158 x 1024 in
     128 GiB, Adam v and m on /var/tmp), re-planned from config.json with the disk and CPU AdamW rates each run
     measured at its start (bench/ssd_replan.py): the planner gives each run's own plan back, and run 1's steady step
     (the third: the second was the first optimizer pass, whose reads were holes) is within issue 16's 15% of it.
@@ -160,9 +161,9 @@ def test_the_gpu_runs_of_the_ssd_tier_are_reproduced():
     sys.path.insert(0, str(root / "bench"))
     from ssd_replan import replan, rerun_result
 
-    d = root / "bench" / "results" / "2026-11-27" / "x2-h100" / "runs"
-    first = replan(d / "qwen14b_ssd.json")
-    like = json.loads((d / "qwen14b_ssd.json").read_text())
+    d = root / "bench" / "results" / "qwen2.5-14b-host128-ssd-two-runs-h100-cli"
+    first = replan(d / "result.json")
+    like = json.loads((d / "result.json").read_text())
     second = replan(d / "qwen14b_ssd2_metrics.log",
                     rerun_result(like, d / "qwen14b_ssd2.log", d / "qwen14b_ssd2_metrics.log"), d / "qwen14b_ssd2.log")
     for rows, own in ((first, 161.09), (second, 210.51)):
@@ -176,7 +177,8 @@ def test_the_gpu_runs_of_the_ssd_tier_are_reproduced():
 
 
 def test_the_ssd_run_planned_with_8_gib_measured_at_start_is_reproduced():
-    """Session 31's SSD-tier run (bench/results/2026-11-27/x2-h100-b, the same 14B in 128 GiB on an H100 of
+    """Session 31's SSD-tier run (bench/results/qwen2.5-14b-host128-ssd-h100-cli, the same 14B in 128 GiB on an
+    H100 of
     nvidia-h200-x2, the disk measured over 8 GiB at start): re-planned from config.json with the rates it measured
     at its start, the planner gives its own plan back (171.5 s), and that plan is within issue 16's 15% of the mean
     of its steady steps (3 and 4: 179.1, 183.6 s). Its first optimizer pass (step 2) read nothing that was never
@@ -187,7 +189,7 @@ def test_the_ssd_run_planned_with_8_gib_measured_at_start_is_reproduced():
     sys.path.insert(0, str(root / "bench"))
     from ssd_replan import replan
 
-    f = root / "bench" / "results" / "2026-11-27" / "x2-h100-b" / "runs" / "qwen14b_ssd.json"
+    f = root / "bench" / "results" / "qwen2.5-14b-host128-ssd-h100-cli" / "result.json"
     rows = replan(f)
     start = rows[0]
     assert start["step"] is None and start["run_plan_s"] == pytest.approx(171.52, abs=0.01)

@@ -440,7 +440,7 @@ def test_plan_for_full_gpt_oss_120b_from_config_json(tmp_path, capsys):
            "data": {"path": str(tmp_path / "train.jsonl"), "max_seq_len": 4096},
            "train": {"micro_batch_size": 8, "grad_accum_steps": 32, "device": "cuda"},
            "memory": {"host_budget_gb": 1800}, "checkpoint": {"at_end": False},
-           "plan": {"profile": str(ROOT / "bench" / "results" / "2026-11-21" / "h200_profile.json")},
+           "plan": {"profile": str(ROOT / "bench" / "results" / "probe-h200" / "profile.json")},
            "output": {"dir": str(tmp_path / "out")}}
     import yaml
 

@@ -166,7 +166,7 @@ def long_plan(name: str, seq: int, gpu_gib: float | None = None, compile: bool =
     from megatrain.planner.profile import GiB, load_profile
 
     root = Path(__file__).resolve().parents[1]
-    prof = load_profile(root / "bench" / "results" / "2026-11-21" / "h200_profile.json")
+    prof = load_profile(root / "bench" / "results" / "probe-h200" / "profile.json")
     adapter = get_adapter(AutoConfig.from_pretrained(root / "bench" / "model-configs" / name))
     return make_plan(adapter, Workload((1,), seq, compile=compile, clipping=clipping), prof, suggest=False,
                      gpu_limit=gpu_gib * GiB if gpu_gib else float(prof.gpu_total_bytes),
@@ -175,7 +175,8 @@ def long_plan(name: str, seq: int, gpu_gib: float | None = None, compile: bool =
 
 def test_qwen_7b_fits_an_h200_from_32k_to_512k_tokens():
     """Qwen2.5-7B, one sequence per step (bench/plan_long_context.py prints the table;
-    bench/results/2026-11-25/long_context_plan.txt): every length tiles the layer (memory.seq_tile: at 32k-128k to
+    bench/results/qwen2.5-7b-long-context-h200-cli, the runs): every length tiles the layer (memory.seq_tile: at
+    32k-128k to
     make room for the layers that keep their attention, from 256k on because the whole layer does not fit) and keeps
     some layers' attention for the backward (memory.reuse_attention); 512k also runs the attention's backward over
     blocks (memory.attn_block: at SDPA's speed since it calls cuDNN's kernels) or rebuilds K-blocks; 512k within

@@ -279,7 +279,7 @@ def test_megatrain_plan_names_the_mode(tmp_path):
 
     cfg = write_70b_run(tmp_path)
     args = ["train.device=cuda", "train.max_grad_norm=null", "memory.host_budget_gb=1536",
-            f"plan.profile={ROOT / 'bench' / 'results' / '2026-11-21' / 'h200_profile.json'}"]
+            f"plan.profile={ROOT / 'bench' / 'results' / 'probe-h200' / 'profile.json'}"]
     r = cli("plan", str(cfg), *args, cwd=tmp_path)
     assert r.returncode in (0, 1), r.stderr
     assert "gradient clipping off" in r.stdout and "optimizer: no clipping (train.max_grad_norm: null)" in r.stdout

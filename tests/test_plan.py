@@ -432,13 +432,14 @@ def test_a_fixed_placement_that_does_not_fit_names_the_keys_to_leave_unset():
     assert "the planner's placement: memory.checkpoint_every=" in first
 
 
-H200_PROFILE = ROOT / "bench" / "results" / "2026-11-21" / "h200_profile.json"
+H200_PROFILE = ROOT / "bench" / "results" / "probe-h200" / "profile.json"
 
 
 @pytest.mark.parametrize("profile", ["defaults", "h200 probe"])
 def test_measured_peaks_are_reproduced(profile):
-    """The first H200 runs (bench/results/2026-11-21): GPU peak and host RSS within 10%, step time within 15%,
-    with the default rates and with that machine's probe (h200_profile.json). (The time and host-runtime defaults
+    """The first H200 runs (bench/results/planner-fit-h200, peers-llama-3b-h200): GPU peak and host RSS within 10%,
+    step time within 15%,
+    with the default rates and with that machine's probe (probe-h200/profile.json). (The time and host-runtime defaults
     were fitted to these runs, and so were timing.ADAMW_IN_STEP and COMPILED_SPEEDUP; the GPU model was not, but
     for the compiled activation factor.) bench/plan_vs_measured.py compares every result, later ones included."""
     from megatrain.planner.profile import load_profile
@@ -447,7 +448,8 @@ def test_measured_peaks_are_reproduced(profile):
     from plan_vs_measured import compare, load_results
 
     prof = DEFAULTS if profile == "defaults" else load_profile(H200_PROFILE)
-    rows = [compare(r, prof) for r in load_results(ROOT / "bench" / "results" / "2026-11-21")]
+    runs = load_results(*(ROOT / "bench" / "results" / n for n in ("planner-fit-h200", "peers-llama-3b-h200")))
+    rows = [compare(r, prof) for r in runs]
     assert len(rows) >= 6
     for row in rows:
         assert abs(row["gpu_err"]) <= 0.10, row
@@ -456,14 +458,16 @@ def test_measured_peaks_are_reproduced(profile):
 
 
 def test_the_bounded_memory_runs_are_reproduced():
-    """The 2026-11-24 runs (out of sample: no constant was fitted to them), with the default rates: the planner's
+    """The bounded-memory runs (out of sample: no constant was fitted to them), with the default rates: the planner's
     placements under no keys and under a 16 GiB budget, the no-slower pairs, and the real-width runs of issue 11
     (Llama-3.1-70B cut to 4 layers and Llama-3.1-405B cut to 1, 524,288 tokens per step), whose GPU peak, host
     peak and step time must be within 10% of `megatrain plan`."""
     sys.path.insert(0, str(ROOT / "bench"))
     from plan_vs_measured import compare, load_results
 
-    runs = load_results(ROOT / "bench" / "results" / "2026-11-24")
+    runs = load_results(*(ROOT / "bench" / "results" / n for n in (
+        "depth-131k-h200", "depth-128-131k-budget16-h200", "real-width-524k-h200", "placement-no-slower-h200",
+        "qwen2.5-7b-158x1024-h200", "llama-3.1-8b-64x4096-h200")))
     assert len(runs) >= 10
     real_width = 0
     for r in runs:
@@ -522,7 +526,8 @@ def test_forward_waits_for_the_optimizer_unit_by_unit():
 
 def test_autotune_host_is_the_widest_projection_output_in_power_of_two_blocks():
     """planner.memory.autotune_host against what torch's caching host allocator held after a compiled run's first
-    step on the H200 (results/2026-11-25/h200-rss-diag, h200-1m-blocked): Qwen2.5-7B 79 x 1024 tokens 4.02 GiB,
+    step on the H200 (results/qwen2.5-7b-2l-autotune-host-h200-cli, llama-3.1-8b-3l-1m-h200-cli):
+    Qwen2.5-7B 79 x 1024 tokens 4.02 GiB,
     8 x 1024 0.50; Llama-3.1-8B in tiles of 8,192 tokens 0.27 (the blocks, plus a few MiB of pinned batches); the
     hosts' plans carry it as its own component of compiled CUDA runs only."""
     from megatrain.planner import Workload

@@ -17,7 +17,8 @@ QWEN14 = Path(__file__).resolve().parent.parent / "bench" / "model-configs" / "q
 
 
 def ssd_plan(device: str = "cuda"):
-    """Qwen2.5-14B 158 x 1024 with Adam v and m on the SSD tier, as bench/results/2026-11-27/x2-h100 ran it."""
+    """Qwen2.5-14B 158 x 1024 with Adam v and m on the SSD tier, as
+    bench/results/qwen2.5-14b-host128-ssd-two-runs-h100-cli ran it."""
     adapter = get_adapter(AutoConfig.from_pretrained(QWEN14))
     w = Workload((79, 79), 1024, device=device, compile=True, disk_states=("v", "m"))
     return make_plan(adapter, w, DEFAULTS, suggest=False, host_available=128 * GiB)

@@ -1,5 +1,5 @@
 """The placements the planner chooses for the runs this project exists for, planned from config.json alone with the
-H200's probe (bench/results/2026-11-21/h200_profile.json), CUDA defaults (compiled layers), no memory keys set:
+H200's probe (bench/results/probe-h200/profile.json), CUDA defaults (compiled layers), no memory keys set:
 what `megatrain plan` says before a run (GPU runs check it against measurement: bench/README.md)."""
 
 from pathlib import Path
@@ -13,7 +13,7 @@ from megatrain.planner.placement import FREE_ALL
 from megatrain.planner.profile import GiB, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILE = load_profile(ROOT / "bench" / "results" / "2026-11-21" / "h200_profile.json")
+PROFILE = load_profile(ROOT / "bench" / "results" / "probe-h200" / "profile.json")
 
 
 def plan(name, micro, n, seq, gpu_gib=None, host_gib=None, layers=None):
@@ -94,7 +94,7 @@ def test_plan_json_for_70b_names_the_placement(tmp_path):
     cfg = write_70b_run(tmp_path)
     r = cli("plan", str(cfg), "--json", "train.device=cuda", "train.micro_batch_size=1", "train.grad_accum_steps=128",
             "data.max_seq_len=4096", "memory.host_budget_gb=1536", "checkpoint.at_end=false",
-            f"plan.profile={ROOT / 'bench' / 'results' / '2026-11-21' / 'h200_profile.json'}", cwd=tmp_path)
+            f"plan.profile={ROOT / 'bench' / 'results' / 'probe-h200' / 'profile.json'}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for key in ("fits", "gpu_peak_gib", "host_peak_gib", "host_bytes_per_param", "step_time_s", "tflops_6n",
@@ -105,7 +105,7 @@ def test_plan_json_for_70b_names_the_placement(tmp_path):
     # the report says the same in words
     r = cli("plan", str(cfg), "train.device=cuda", "train.micro_batch_size=1", "train.grad_accum_steps=128",
             "data.max_seq_len=4096", "memory.host_budget_gb=1536", "memory.wave_groups=1",
-            f"plan.profile={ROOT / 'bench' / 'results' / '2026-11-21' / 'h200_profile.json'}", cwd=tmp_path)
+            f"plan.profile={ROOT / 'bench' / 'results' / 'probe-h200' / 'profile.json'}", cwd=tmp_path)
     assert "placement: memory.checkpoint_every=" in r.stdout and "memory.wave_groups=1" in r.stdout
     assert r.returncode in (0, 1)
 

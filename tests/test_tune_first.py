@@ -125,7 +125,8 @@ def test_yaml_booleans_read_as_on_and_off(tmp_path):
 
 
 def test_the_plan_leaves_the_autotuning_copies_off_the_peak_when_tuned_first(tmp_path):
-    """bench/results/2026-11-27/x2-h100-c: Qwen2.5-7B, 158 x 1024, fp32 streaming, a cold Inductor cache. Without
+    """bench/results/qwen2.5-7b-158x1024-tune-first-h100x2-cli: Qwen2.5-7B, 158 x 1024, fp32 streaming, a cold
+    Inductor cache. Without
     tune_first the first step pinned a 4 GiB block on top of the store (91.23 GiB peak, planned 91.37); with it the
     peak was 87.41 GiB. The plan of each: the same components, less the 4 GiB block when tuned first."""
     from pathlib import Path

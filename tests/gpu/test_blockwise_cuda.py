@@ -12,7 +12,7 @@ kernels CPU cannot run (those SDPA picks for the row: cuDNN's on Hopper, else th
    65,536): the backward's allocated peak above its inputs for SDPA's kernel and the blocked one, against what the
    planner's meta device measures for each (planner.activations: the same functions on the meta device; at two
    blocks the blocked one holds more, the fp32 sums of d(k) and d(v), from four it holds less), and each backward's
-   time (recorded: profile.BLOCKED_ATTENTION_SLOWDOWN; results/2026-11-25/h200-1m-blocked with cuDNN's kernels,
+   time (recorded: profile.BLOCKED_ATTENTION_SLOWDOWN; results/llama-3.1-8b-3l-1m-h200-cli with cuDNN's kernels,
    h100-llama512k with the flash op's).
 """
 

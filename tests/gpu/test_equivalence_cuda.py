@@ -10,8 +10,8 @@ pinned landing buffers, the LM-head kernels):
   fp32: megatrain fp32 vs transformers fp32 (TF32 off): checks the CUDA stream/slot/landing-buffer path exactly.
 
 bench/gpu_equivalence.py, which this replaces, reported the differences without bounds. The bounds here are 3.5-6x
-the largest differences it measured on the H200 in calls 1, 9 and 10 (bench/results/2026-11-21/
-gpu_equivalence.json, call9/, call10/: fp32 parameters 1.65e-5; bf16 loss 8.8e-5, parameters 5.6e-3), and for the
+the largest differences it measured on the H200 in calls 1, 9 and 10 (the first H200
+round's results, in git history: fp32 parameters 1.65e-5; bf16 loss 8.8e-5, parameters 5.6e-3), and for the
 fp32 loss the CPU tests' 1e-5 (measured: 2.0e-7).
 """
 
