@@ -207,11 +207,12 @@ def _adapter(model_dir: str):
     return get_adapter(AutoConfig.from_pretrained(model_dir))
 
 
-def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers: bool, reps: int = 3) -> dict:
+def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers: bool, reps: int = 3,
+               dtype: torch.dtype = torch.bfloat16, ad=None) -> dict:
     """Forward (no grad) and recompute+backward of one layer, as Engine runs them; executed FLOP/s of each and
-    the activation memory of the backward (CUDA: max_memory_allocated growth)."""
-    ad = _adapter(model_dir)
-    dtype = torch.bfloat16
+    the activation memory of the backward (CUDA: max_memory_allocated growth). ad: the model's adapter (default:
+    read from model_dir)."""
+    ad = ad or _adapter(model_dir)
     unit = next(u for u in ad.units() if u.kind == "layer")
     flat = (torch.randn(unit.numel, device=device) * 0.02).to(dtype)
     grad = torch.zeros(unit.numel, dtype=torch.float32, device=device)
@@ -261,6 +262,28 @@ def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers
             "compile": compile_layers, "forward_s": fwd_s, "backward_s": bwd_s,
             "forward_flops": (2.0 * P + attn) * tokens / fwd_s, "backward_flops": (6.0 * P + 3 * attn) * tokens / bwd_s,
             "activation_peak_bytes": act}
+
+
+# The most executed FLOPs one layer's recompute+backward may take in cpu_layer_rates: the micro-batch's rows are cut
+# until it fits, so that the measurement stays short where bf16 is emulated (~10 GFLOP/s on a 2-core AVX2 CPU).
+CPU_LAYER_FLOPS = 2e9
+
+
+def cpu_layer_rates(ad, micro: int, seq: int, precisions=("fp32", "bf16"), reps: int = 1) -> dict:
+    """This CPU's executed FLOP/s of one decoder layer of `ad` (forward, then recompute+backward, as the engine runs
+    them) in each of `precisions`, at `micro` rows of `seq` tokens (fewer rows when one backward would pass
+    CPU_LAYER_FLOPS): {"fp32": rate, "bf16": rate, "rows": rows measured}. A CPU step is such layers for the most
+    part, their matmuls and their elementwise work, which bf16 without bf16 instructions slows down."""
+    unit = next(u for u in ad.units() if u.kind == "layer")
+    per_row = (6.0 * ad.active_numel(unit) + 6.0 * seq * ad.num_heads * ad.head_dim) * seq
+    rows = max(1, min(micro, int(CPU_LAYER_FLOPS // per_row)))
+    out = {"rows": rows}
+    for name in precisions:
+        dtype = torch.bfloat16 if name == "bf16" else torch.float32
+        r = layer_rate("", rows, seq, "cpu", False, reps=reps, dtype=dtype, ad=ad)
+        out[name] = (r["forward_flops"] * r["forward_s"] + r["backward_flops"] * r["backward_s"]) / \
+            (r["forward_s"] + r["backward_s"])
+    return out
 
 
 def head_rate(model_dir: str, micro: int, seq: int, device: str, reps: int = 2) -> float:
@@ -322,7 +345,8 @@ def probe(layers: list[tuple[str, int, int]], compile_modes: list[bool], adam_pa
         f"{cpu['adamw_fp32_params_per_s'] / 1e9:.2f} Gparam/s (fp32), {threads} of {cores} threads "
         f"({', '.join(f'{t}: {r / 1e9:.2f}' for t, r in rates.items())})")
     cpu["matmul_flops"] = matmul_rate(min(matmul_n, 2048), torch.float32, "cpu", reps=2)
-    log(f"CPU fp32 matmul {cpu['matmul_flops'] / 1e12:.2f} TFLOP/s")
+    cpu["matmul_bf16_flops"] = matmul_rate(min(matmul_n, 1024), torch.bfloat16, "cpu", reps=2)
+    log(f"CPU matmul fp32 {cpu['matmul_flops'] / 1e12:.2f}, bf16 {cpu['matmul_bf16_flops'] / 1e12:.2f} TFLOP/s")
     prof["cpu"] = cpu
     if disk is not None:  # the SSD tier's rates, measured as the tier moves its states (runtime/disk_probe.py)
         prof["disk"] = measure_disk(disk[0], disk[1], key="probe: --disk")
