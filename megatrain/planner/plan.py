@@ -420,7 +420,7 @@ def with_cpu_rates(prof: Profile, adapter, precision: str, micro: int, seq: int,
 
     def measure(key: str) -> float:
         if not found:
-            found.update(cpu_layer_rates(adapter, micro, seq, names))
+            found.update(cpu_layer_rates(adapter, micro, seq, names) or {k: 0.0 for k in names})
         return found[key]
 
     try:
@@ -431,7 +431,9 @@ def with_cpu_rates(prof: Profile, adapter, precision: str, micro: int, seq: int,
         warnings.warn(f"megatrain: the CPU rates could not be measured ({type(e).__name__}: {e}); planning with the "
                       f"profile's")
         return prof
-    shape = f"{found['rows']}x{seq}" if found else f"{micro}x{seq}"
+    if not all(rates.values()):  # a layer too large to run for a moment (probe.CPU_LAYER_PARAMS)
+        return prof
+    shape = found.get("shape", f"{micro}x{seq}")
     return dataclasses.replace(prof, cpu_flops=rates.get("fp32", prof.cpu_flops),
                                cpu_bf16_flops=rates.get("bf16", prof.cpu_bf16_flops), cpu_measured=tuple(rates),
                                source=f"{prof.source}, CPU rate measured here at start on one layer at {shape} "

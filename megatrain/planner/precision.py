@@ -6,8 +6,8 @@ auto is bf16 where the device computes bf16 natively, fp32 elsewhere:
     CPU    AVX512_BF16 or AMX (the CPU's flags), torch's CPU kernels at AVX512 or above
            (torch.backends.cpu.get_cpu_capability, which honours ATEN_CPU_CAPABILITY) and oneDNN's bf16 matmuls
            (which honour ONEDNN_MAX_CPU_ISA); an Arm CPU with the BF16 extension and oneDNN's bf16 matmuls
-Without bf16 instructions torch emulates bf16 on a CPU, its matmuls ~10x slower than fp32 (a 2048x128 by 128x512
-linear: 30.9 ms against 2.7 ms on a 2-core AVX2 EPYC). An explicit `bf16` still runs there; its line says the cost.
+Without bf16 instructions torch emulates bf16 on a CPU, its matmuls ~10x slower than fp32 (a layer of the demo's
+model ~7x). An explicit `bf16` still runs there; its line says the cost (measured at start: planner.plan.run_profile).
 To reproduce such a CPU on one that has the instructions, set both ATEN_CPU_CAPABILITY=avx2 (torch's own kernels)
 and ONEDNN_MAX_CPU_ISA=AVX2 (the matmuls: oneDNN's, which ATEN_CPU_CAPABILITY does not reach).
 
@@ -31,7 +31,7 @@ CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # x86 /proc/cpuinfo flags of the b
 @dataclass(frozen=True)
 class Bf16Support:
     native: bool  # the device computes bf16 natively
-    why: str  # what says so, e.g. "this CPU has avx512_bf16 (torch's CPU capability AVX512)"
+    why: str  # what says so, e.g. "this CPU has avx512_bf16"
 
 
 def cpu_flags() -> set[str]:

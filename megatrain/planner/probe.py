@@ -264,23 +264,29 @@ def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers
             "activation_peak_bytes": act}
 
 
-# The most executed FLOPs one layer's recompute+backward may take in cpu_layer_rates: the micro-batch's rows are cut
-# until it fits, so that the measurement stays short where bf16 is emulated (~10 GFLOP/s on a 2-core AVX2 CPU).
+# cpu_layer_rates' bounds, so that it stays short (well under a second; bf16 emulated without bf16 instructions runs
+# at ~10 GFLOP/s on 2 cores) and small: the executed FLOPs of one layer's recompute+backward (the micro-batch's rows,
+# then the row, are cut until it fits, down to 64 tokens), and the largest layer it runs (fp32 weights and gradients
+# of 2**24 parameters: 128 MiB; a larger model's CPU plan keeps the profile's rates).
 CPU_LAYER_FLOPS = 2e9
+CPU_LAYER_PARAMS = 2**24
 
 
-def cpu_layer_rates(ad, micro: int, seq: int, precisions=("fp32", "bf16"), reps: int = 1) -> dict:
+def cpu_layer_rates(ad, micro: int, seq: int, precisions=("fp32", "bf16"), reps: int = 1) -> dict | None:
     """This CPU's executed FLOP/s of one decoder layer of `ad` (forward, then recompute+backward, as the engine runs
-    them) in each of `precisions`, at `micro` rows of `seq` tokens (fewer rows when one backward would pass
-    CPU_LAYER_FLOPS): {"fp32": rate, "bf16": rate, "rows": rows measured}. A CPU step is such layers for the most
-    part, their matmuls and their elementwise work, which bf16 without bf16 instructions slows down."""
+    them) in each of `precisions`, at `micro` rows of `seq` tokens or fewer (CPU_LAYER_FLOPS): {"fp32": rate,
+    "bf16": rate, "shape": "ROWSxTOKENS"}; None for a layer larger than CPU_LAYER_PARAMS. A CPU step is such layers
+    for the most part, their matmuls and their elementwise work, which bf16 without bf16 instructions slows down."""
     unit = next(u for u in ad.units() if u.kind == "layer")
-    per_row = (6.0 * ad.active_numel(unit) + 6.0 * seq * ad.num_heads * ad.head_dim) * seq
-    rows = max(1, min(micro, int(CPU_LAYER_FLOPS // per_row)))
-    out = {"rows": rows}
+    if unit.numel > CPU_LAYER_PARAMS:
+        return None
+    per_token = 6.0 * ad.active_numel(unit) + 6.0 * seq * ad.num_heads * ad.head_dim
+    tokens = max(min(seq, 64), min(micro * seq, int(CPU_LAYER_FLOPS // per_token)))
+    rows, length = (max(1, tokens // seq), seq) if tokens >= seq else (1, tokens)
+    out = {"shape": f"{rows}x{length}"}
     for name in precisions:
         dtype = torch.bfloat16 if name == "bf16" else torch.float32
-        r = layer_rate("", rows, seq, "cpu", False, reps=reps, dtype=dtype, ad=ad)
+        r = layer_rate("", rows, length, "cpu", False, reps=reps, dtype=dtype, ad=ad)
         out[name] = (r["forward_flops"] * r["forward_s"] + r["backward_flops"] * r["backward_s"]) / \
             (r["forward_s"] + r["backward_s"])
     return out
