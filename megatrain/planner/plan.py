@@ -406,7 +406,7 @@ def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=N
 
 def with_cpu_rates(prof: Profile, adapter, precision: str, micro: int, seq: int, agree=None) -> Profile:
     """`prof` with this CPU's rate in `precision` measured now (probe.cpu_layer_rates: one layer of the run's model,
-    forward and recompute+backward, at `micro` rows of `seq` tokens or fewer; well under a second), and the fp32
+    forward and recompute+backward, at `micro` rows of `seq` tokens or fewer; a second at most), and the fp32
     rate besides when bf16 is emulated here (the cost the precision line states): the rate of a CPU step, which no
     default can know (bf16 runs ~10x slower than fp32 without bf16 instructions). agree: a distributed run's
     Distributed.agreed (rank 0 measures). Unchanged when the layer cannot be run."""

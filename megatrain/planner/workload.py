@@ -100,8 +100,9 @@ def workload_from_config(cfg, device: str, distributed: bool = False) -> Workloa
         raise MegatrainError("memory.stream_dtype: bf16 streaming cannot feed train.precision=fp32 (fp32 runs stream "
                              "the fp32 master); leave memory.stream_dtype unset or set fp32")
     if precision != t.precision and precision == "fp32" and "master" in (cfg.memory.disk_states or ()):
-        raise MegatrainError(f"memory.disk_states: 'master' on disk needs the bf16 streaming copy, and train.precision: "
-                             f"auto is fp32 on {device} (planner/precision.py); set train.precision: bf16 or use [v, m]")
+        raise MegatrainError(f"memory.disk_states: 'master' on disk needs the bf16 streaming copy, and "
+                             f"train.precision: auto is fp32 on {device} (planner/precision.py); set "
+                             f"train.precision: bf16 or use [v, m]")
     return Workload(
         micro_batches=(t.micro_batch_size,) * t.grad_accum_steps, seq_len=cfg.data.max_seq_len, device=device,
         precision=precision, loss_chunk_tokens=eng.loss_chunk_tokens, num_slots=eng.num_slots,
