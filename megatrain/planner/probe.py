@@ -243,7 +243,8 @@ def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers
     def timed(fn) -> float:
         fn()  # warm up (and compile)
         _sync(device)
-        if best:
+        if best:  # the first timings of a process run slow (its allocator and threads settling): more warm-up
+            fn()
             return min(_seconds(fn, device) for _ in range(reps))
         t0 = time.perf_counter()
         for _ in range(reps):
@@ -281,7 +282,7 @@ CPU_LAYER_FLOPS = 2e9
 CPU_LAYER_PARAMS = 2**24
 
 
-def cpu_layer_rates(ad, micro: int, seq: int, precisions=("fp32", "bf16"), reps: int = 3) -> dict | None:
+def cpu_layer_rates(ad, micro: int, seq: int, precisions=("fp32", "bf16"), reps: int = 4) -> dict | None:
     """This CPU's executed FLOP/s of one decoder layer of `ad` (forward, then recompute+backward, as the engine runs
     them) in each of `precisions`, at `micro` rows of `seq` tokens or fewer (CPU_LAYER_FLOPS), the fastest of
     `reps`: {"fp32": rate, "bf16": rate, "shape": "ROWSxTOKENS"}; None for a layer larger than CPU_LAYER_PARAMS.
