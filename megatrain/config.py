@@ -62,7 +62,9 @@ class TrainConfig(_Strict):
         1.0, ge=0, description="clip the global gradient norm to this (null or 0: no clipping; then each unit's "
                                "update starts as soon as its gradient is complete, during backward)")
     seed: int = Field(0, description="seed of the data order and of a random init")
-    precision: Literal["bf16", "fp32"] = "bf16"
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="compute and streaming dtype (auto: bf16 where the device computes it natively - CUDA "
+                            "with bf16 tensor cores, a CPU with AVX512_BF16 or AMX - else fp32; planner/precision.py)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the step runs (auto: CUDA when "
                                                                       "torch sees a device)")
     eval_every: int = Field(0, ge=0, description="steps between evaluations (0: only at the end, if eval data)")

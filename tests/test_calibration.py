@@ -30,6 +30,8 @@ NOT_FITTED = {
     ("placement.py", "CHECKPOINT_INTERVALS"): "the search's grid of checkpoint intervals",
     ("placement.py", "GROUP_COUNTS"): "the search's grid of wave-group counts",
     ("plan.py", "QUICK_ADAMW_PARAMS"): "the size of the tile timed at a run's start (its cost, not a fit)",
+    ("probe.py", "CPU_LAYER_FLOPS"): "the most work the CPU layer timed at a run's start may take (its cost)",
+    ("probe.py", "CPU_LAYER_PARAMS"): "the largest layer timed at a CPU run's start (its memory, not a fit)",
 }
 
 # Where the planner's modules use a fitted constant under their own name (other code imports it from there)

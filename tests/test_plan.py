@@ -393,17 +393,22 @@ def test_train_refuses_before_loading_weights(tmp_path, monkeypatch):
 
 
 def test_default_config_plans_and_fits(tmp_path):
+    from megatrain.planner.precision import precision_line, resolve_precision
+
     r = cli("plan", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    for part in ("fp32 master weights", "Adam m (fp32)", "bf16 streaming copy", "disk per checkpoint",
-                 "step time (predicted)", "fits."):
+    precision = resolve_precision("auto", "cpu")  # the demo's train.precision: auto, on this CPU
+    for part in ("fp32 master weights", "Adam m (fp32)", "disk per checkpoint", "step time (predicted)", "fits.",
+                 f"  {precision_line(precision, 'cpu')}\n", "CPU rate measured here at start on one layer"):
         assert part in r.stdout
+    assert ("bf16 streaming copy" in r.stdout) == (precision == "bf16")  # fp32: the master is streamed
     from megatrain.config import DEFAULT_CONFIG
 
     r = cli("plan", str(DEFAULT_CONFIG), "train.device=cuda", cwd=tmp_path)  # for a GPU: the GPU section
     assert r.returncode == 0, r.stderr
     for part in ("GPU memory at the peak", "weight slots", "layer-boundary checkpoints", "layer activations",
-                 "gradient landing buffers (pinned)", "no machine profile"):
+                 "gradient landing buffers (pinned)", "no machine profile", "bf16 streaming copy",
+                 "precision: bf16: planned for the profile's GPU"):
         assert part in r.stdout
 
 

@@ -55,6 +55,7 @@ class Plan:
     comm: dict = field(default_factory=dict)  # world.comm: bytes per rank and step on each link, seconds
     disk_path: str | None = None  # memory.disk_path: the SSD tier's folder (None: no SSD tier allowed)
     ssd_free: float | None = None  # free bytes there
+    precision_why: str = ""  # the resolved train.precision and why, one line (precision.precision_line)
 
     @property
     def ssd(self) -> dict:
@@ -113,6 +114,7 @@ class Plan:
                         "hidden_gb_per_s": self.ssd["hidden_bps"] / 1e9, "read_gb_per_s": self.ssd["read_bps"] / 1e9,
                         "write_gb_per_s": self.ssd["write_bps"] / 1e9,
                         "free_gib": None if self.ssd_free is None else self.ssd_free / GiB} if self.ssd else None,
+                "precision": self.workload.precision, "precision_why": self.precision_why,
                 "notes": self.notes, "world": self.world_json(), "profile": self.profile.source,
                 "cpu_adamw_params_per_s": self.profile.adamw_params_per_s}
 

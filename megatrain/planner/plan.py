@@ -18,6 +18,7 @@ functions, the GPU and the time from walking the runtime's own step schedule.
 from __future__ import annotations
 
 from .estimate import Plan, estimate
+from .precision import precision_line
 from .profile import GiB, Profile
 from .report import refusal, render
 from .suggest import suggestions
@@ -83,6 +84,8 @@ def plan_for_config(cfg, adapter, device: str, profile: Profile | None = None, w
                      choose_keys=frozenset(PLACEMENT_KEYS) - set(fixed_placement(cfg)), world=world,
                      disk_path=cfg.memory.disk_path, ssd_free=ssd_free)
     plan.model = f"{adapter.model_type} ({cfg.model.path})"
+    slow = prof.cpu_flops / prof.cpu_bf16_flops if device == "cpu" and len(prof.cpu_measured) == 2 else None
+    plan.precision_why = precision_line(w.precision, device, slow)
     if stale:
         plan.notes.append(f"memory.disk_path: {stale / GiB:.1f} GiB of SSD-tier files left by runs that did not end "
                           f"count as free: the run removes them at its start")
@@ -120,10 +123,10 @@ def plan_command(cfg, as_json: bool = False, world: World = World()) -> int:
     adapter = get_adapter(load_hf_config(cfg.model.path))
     prof = load_profile(cfg.plan.profile)
     device = target_device(cfg, prof)
-    if device == "cuda" and torch_cuda_available():
+    if device == "cuda" and torch_cuda_available() or device == "cpu":
         # this machine is the one that trains: plan with what `megatrain train` will measure at its start (the
-        # CPU AdamW rate, when no probed profile says it), so that both choose the same placement
-        prof = run_profile(cfg, device)
+        # CPU AdamW rate, when no probed profile says it; on a CPU, its rates), so that both plan alike
+        prof = run_profile(cfg, device, adapter=adapter)
     plan = plan_for_config(cfg, adapter, device, prof, world)
     print(json.dumps(plan.as_json(), indent=1) if as_json else render(plan))
     if not plan.fits:
@@ -137,8 +140,8 @@ def plan_command(cfg, as_json: bool = False, world: World = World()) -> int:
 QUICK_ADAMW_PARAMS = 64 * 2**20
 
 
-def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=None, ranks_per_node: int = 1) \
-        -> Profile:
+def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=None, ranks_per_node: int = 1,
+                adapter=None) -> Profile:
     """The profile `megatrain train` plans with: cfg.plan.profile (or the probe's default file); when that is the
     built-in defaults and the run is on a GPU, with this machine's CPU AdamW rate measured now on a small tile:
     the one rate the default profile cannot know (H200 hosts measured 2.96 and 4.55 Gparam/s), and the one that
@@ -149,15 +152,21 @@ def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=N
     agree(name, compute): a distributed run's Distributed.agreed, so that rank 0 measures and every rank plans with
     its numbers (each measuring its own would plan different placements). Rank 0 measures the node as one process,
     while the others wait: the update is bound by the host's memory, which the ranks share, so the node's rate
-    is the one-process rate (planner/world.py), and the number of threads that saturates it is the node's."""
+    is the one-process rate (planner/world.py), and the number of threads that saturates it is the node's.
+    On a CPU device (with `adapter`, the run's model): the CPU's fp32 and bf16 rates, measured now on one layer at
+    the run's micro-batch shape (with_cpu_rates), unless the profile was probed on another machine."""
     import dataclasses
 
     import torch
 
+    from .precision import resolve_precision
     from .probe import measure_adamw_threads
-    from .profile import load_profile
+    from .profile import load_profile, this_host
 
     prof = load_profile(cfg.plan.profile)
+    if device == "cpu" and adapter is not None and not (prof.measured and prof.host and prof.host != this_host()):
+        return with_cpu_rates(prof, adapter, resolve_precision(cfg.train.precision, device),
+                              cfg.train.micro_batch_size, cfg.data.max_seq_len, agree)
     if device != "cuda":
         return prof
     if cfg.memory.disk_path and not prof.disk_measured:  # (one process: a distributed run refuses disk_path)
@@ -185,6 +194,42 @@ def run_profile(cfg, device: str, adam_params: int = QUICK_ADAMW_PARAMS, agree=N
                                       f"with {threads} threads{split}{tried}")
 
 
+def with_cpu_rates(prof: Profile, adapter, precision: str, micro: int, seq: int, agree=None) -> Profile:
+    """`prof` with this CPU's rate in `precision` measured now (probe.cpu_layer_rates: one layer of the run's model,
+    forward and recompute+backward, at `micro` rows of `seq` tokens or fewer; a second at most), and the fp32
+    rate besides when bf16 is emulated here (the cost the precision line states): the rate of a CPU step, which no
+    default can know (bf16 runs ~10x slower than fp32 without bf16 instructions). agree: a distributed run's
+    Distributed.agreed (rank 0 measures). Unchanged when the layer cannot be run."""
+    import dataclasses
+
+    from .precision import bf16_support
+    from .probe import cpu_layer_rates
+
+    names = ("fp32", "bf16") if precision == "bf16" and not bf16_support("cpu").native else (precision,)
+    found = {}
+
+    def measure(key: str) -> float:
+        if not found:
+            found.update(cpu_layer_rates(adapter, micro, seq, names) or {k: 0.0 for k in names})
+        return found[key]
+
+    try:
+        rates = {k: agree(f"cpu_{k}_flops", lambda k=k: measure(k)) if agree else measure(k) for k in names}
+    except Exception as e:  # the planner must never be the reason a valid run cannot start
+        import warnings
+
+        warnings.warn(f"megatrain: the CPU rates could not be measured ({type(e).__name__}: {e}); planning with the "
+                      f"profile's")
+        return prof
+    if not all(rates.values()):  # a layer too large to run for a moment (probe.CPU_LAYER_PARAMS)
+        return prof
+    shape = found.get("shape", f"{micro}x{seq}")
+    return dataclasses.replace(prof, cpu_flops=rates.get("fp32", prof.cpu_flops),
+                               cpu_bf16_flops=rates.get("bf16", prof.cpu_bf16_flops), cpu_measured=tuple(rates),
+                               source=f"{prof.source}, CPU rate measured here at start on one layer at {shape} "
+                                      f"tokens: " + ", ".join(f"{k} {r / 1e9:.1f} GFLOP/s" for k, r in rates.items()))
+
+
 def with_disk_measured(prof: Profile, disk_path: str, nbytes: int | None = None) -> Profile:
     """`prof` with the read and write rates of the disk under `disk_path` measured now, as the SSD tier moves its
     states (runtime/disk_probe.py: START_BYTES written and read back, 8 requests of 16 MiB in flight, O_DIRECT):
@@ -209,7 +254,7 @@ def check_before_run(cfg, adapter, device: str, world: tuple[int, int] = (1, 1),
 
     try:
         plan = plan_for_config(cfg, adapter, device, profile=run_profile(cfg, device, agree=agree,
-                                                                      ranks_per_node=world[1]),
+                                                                      ranks_per_node=world[1], adapter=adapter),
                                world=World(*world))
     except MegatrainError:
         raise

@@ -116,6 +116,13 @@ def matmul_rate(n: int, dtype: torch.dtype, device: str, reps: int = 5) -> float
     return 2.0 * n**3 * reps / (time.perf_counter() - t0)
 
 
+def _seconds(fn, device: str) -> float:
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -198,11 +205,12 @@ def _adapter(model_dir: str):
     return get_adapter(AutoConfig.from_pretrained(model_dir))
 
 
-def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers: bool, reps: int = 3) -> dict:
+def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers: bool, reps: int = 3,
+               dtype: torch.dtype = torch.bfloat16, ad=None, best: bool = False) -> dict:
     """Forward (no grad) and recompute+backward of one layer, as Engine runs them; executed FLOP/s of each and
-    the activation memory of the backward (CUDA: max_memory_allocated growth)."""
-    ad = _adapter(model_dir)
-    dtype = torch.bfloat16
+    the activation memory of the backward (CUDA: max_memory_allocated growth). ad: the model's adapter (default:
+    read from model_dir); best: the fastest of the reps (a machine others share), not their mean."""
+    ad = ad or _adapter(model_dir)
     unit = next(u for u in ad.units() if u.kind == "layer")
     flat = (torch.randn(unit.numel, device=device) * 0.02).to(dtype)
     grad = torch.zeros(unit.numel, dtype=torch.float32, device=device)
@@ -226,6 +234,9 @@ def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers
     def timed(fn) -> float:
         fn()  # warm up (and compile)
         _sync(device)
+        if best:  # the first timings of a process run slow (its allocator and threads settling): more warm-up
+            fn()
+            return min(_seconds(fn, device) for _ in range(reps))
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
@@ -252,6 +263,35 @@ def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers
             "compile": compile_layers, "forward_s": fwd_s, "backward_s": bwd_s,
             "forward_flops": (2.0 * P + attn) * tokens / fwd_s, "backward_flops": (6.0 * P + 3 * attn) * tokens / bwd_s,
             "activation_peak_bytes": act}
+
+
+# cpu_layer_rates' bounds, so that it stays short (about a second at most: bf16 emulated without bf16 instructions
+# runs at ~10 GFLOP/s on 2 cores) and small: the executed FLOPs of one layer's recompute+backward (the micro-batch's
+# rows, then the row, are cut until it fits, down to 64 tokens), and the largest layer it runs (fp32 weights and
+# gradients of 2**24 parameters: 128 MiB; a larger model's CPU plan keeps the profile's rates).
+CPU_LAYER_FLOPS = 2e9
+CPU_LAYER_PARAMS = 2**24
+
+
+def cpu_layer_rates(ad, micro: int, seq: int, precisions=("fp32", "bf16"), reps: int = 4) -> dict | None:
+    """This CPU's executed FLOP/s of one decoder layer of `ad` (forward, then recompute+backward, as the engine runs
+    them) in each of `precisions`, at `micro` rows of `seq` tokens or fewer (CPU_LAYER_FLOPS), the fastest of
+    `reps`: {"fp32": rate, "bf16": rate, "shape": "ROWSxTOKENS"}; None for a layer larger than CPU_LAYER_PARAMS.
+    A CPU step is such layers for the most part, their matmuls and their elementwise work, which bf16 without bf16
+    instructions slows down."""
+    unit = next(u for u in ad.units() if u.kind == "layer")
+    if unit.numel > CPU_LAYER_PARAMS:
+        return None
+    per_token = 6.0 * ad.active_numel(unit) + 6.0 * seq * ad.num_heads * ad.head_dim
+    tokens = max(min(seq, 64), min(micro * seq, int(CPU_LAYER_FLOPS // per_token)))
+    rows, length = (max(1, tokens // seq), seq) if tokens >= seq else (1, tokens)
+    out = {"shape": f"{rows}x{length}"}
+    for name in precisions:
+        dtype = torch.bfloat16 if name == "bf16" else torch.float32
+        r = layer_rate("", rows, length, "cpu", False, reps=reps, dtype=dtype, ad=ad, best=True)
+        out[name] = (r["forward_flops"] * r["forward_s"] + r["backward_flops"] * r["backward_s"]) / \
+            (r["forward_s"] + r["backward_s"])
+    return out
 
 
 def head_rate(model_dir: str, micro: int, seq: int, device: str, reps: int = 2) -> float:
@@ -313,7 +353,8 @@ def probe(layers: list[tuple[str, int, int]], compile_modes: list[bool], adam_pa
         f"{cpu['adamw_fp32_params_per_s'] / 1e9:.2f} Gparam/s (fp32), {threads} of {cores} threads "
         f"({', '.join(f'{t}: {r / 1e9:.2f}' for t, r in rates.items())})")
     cpu["matmul_flops"] = matmul_rate(min(matmul_n, 2048), torch.float32, "cpu", reps=2)
-    log(f"CPU fp32 matmul {cpu['matmul_flops'] / 1e12:.2f} TFLOP/s")
+    cpu["matmul_bf16_flops"] = matmul_rate(min(matmul_n, 1024), torch.bfloat16, "cpu", reps=2)
+    log(f"CPU matmul fp32 {cpu['matmul_flops'] / 1e12:.2f}, bf16 {cpu['matmul_bf16_flops'] / 1e12:.2f} TFLOP/s")
     prof["cpu"] = cpu
     if disk is not None:  # the SSD tier's rates, measured as the tier moves its states (runtime/disk_probe.py)
         prof["disk"] = measure_disk(disk[0], disk[1], key="probe: --disk")

@@ -111,7 +111,12 @@ class Profile:
     adamw_params_per_s: float = DEFAULT_ADAMW_PARAMS_PER_S
     adamw_threads: int | None = None  # the optimizer's intra-op threads the rate was measured with (None: torch's)
     cpu_count: int | None = None
-    cpu_flops: float = DEFAULT_CPU_FLOPS  # CPU matmul rate (bf16), for CPU-device plans
+    # CPU-device plans: a step's executed FLOP/s in fp32 and in bf16 (a CPU without bf16 instructions emulates it,
+    # ~10x slower). A probed profile: square matmuls; `megatrain train` and `plan` on a CPU measure one layer of the
+    # run's model at its micro-batch shape at start instead (plan.run_profile): cpu_measured names the precisions.
+    cpu_flops: float = DEFAULT_CPU_FLOPS
+    cpu_bf16_flops: float = DEFAULT_CPU_FLOPS
+    cpu_measured: tuple[str, ...] = ()
     host_total_bytes: int | None = None
     host_available_bytes: int | None = None
     # The SSD tier's disk (memory.disk_path), O_DIRECT with 16 MiB requests. A profile's "disk": {"read_bps",
@@ -205,6 +210,7 @@ def from_dict(raw: dict, source: str) -> Profile:
     prof.adamw_threads = cpu.get("adamw_threads")
     prof.cpu_count = cpu.get("count")
     prof.cpu_flops = cpu.get("matmul_flops", prof.cpu_flops)
+    prof.cpu_bf16_flops = cpu.get("matmul_bf16_flops", prof.cpu_flops)
     disk = raw.get("disk") or {}
     if disk:
         prof.disk_read_bps = disk.get("read_bps", prof.disk_read_bps)

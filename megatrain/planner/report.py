@@ -39,6 +39,8 @@ def render(p: Plan) -> str:
     src = p.profile.source
     lines.append(f"  machine profile: {src}" + (f" (measured {p.profile.created} on {p.profile.host})"
                                                 if p.profile.measured else ""))
+    if p.precision_why:
+        lines.append(f"  {p.precision_why}")
     if w.device == "cuda":
         lines.append(f"  placement: {p.placement_keys}")
         lines.append(f"    ({p.why})")

@@ -191,7 +191,9 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
             return bf16_layer_s(P, forward, tokens, stashed) * FP32_SLOWDOWN
     out = {"executed_flops": total, "rate_source": how, "clipping": w.clipping}
     if w.device == "cpu":  # the updates run inline, on the cores that compute, in either mode
-        compute = total / prof.cpu_flops
+        compute = total / (prof.cpu_bf16_flops if w.precision == "bf16" else prof.cpu_flops)
+        out["rate_source"] = ("one layer measured here at start" if w.precision in prof.cpu_measured else
+                              "the profile's CPU matmul rate") + f", {w.precision}"
         opt = sum(u.numel for u in units) / prof.adamw_params_per_s
         step = compute + opt
         out.update(step_s=step, compute_s=compute, h2d_s=0.0, d2h_s=0.0, optimizer_s=opt,

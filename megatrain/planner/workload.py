@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from ..errors import MegatrainError
 from ..runtime.knobs import knobs
 from ..runtime.schedule import Placement, group_sizes
+from .precision import resolve_precision
 
 PLACEMENT_KEYS = tuple(k.name for k in knobs(Placement))  # each a memory.* config key
 
@@ -95,12 +96,17 @@ def workload_from_config(cfg, device: str, distributed: bool = False) -> Workloa
     """The workload of a validated megatrain.config.Config on `device` ('cuda' or 'cpu'), with the placement keys
     it sets and defaults for the rest (plan_for_config then chooses those). distributed: several ranks."""
     t, eng = cfg.train, cfg.engine
-    if t.precision == "fp32" and cfg.memory.stream_dtype == "bf16":
+    precision = resolve_precision(t.precision, device)  # auto: bf16 where the device computes it natively
+    if precision == "fp32" and cfg.memory.stream_dtype == "bf16":
         raise MegatrainError("memory.stream_dtype: bf16 streaming cannot feed train.precision=fp32 (fp32 runs stream "
                              "the fp32 master); leave memory.stream_dtype unset or set fp32")
+    if precision != t.precision and precision == "fp32" and "master" in (cfg.memory.disk_states or ()):
+        raise MegatrainError(f"memory.disk_states: 'master' on disk needs the bf16 streaming copy, and "
+                             f"train.precision: auto is fp32 on {device} (planner/precision.py); set "
+                             f"train.precision: bf16 or use [v, m]")
     return Workload(
         micro_batches=(t.micro_batch_size,) * t.grad_accum_steps, seq_len=cfg.data.max_seq_len, device=device,
-        precision=t.precision, loss_chunk_tokens=eng.loss_chunk_tokens, num_slots=eng.num_slots,
+        precision=precision, loss_chunk_tokens=eng.loss_chunk_tokens, num_slots=eng.num_slots,
         compile=compiles_layers(eng, device), packed=cfg.data.packing,
         placement=Placement(**fixed_placement(cfg)), clipping=t.clipping,
         disk_states=tuple(k for k in ("v", "m", "master") if k in (cfg.memory.disk_states or ())),

@@ -114,15 +114,17 @@ class Run:
 
 def check_inputs(cfg: Config, dist=None) -> Inputs:
     """Every check that can fail on the user's input, before any large allocation. Writes nothing."""
+    from ..planner.precision import resolve_precision
     from ..planner.profile import default_profile_path
 
+    device = dist.device if dist is not None else resolve_device(cfg.train.device)
+    cfg.train.precision = resolve_precision(cfg.train.precision, device.type)  # auto: once, before anything reads it
     # every path of the right kind, the profile parses; output.dir and export.dir not files nor under one
     check_paths(cfg, default_profile=default_profile_path())
     if dist is not None and cfg.memory.disk_path:
         raise MegatrainError("memory.disk_path: the SSD tier is built for one process (a distributed run's ranks "
                              "share one host store and shard its updates, which the tier does not); unset "
                              "memory.disk_path, or run `megatrain train` without torchrun")
-    device = dist.device if dist is not None else resolve_device(cfg.train.device)
     if cfg.engine.tune_first == "on" and (dist is not None and dist.world.size > 1 or not compiles_layers(cfg.engine, device.type)):
         raise MegatrainError("engine.tune_first: " + (
             "one process only (each rank would build its own copy of the model); unset it under torchrun"

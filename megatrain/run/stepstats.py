@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..planner.flops import active_params, flops_per_token
+from ..planner.precision import precision_line
 from ..planner.report import ssd_lines
 from ..planner.sysmem import rss_bytes
 
@@ -98,6 +99,8 @@ def start_summary(run) -> str:
                  f"{tokens:,} ({t.grad_accum_steps} x {t.micro_batch_size} rows x {cfg.data.max_seq_len} tokens: "
                  f"train.micro_batch_size and grad_accum_steps are per rank); one host store per node, each rank's "
                  f"CPU AdamW updates its shard with {run.dist.threads} thread(s)"]
+    lines.append(plan.precision_why if plan is not None and plan.precision_why else
+                 precision_line(t.precision, run.engine.device.type))  # which precision, and why
     lines.append(optimizer_summary(cfg, plan))
     if plan is None:
         lines.append("plan: not available")
