@@ -13,6 +13,7 @@ Modules, one job each:
     sampler.py    seeded, epoch-aware, resumable order of micro-batches
     preview.py    what `megatrain data CONFIG --preview N` prints; the run-start summary lines
     tokenizer.py  load_tokenizer; the tokenizer fingerprint; chat template override
+    exact_match.py the held-out (prompt, expected answer) pairs of train.exact_match_path
     loader.py     the interface below
 
 Interface used by the trainer and the command line (and nothing else of this package):
@@ -24,6 +25,7 @@ Interface used by the trainer and the command line (and nothing else of this pac
         .summary() -> str, .epoch
     build_eval_batches(cfg, tokenizer, micro_batch_size=) -> list[Batch] | None
     preview(cfg, tokenizer, n) -> str
+    load_exact_match(path) -> list[tuple[str, str]]     train.exact_match_path's (prompt, answer) pairs
 The loader and preview functions set `data.chat_template`, when given, on the tokenizer object they receive, so a
 tokenizer saved with the exported model chats the way it was trained.
 
@@ -39,8 +41,9 @@ All errors are MegatrainError with one-line messages naming the key, file and ro
 """
 
 from .config import DataConfig, DatasetSpec
+from .exact_match import load_exact_match
 from .loader import Batch, StepLoader, build_eval_batches, build_train_loader, preview, validate_inputs
 from .tokenizer import load_tokenizer
 
 __all__ = ["Batch", "DataConfig", "DatasetSpec", "StepLoader", "build_eval_batches", "build_train_loader",
-           "load_tokenizer", "preview", "validate_inputs"]
+           "load_exact_match", "load_tokenizer", "preview", "validate_inputs"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import pyarrow.compute as pc
 
@@ -16,6 +18,9 @@ from .config import DataConfig
 from .encode import cache_root, tokenise
 from .sources import RawPart, Source, load_raw, resolve_sources, source_files
 from .template import IGNORE, EncodeOptions
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 HOLDOUT_SEED = 20240917  # the eval hold-out does not depend on the training seed: it stays put across runs
 
@@ -38,7 +43,7 @@ class Counts:
 @dataclass
 class Part:
     raw: RawPart
-    tokens: object  # datasets.Dataset with input_ids, labels, row, error, length, num_targets
+    tokens: Dataset  # with input_ids, labels, row, error, length, num_targets
 
 
 class Examples:

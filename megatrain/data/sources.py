@@ -13,9 +13,13 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import MegatrainError, load_json, utf8_problem
 from .config import DEFAULT_COLUMNS, DEFAULT_ROLES, DataConfig, DatasetSpec
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 READER_VERSION = "2"
@@ -45,7 +49,7 @@ class RawPart:
 
     source: Source
     file: Path
-    dataset: object  # datasets.Dataset
+    dataset: Dataset
     identity: str  # changes whenever the file's content may have changed
     line_based: bool  # row numbers are line numbers (JSON lines, .txt by line)
 

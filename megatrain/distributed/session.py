@@ -9,6 +9,7 @@
                                        long as it takes (a rank loading a 70B model): the watchdog ends the wait if
                                        a rank fails, so these carry no timeout
     all_sum, agree_stop                small host-side all-reduces (gloo): counts of a step, the stop request
+    build_runtime                      this rank's runtime: a ShardedPipeline and a DistributedEngine (step.py)
     failed(exc)                        publishes this rank's failure, or reports the one that caused it
     finish()                           marks this rank done, stops the watchdog, destroys the process groups
 
@@ -29,7 +30,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import MegatrainError
+from ..runtime import CpuAdamW, Engine, HostStore, PinnedHost, Runtime, RuntimeOptions, Timeline
+from ..runtime.schedule import grads_to_host
+from .grads import ShardedPipeline
 from .shared import NodeFlags, NodeMemory
+from .step import DistributedEngine
 from .watchdog import Failure, Watchdog, heartbeat_timeout, publish_failure, read_failure
 from .world import World
 
@@ -40,11 +45,11 @@ PEER_GRACE_S = 5.0  # a collective that failed because a peer died: how long to 
 @dataclass
 class ProcessGroups:
     backend: str  # of the gradient reductions: nccl on CUDA, gloo on CPU
-    control: object  # gloo, every rank: host-side counts and agreement
-    local: object  # this node's ranks
+    control: dist.ProcessGroup  # gloo, every rank: host-side counts and agreement
+    local: dist.ProcessGroup  # this node's ranks
     local_ranks: list[int]  # their global ranks, by local rank
-    cross: object | None  # the ranks of every node with this local rank (None with one node)
-    local_control: object  # gloo, this node's ranks (the local group itself on CPU)
+    cross: dist.ProcessGroup | None  # the ranks of every node with this local rank (None with one node)
+    local_control: dist.ProcessGroup  # gloo, this node's ranks (the local group itself on CPU)
 
 
 def dist_timeout() -> float:
@@ -73,6 +78,8 @@ def _connect(world: World, timeout: float):
 
 
 class Distributed:
+    """One rank of a torchrun launch: the run's `Ranks` (ranks.py) for a distributed run."""
+
     def __init__(self, world: World, device: torch.device, store, groups: ProcessGroups, watchdog: Watchdog):
         self.world, self.device, self.store, self.groups, self.watchdog = world, device, store, groups, watchdog
         self.memory = NodeMemory(store, world)
@@ -81,6 +88,7 @@ class Distributed:
         self.timeout = dist_timeout()
         self._phases: dict[str, int] = {}
         self._first: Failure | None = None  # the run's first failure, once this rank has seen one
+        self.engine: DistributedEngine | None = None  # made by build_runtime
 
     @classmethod
     def start(cls, world: World, device: torch.device) -> "Distributed":
@@ -145,6 +153,11 @@ class Distributed:
         return None if c == 0 else (STOP_SIGNALS[c - 1] if c <= len(STOP_SIGNALS) else "a stop request")
 
     # ---- the node's shared store --------------------------------------------------------------------
+    @property
+    def allocate(self):
+        """The host store's allocator: memory shared by the node's ranks."""
+        return self.memory.allocate
+
     def make_flags(self, num_units: int) -> NodeFlags:
         self.flags = NodeFlags(self.memory, num_units, self.world)
         return self.flags
@@ -158,6 +171,35 @@ class Distributed:
         for t, s in zip(store.tiles, steps):
             t.step.copy_(s)
         self.memory.release_files()
+
+    # ---- this rank's runtime ------------------------------------------------------------------------
+    def build_runtime(self, store: HostStore, optimizer: CpuAdamW, options: RuntimeOptions) -> Runtime:
+        """runtime.build_runtime for this rank: the pipeline is a ShardedPipeline over this rank's shards, the engine
+        a DistributedEngine (step.py). The node's shared store must be filled (store_filled)."""
+        cuda = self.device.type == "cuda"
+        pinned = PinnedHost(cuda)
+        pipeline = None
+        try:
+            pinned.register(store.stream, "host store's streaming copy (shared by the node's ranks)")
+            timeline = Timeline() if cuda and options.measure_streams else None
+            to_host = grads_to_host(len(store.tiles), options.engine.placement)
+            pipeline = ShardedPipeline(store, optimizer, self.device, pinned, self.world, self.groups, self.flags,
+                                       threaded=options.threaded_optimizer, to_host=tuple(to_host),
+                                       threads=options.adam_threads or self.threads, timeline=timeline,
+                                       wait_timeout=self.timeout)
+            engine = Engine(store, store.adapter, self.device, pipeline, options.engine, timeline=timeline,
+                            pinned=pinned)
+        except BaseException:
+            if pipeline is not None:
+                pipeline.close()
+            pinned.close()
+            raise
+        self.engine = DistributedEngine(engine, pipeline, self)
+        return Runtime(store, self.engine, pipeline, pinned, timeline)
+
+    def step_tokens(self, tokens: int) -> int:
+        """Real tokens of the step just trained on every rank (the engine summed them before the step)."""
+        return self.engine.world_tokens
 
     # ---- the end --------------------------------------------------------------------------------------
     def publish(self, exc: BaseException) -> Failure:

@@ -1,4 +1,4 @@
-"""One optimizer step over every rank: `DistributedEngine`, and `build_runtime` for a distributed run.
+"""One optimizer step over every rank: `DistributedEngine` (a distributed run's runtime: Distributed.build_runtime).
 
 Each rank runs the ordinary Engine (runtime/engine.py) over its own micro-batches, with the step's totals: before
 the step, one host-side all-reduce sums the ranks' target tokens, micro-batches and real tokens, and the engine
@@ -17,17 +17,16 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from ..runtime import Engine, PinnedHost, Runtime, RuntimeOptions, Timeline
+from ..runtime import Engine
 from ..runtime.microbatch import MicroBatch, StepOutput
-from ..runtime.schedule import grads_to_host
 from .grads import ShardedPipeline
-from .session import Distributed
+from .ranks import Ranks
 
 
 class DistributedEngine:
     """The engine of one rank, whose `train_step` is the whole world's step (everything else is the engine's)."""
 
-    def __init__(self, engine: Engine, pipeline: ShardedPipeline, d: Distributed):
+    def __init__(self, engine: Engine, pipeline: ShardedPipeline, d: Ranks):
         self.engine, self.pipeline, self.d = engine, pipeline, d
         self.world_tokens = 0  # real (non-padding) tokens of the last step, every rank's
 
@@ -56,25 +55,3 @@ class DistributedEngine:
         return replace(out, loss_sum=sums[0], grad_sq_norm=sums[2], num_targets=targets, num_tokens=padded,
                        aux_loss=sums[1] if out.aux_loss is not None else None, expert_counts=counts)
 
-
-def build_runtime(store, device: torch.device, optimizer, options: RuntimeOptions, d: Distributed) -> Runtime:
-    """runtime.build_runtime for one rank of a distributed run: the pipeline is a ShardedPipeline over this rank's
-    shards, the engine a DistributedEngine. The node's shared store must be filled (Distributed.store_filled)."""
-    cuda = device.type == "cuda"
-    pinned = PinnedHost(cuda)
-    pipeline = None
-    try:
-        pinned.register(store.stream, "host store's streaming copy (shared by the node's ranks)")
-        timeline = Timeline() if cuda and options.measure_streams else None
-        to_host = grads_to_host(len(store.tiles), options.engine.placement)
-        pipeline = ShardedPipeline(store, optimizer, device, pinned, d.world, d.groups, d.flags,
-                                   threaded=options.threaded_optimizer, to_host=tuple(to_host),
-                                   threads=options.adam_threads or d.threads, timeline=timeline,
-                                   wait_timeout=d.timeout)
-        engine = Engine(store, store.adapter, device, pipeline, options.engine, timeline=timeline, pinned=pinned)
-    except BaseException:
-        if pipeline is not None:
-            pipeline.close()
-        pinned.close()
-        raise
-    return Runtime(store, DistributedEngine(engine, pipeline, d), pipeline, pinned, timeline)

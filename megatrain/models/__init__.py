@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import MegatrainError, load_json
 from .base import ModelAdapter, PackedTensor, TensorSpec, Unit
@@ -12,6 +13,9 @@ from .gpt_oss import GptOssAdapter
 from .moe import MoEAdapter
 from .olmo2 import Olmo2Adapter
 from .phi3 import Phi3Adapter
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # model_type -> adapter class. All four share one decoder template, differing in flags read from config.json.
 ADAPTERS: dict[str, type[ModelAdapter]] = {
@@ -30,7 +34,7 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {
 }
 
 
-def load_hf_config(model_path: str | Path):
+def load_hf_config(model_path: str | Path) -> PretrainedConfig:
     """Read and validate `config.json` of a model directory, with errors that name the file."""
     from transformers import AutoConfig
 
@@ -53,7 +57,7 @@ def load_hf_config(model_path: str | Path):
         raise MegatrainError(f"{cfg_file}: cannot be read as a {raw['model_type']} config: {e}") from None
 
 
-def get_adapter(hf_config) -> ModelAdapter:
+def get_adapter(hf_config: PretrainedConfig) -> ModelAdapter:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in ADAPTERS:
         raise MegatrainError(f"model_type '{model_type}' is not supported; supported: {', '.join(sorted(ADAPTERS))}")

@@ -7,9 +7,13 @@ Templates are stateless functions called with a dict of weight views; they know 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Container, Literal
+from typing import TYPE_CHECKING, Callable, Container, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ class AttnContext:
     cos: torch.Tensor  # [B, T, head_dim]
     sin: torch.Tensor
     mask: torch.Tensor | None  # CPU, packed documents or a window: bool [B, 1, T, T], True = may attend
-    block_mask: object = None  # CUDA, packed documents or a window: a FlexAttention BlockMask (no T x T tensor)
+    block_mask: BlockMask | None = None  # CUDA, packed documents or a window: FlexAttention's (no T x T tensor)
     window: int | None = None  # sliding window (a query sees itself and the window - 1 keys before it), or None
     variants: dict[str, "AttnContext"] = field(default_factory=dict)  # other layer kinds' contexts (see below)
     token_mask: torch.Tensor | None = None  # bool [B, T]: real tokens (not padding), for MoE router statistics
@@ -128,7 +132,7 @@ class ModelAdapter:
     """Interface every architecture family implements."""
 
     model_type: str
-    hf_config: object
+    hf_config: PretrainedConfig
     num_layers: int
     hidden_size: int
     vocab_size: int

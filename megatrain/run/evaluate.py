@@ -11,20 +11,18 @@ def evaluate(run, step: int, log) -> dict:
     """Held-out loss (data.eval_*) and exact match (train.exact_match_path) at `step`; logged when any. In a
     distributed run each rank evaluates its share of the examples and the sums are all-reduced."""
     record = {"step": step}
-    rank, world = (run.dist.world.rank, run.dist.world.size) if run.dist is not None else (0, 1)
+    rank, world = run.ranks.world.rank, run.ranks.world.size
     if run.eval_batches:
         total, count = 0.0, 0
         for b in run.eval_batches[rank::world]:
             loss, n = run.engine.eval_loss([MicroBatch.from_labels(b["input_ids"], b["labels"],
                                                                    b.get("position_ids"))])
             total, count = total + loss * n, count + n
-        if run.dist is not None:
-            total, count = run.dist.all_sum([total, count])
+        total, count = run.ranks.all_sum([total, count])
         record["eval_loss"] = total / max(count, 1)
     if run.exact_match:
         hits = exact_match_hits(run.engine, run.tokenizer, run.exact_match[rank::world])
-        if run.dist is not None:
-            (hits,) = run.dist.all_sum([hits])
+        (hits,) = run.ranks.all_sum([hits])
         record["eval_exact_match"] = hits / len(run.exact_match)
     if len(record) > 1:
         log.log(record)

@@ -35,10 +35,9 @@ def open_log(run, total_steps: int, start_step: int, tensorboard: bool):
 def open_saver(run, *, keep: int, every: int, final_step: int | None):
     root = run.out_dir / "checkpoints"
     if run.writes:
-        flags = run.dist.flags if run.dist is not None else None
         return CheckpointSaver(root, run.store, run.pipeline, keep=keep, every=every, final_step=final_step,
-                               world=run.world_info, listener=flags)
+                               world=run.world_info, listener=run.ranks.flags)
     from ..distributed import FollowerSaver
 
-    on_writer_node = run.dist.world.node == 0
-    return FollowerSaver(root, run.dist.flags if on_writer_node else None, run.pipeline)
+    on_writer_node = run.ranks.world.node == 0
+    return FollowerSaver(root, run.ranks.flags if on_writer_node else None, run.pipeline)

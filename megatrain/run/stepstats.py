@@ -93,12 +93,12 @@ def start_summary(run) -> str:
     tokens = t.micro_batch_size * t.grad_accum_steps * cfg.data.max_seq_len
     lines = [f"tokens per step: up to {tokens:,} ({t.grad_accum_steps} micro-batch"
              f"{'es' if t.grad_accum_steps > 1 else ''} of {t.micro_batch_size} rows x {cfg.data.max_seq_len} tokens)"]
-    if run.dist is not None:
-        w = run.dist.world
+    if run.world_size > 1:
+        w = run.ranks.world
         lines = [f"global batch: up to {tokens * w.size:,} tokens per step over {w.layout()}, each rank up to "
                  f"{tokens:,} ({t.grad_accum_steps} x {t.micro_batch_size} rows x {cfg.data.max_seq_len} tokens: "
                  f"train.micro_batch_size and grad_accum_steps are per rank); one host store per node, each rank's "
-                 f"CPU AdamW updates its shard with {run.dist.threads} thread(s)"]
+                 f"CPU AdamW updates its shard with {run.ranks.threads} thread(s)"]
     lines.append(plan.precision_why if plan is not None and plan.precision_why else
                  precision_line(t.precision, run.engine.device.type))  # which precision, and why
     lines.append(optimizer_summary(cfg, plan))

@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint import StopOnSignal
@@ -31,12 +33,13 @@ from .stepstats import StepStats, attach
 
 if TYPE_CHECKING:
     from ..checkpoint.saver import CheckpointSaver
+    from ..distributed import Ranks
 
 
-def train(cfg: Config, dist=None, since_process_start: bool = False) -> dict:
-    """dist: this process's megatrain.distributed.Distributed when it is one rank of several (run/launch.py).
-    since_process_start: the start-up's timing begins at the process's start (the command line)."""
-    run = prepare(cfg, dist, since_process_start)  # every input checked, the store filled, the runtime built:
+def train(cfg: Config, ranks: Ranks | None = None, since_process_start: bool = False) -> dict:
+    """ranks: the run's processes (run/launch.py; default: one process). since_process_start: the start-up's timing
+    begins at the process's start (the command line)."""
+    run = prepare(cfg, ranks, since_process_start)  # every input checked, the store filled, the runtime built:
     #                                                nothing written yet
     try:
         s = start(run)
@@ -79,7 +82,7 @@ class Session:
     stats: StepStats
     saver: CheckpointSaver
     data: StepPrefetcher
-    model_files: object  # writes config.json, tokenizer files into a checkpoint
+    model_files: Callable[[Path], None]  # writes config.json, tokenizer files into a checkpoint
     summary: dict = field(default_factory=dict)
 
 

@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from ..data import StepLoader
+from ..models import ModelAdapter
 from ..planner.tune_copy import copy_adapter, copy_placement
 from ..runtime import CpuAdamW, EngineOptions, HostStore, MicroBatch, RuntimeOptions, build_runtime
 from ..runtime.pinned import release_torch_pinned_cache
@@ -36,7 +38,7 @@ from .prefetch import prepare_step
 SEED = 20261127  # the copy's weights and tokens: private generators, the run's random state is not touched
 
 
-def first_step(loader, resumed_state: dict | None = None) -> list[MicroBatch]:
+def first_step(loader: StepLoader, resumed_state: dict | None = None) -> list[MicroBatch]:
     """The run's first step's micro-batches, the loader left where it was (at `resumed_state` after a resume)."""
     if resumed_state is not None:
         loader.load_state_dict(resumed_state)
@@ -65,8 +67,8 @@ def trim_heap() -> bool:
         return False
 
 
-def tune_first(run_adapter, device: torch.device, options: EngineOptions, precision: str, step: list[MicroBatch],
-               eval_batches=None) -> str:
+def tune_first(run_adapter: ModelAdapter, device: torch.device, options: EngineOptions, precision: str,
+               step: list[MicroBatch], eval_batches=None) -> str:
     """Run the layers' compiling and tuning on a truncated copy of the model (see the module's note) over `step`'s
     micro-batch shapes and the evaluation batches'; return what it did. `options`: the run's engine options (their
     tiles, stash and attention blocks decide the graphs; the rest of the placement does not)."""

@@ -133,8 +133,8 @@ class _Group:
 @dataclass
 class _Slot:
     buf: torch.Tensor
-    ready: object = None  # torch.cuda.Event
-    free: object = None
+    ready: torch.cuda.Event | None = None
+    free: torch.cuda.Event | None = None
     holds: tuple | None = None  # (unit indices, weights version) currently in the buffer
 
 
@@ -142,7 +142,7 @@ class _Slot:
 class _Loaded:
     weights: list[dict[str, torch.Tensor]]  # per tile: views of the slot (or of the host tile on CPU)
     slot: _Slot | None = None
-    busy_from: object = None  # timeline event when compute began using the slot
+    busy_from: torch.cuda.Event | None = None  # timeline event when compute began using the slot
     label: str = ""  # the use, in the timeline ("forward (3,)")
 
 

@@ -68,7 +68,7 @@ class _Update:
 
     unit: int
     grad: torch.Tensor | None  # on the device; the pinned host copy for units sent to host; the gradient on CPU
-    ready: object  # torch.cuda.Event after which `grad` is complete (None on CPU)
+    ready: torch.cuda.Event | None  # after which `grad` is complete (None on CPU)
     lr: float
     coef: float  # clip coefficient
     held: bool = False  # counted against DEVICE_GRADS until its gradient has landed
