@@ -18,7 +18,8 @@ ALLOWED = {
     "planner": {"runtime", "models"},
     "distributed": {"runtime", "models"},
     "run": {"runtime", "data", "checkpoint", "planner", "models", "config", "distributed"},
-    "config": {"data"},
+    "config": {"data", "config_checks"},
+    "config_checks": set(),
     "cli": {"run", "planner", "checkpoint", "data", "config", "models"},
     "__main__": {"cli"},
 }
