@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from .errors import ArgumentParser, MegatrainError, report
+from .errors import ArgumentParser, MegatrainError, count, positive_int, positive_number, report
 
 
 def _parser() -> ArgumentParser:
@@ -26,7 +26,7 @@ def _parser() -> ArgumentParser:
     d = sub.add_parser("data", help="show what the model will see")
     d.add_argument("config", nargs="?")
     d.add_argument("overrides", nargs="*")
-    d.add_argument("--preview", type=int, default=3, metavar="N", help="examples to print")
+    d.add_argument("--preview", type=count, default=3, metavar="N", help="examples to print")
     pl = sub.add_parser("plan", help="host RAM, GPU memory, disk and step time of a run, before running it "
                                      "(exit status 1: it will not fit)")
     pl.add_argument("config", nargs="?", help="YAML config; omit it and every override for the embedded demo")
@@ -34,30 +34,18 @@ def _parser() -> ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the plan as one JSON object (fits, gpu_peak_gib, "
                                                         "host_peak_gib, host_bytes_per_param, step_time_s, "
                                                         "tflops_6n, placement, ...) for scripts")
-    pl.add_argument("--nproc-per-node", type=_positive, default=1, metavar="N",
+    pl.add_argument("--nproc-per-node", type=positive_int, default=1, metavar="N",
                     help="ranks (GPUs) per node, as torchrun's --nproc-per-node: host RAM is then planned per node "
                          "(one shared store), with the gradients' network traffic")
-    pl.add_argument("--nnodes", type=_positive, default=1, metavar="M", help="nodes, as torchrun's --nnodes")
+    pl.add_argument("--nnodes", type=positive_int, default=1, metavar="M", help="nodes, as torchrun's --nnodes")
     sub.add_parser("probe", help="measure this machine for the planner (see megatrain probe --help)", add_help=False)
     e = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
     e.add_argument("source", metavar="CHECKPOINT_OR_RUN_DIR",
                    help="a checkpoint (step-N) or a run's output.dir (its newest complete checkpoint)")
     e.add_argument("out_dir", metavar="OUT_DIR", help="new (or empty) directory for the model")
     e.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="dtype of the weights (default bf16)")
-    e.add_argument("--max-shard-mb", type=float, default=5000.0, help="largest shard in MB (default 5000)")
+    e.add_argument("--max-shard-mb", type=positive_number, default=5000.0, help="largest shard in MB (default 5000)")
     return p
-
-
-def _positive(text: str) -> int:
-    import argparse
-
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got '{text}'")
-    return n
 
 
 def _split(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:

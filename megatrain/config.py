@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from .data.config import DataConfig
+from .config_checks import TooLarge, check_overlaps, check_yaml_size, expand_home
 from .errors import ConfigError, MegatrainError, check_dir_target, decode_utf8, load_json
 from .runtime.knobs import Knob, knobs
 from .runtime.schedule import Placement
@@ -71,6 +72,13 @@ class TrainConfig(_Strict):
     exact_match_path: str | None = Field(None, description="alpaca JSONL whose answers greedy decoding must match")
     init_std: float | None = Field(None, gt=0, description="std of random init; default: config.json's "
                                                           "initializer_range")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_unit_interval(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):  # beta = 1 never forgets; outside [0, 1) the moments diverge at step 2
+            raise ValueError("each of Adam's betas must lie in [0, 1)")
+        return v
 
     @property
     def clipping(self) -> bool:
@@ -178,6 +186,11 @@ class Config(_Strict):
     resume: str | None = Field(None, description="'auto': continue from the newest complete checkpoint in "
                                                  "output.dir (none yet: start fresh); or a checkpoint directory")
 
+    @model_validator(mode="after")
+    def _expand_home(self) -> "Config":
+        expand_home(self)  # `~` expanded once, so that the checks and the writes see the same folder
+        return self
+
 
 # keys that moved, old -> new: a config using the old one is told the new name
 MOVED_KEYS = {("engine", "spill_layers"): "memory.spill_layers",
@@ -231,10 +244,12 @@ def _problems(problems: list[str]) -> ConfigError:
 
 def _parse_yaml(text: str, prefix: tuple = ()) -> tuple[Any, dict[tuple, int], list]:
     """A YAML document -> (its value, the line of each key path, the duplicate keys as (path, first line, line)).
-    Raises yaml.YAMLError."""
+    Raises yaml.YAMLError (TooLarge for a document too large to build)."""
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
+        if node is not None:
+            check_yaml_size(node)
         duplicates: list = []
         lines = _key_lines(node, prefix, duplicates)  # before construction, which flattens merge keys in place
         return (loader.construct_document(node) if node is not None else None), lines, duplicates
@@ -250,6 +265,8 @@ def _read(path: Path) -> tuple[dict, dict[tuple, int]]:
         raise ConfigError(f"config file {path} does not exist")
     try:
         raw, lines, duplicates = _parse_yaml(decode_utf8(path.read_bytes(), path))
+    except TooLarge as e:
+        raise ConfigError(f"{path}: refused: the YAML {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -423,6 +440,7 @@ def check_paths(cfg: Config, outputs: bool = True, default_profile: Path | None 
         check_dir_target(cfg.output.dir, "output.dir")
         if cfg.export.at_end:
             check_dir_target(cfg.export.dir or Path(cfg.output.dir) / "export", "export.dir")
+        check_overlaps(cfg)
 
 
 def check_memory(cfg: Config, disk: bool = True) -> None:

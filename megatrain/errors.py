@@ -36,6 +36,41 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(USER_ERROR_EXIT, f"{ERROR_PREFIX}{message}\n")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got '{text}'")
+    return n
+
+
+def count(text: str) -> int:
+    """argparse type: a whole number >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 0, got '{text}'")
+    return n
+
+
+def positive_number(text: str) -> float:
+    """argparse type: a finite number > 0 (nan, inf, 0 and negatives refused)."""
+    import math
+
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got '{text}'")
+    return x
+
+
 # ---- reading files -----------------------------------------------------------------------------------------------
 def utf8_problem(data: bytes, pos: int, offset: int = 0) -> tuple[int, str]:
     """(line within `data`, description) of the byte at `pos` that is not valid UTF-8; `data` starts at byte
@@ -97,3 +132,32 @@ def _check_target(p: Path, key: str, folder: bool) -> None:
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise MegatrainError(f"{key}: cannot create {p}: {parent} is not writable")
             return
+
+
+def escape_problem(name) -> str | None:
+    """Why a file name read from a user's file (a manifest entry, a dataset_info file_name) would leave the folder
+    it is relative to: absolute, a `..` part, a backslash, or empty. None when it stays inside."""
+    if not isinstance(name, str) or not name:
+        return "is not a relative path (empty or not a string)"
+    if "\\" in name or "\0" in name:
+        return f"'{name}' is not a relative path (backslash or NUL in it)"
+    p = Path(name)
+    if p.is_absolute() or name.startswith("~"):
+        return f"'{name}' is not a relative path"
+    if ".." in p.parts:
+        return f"'{name}' points outside its folder (a '..' part)"
+    return None
+
+
+def inside(base, name: str, what: str) -> Path:
+    """`base / name`, refused with a MegatrainError starting with `what` where `name` leaves `base` (see
+    escape_problem), or where a symbolic link along it does."""
+    problem = escape_problem(name)
+    if problem is None:
+        root = Path(base).resolve()
+        target = (root / name).resolve()
+        if target != root and root not in target.parents:
+            problem = f"'{name}' points outside its folder (through a symbolic link to {target})"
+    if problem is not None:
+        raise MegatrainError(f"{what}: {problem}")
+    return Path(base) / name

@@ -82,7 +82,7 @@ def test_data_command_without_arguments_shows_the_demo(tmp_path, capsys, monkeyp
 @pytest.mark.parametrize("argv, message", [
     ([], "the following arguments are required: command"),
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
-    (["data", "--preview", "many"], "argument --preview: invalid int value: 'many'"),
+    (["data", "--preview", "many"], "argument --preview: expected a whole number of at least 0, got 'many'"),
     (["export"], "the following arguments are required: CHECKPOINT_OR_RUN_DIR, OUT_DIR"),
     (["export", "a", "b", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     (["probe", "--compile", "sometimes"], "argument --compile: invalid choice: 'sometimes'"),

@@ -183,5 +183,5 @@ def test_probe_cli_refuses_a_bad_disk_before_measuring(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "probe: --disk: " in err and "does not exist" in err and "unset" not in err
     assert main(["--out", str(out), "--disk", str(tmp_path), "--disk-gib", "0"]) == 2
-    assert "probe: --disk-gib 0.0: must be more than 0" in capsys.readouterr().err
+    assert "argument --disk-gib: expected a finite number above 0, got '0'" in capsys.readouterr().err
     assert not out.exists()

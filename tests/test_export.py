@@ -122,9 +122,13 @@ def test_export_bad_input(tmp_path):
 
 
 def test_export_dir_is_checked_before_training(tmp_path):
-    cfg = setup_run(tmp_path, train={"steps": 1}, export={"at_end": True, "dir": str(tmp_path / "model")})
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    cfg = setup_run(tmp_path, train={"steps": 1}, export={"at_end": True, "dir": str(tmp_path / "other")})
     from megatrain.config import load_config
     from megatrain.run.trainer import prepare
 
-    with pytest.raises(MegatrainError, match="export: .*model is not empty"):
+    with pytest.raises(MegatrainError, match="export: .*other is not empty"):
         prepare(load_config(cfg))
+    with pytest.raises(MegatrainError, match="export.dir: .*model is model.path"):  # (test_hardening: overlaps)
+        prepare(load_config(cfg, [f"export.dir={tmp_path / 'model'}"]))

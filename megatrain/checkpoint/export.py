@@ -16,6 +16,7 @@ is checked against the checkpoint's sha256 as it is read. Tied embeddings export
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .folder_lock import LOCK_FILE, FolderLock, holder
 from .layout import locate, read_manifest, small_files, verify_file
 from .tensorfile import TensorFileReader, TensorFileWriter, fsync_dir
 from ..errors import MegatrainError, check_dir_target
@@ -86,6 +88,18 @@ def check_export_target(out: Path, replace_export: bool = False) -> None:
         raise MegatrainError(f"export: {out} is not empty; choose another directory")
 
 
+def _check_outside_checkpoints(ckpt: Path, out: Path) -> None:
+    """The export is not the checkpoint, inside it, nor among its siblings in a run's checkpoints/ folder (a later
+    save's clean-up would remove it, or it would replace the source while reading it)."""
+    c, o = ckpt.resolve(), out.resolve()
+    if o == c or c in o.parents or o in c.parents:
+        raise MegatrainError(f"export: {out} overlaps the checkpoint {ckpt} it is exported from; choose a folder "
+                             f"outside it")
+    if c.parent.name == "checkpoints" and c.parent in o.parents:
+        raise MegatrainError(f"export: {out} lies inside the run's checkpoints folder {c.parent}, where saves "
+                             f"replace and remove folders; choose a folder outside it")
+
+
 def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "bf16", max_shard_mb: float = 5000,
                       replace_export: bool = False) -> dict:
     """Export the checkpoint `source` (a checkpoint, a run's checkpoints/ folder or its output.dir: the newest
@@ -94,11 +108,14 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "
     t0 = time.perf_counter()
     if dtype not in DTYPES:
         raise MegatrainError(f"export: dtype '{dtype}' is not one of {', '.join(DTYPES)}")
+    if not (isinstance(max_shard_mb, (int, float)) and math.isfinite(max_shard_mb) and max_shard_mb > 0):
+        raise MegatrainError(f"export: the largest shard must be a finite number of MB above 0, got {max_shard_mb!r}")
     torch_dtype, dtype_name = DTYPES[dtype]
     ckpt = locate(Path(source), "export")
     manifest = read_manifest(ckpt)
     out = Path(out_dir).expanduser()
     check_export_target(out, replace_export)
+    _check_outside_checkpoints(ckpt, out)
     verify_file(ckpt, manifest, "config.json")
     adapter = get_adapter(load_hf_config(ckpt))
     units = adapter.units()
@@ -109,9 +126,7 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "
     shards = plan_shards([(n, s.part_shape) for s in specs.values() for n in s.checkpoint_names], esize,
                          max(1, int(max_shard_mb * 1e6)))
 
-    tmp = out.parent / f".{out.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = _partial_folder(out)
     try:
         stream = _ShardStream(tmp, shards, torch_dtype)
         for unit, u in zip(units, manifest["units"]):
@@ -138,6 +153,7 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "
         (tmp / INDEX).write_text(json.dumps(index, indent=2))
         _write_configs(ckpt, manifest, tmp, adapter.hf_config, dtype_name)
         _copy_tokenizer(ckpt, manifest, tmp)
+        (tmp / LOCK_FILE).unlink()  # the export holds model files only; the lock stays held on its descriptor
         for p in tmp.iterdir():
             if p.is_file() and not p.name.endswith(".safetensors"):  # shards were fsynced as written
                 with open(p, "rb") as f:
@@ -150,8 +166,36 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        _release(tmp)
     return {"path": out, "checkpoint": ckpt, "shards": len(shards), "bytes": total,
             "seconds": time.perf_counter() - t0}
+
+
+def _partial_folder(out: Path) -> Path:
+    """`.NAME.partial` beside the target, created empty and locked (flock) while this export writes it: an
+    earlier export's leftover (killed) is removed, one still being written is refused, and a file of that name
+    that is not ours is named rather than replaced."""
+    tmp = out.parent / f".{out.name}.partial"
+    if tmp.is_symlink() or (tmp.exists() and not tmp.is_dir()):
+        raise MegatrainError(f"export: {tmp} is in the way (the export writes its shards there before renaming "
+                             f"it to {out}); move or remove it")
+    if tmp.is_dir():
+        if holder(tmp) is not None:
+            raise MegatrainError(f"export: another export is writing {out} ({holder(tmp)}); wait for it to end")
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    _EXPORT_LOCKS[tmp] = FolderLock(tmp, "export").acquire()  # released when the export ends (_release)
+    return tmp
+
+
+_EXPORT_LOCKS: dict[Path, FolderLock] = {}
+
+
+def _release(tmp: Path) -> None:
+    lock = _EXPORT_LOCKS.pop(tmp, None)
+    if lock is not None:
+        lock.release()
 
 
 def _numel(shape) -> int:

@@ -18,7 +18,7 @@ import json
 import re
 from pathlib import Path
 
-from ..errors import MegatrainError
+from ..errors import MegatrainError, escape_problem
 from .tensorfile import sha256_file
 
 MANIFEST = "manifest.json"
@@ -80,6 +80,16 @@ def read_manifest(ckpt: Path) -> dict:
     if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("files"), dict) \
             or not isinstance(m.get("units"), list):
         raise MegatrainError(f"{f}: not a megatrain checkpoint manifest")
+    # every name the manifest gives is read (resume, export) and some are written under another folder (export's
+    # tokenizer files): each must stay inside the checkpoint
+    names = [("files", n) for n in m["files"]] + [("units", u.get("file") if isinstance(u, dict) else None)
+                                                   for u in m["units"]]
+    for where, name in names:
+        problem = escape_problem(name)
+        if problem is not None:
+            raise MegatrainError(f"{f}: {where} entry {problem.replace('its folder', 'the checkpoint')}")
+        if where == "units" and name not in m["files"]:
+            raise MegatrainError(f"{f}: unit file '{name}' is not listed among its files")
     return m
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import MegatrainError
-from .layout import RUN_STATE, complete_checkpoints, locate, newest_checkpoint, read_json, read_manifest, \
+from .folder_lock import LOCK_FILE
+from .layout import RUN_STATE, STEP_DIR, complete_checkpoints, locate, newest_checkpoint, read_json, read_manifest, \
     verify_file
 from .saver import KINDS
 from .tensorfile import TensorFileReader
@@ -39,6 +40,48 @@ def resolve(resume: str | None, out_dir: Path) -> Path | None:
     if resume == "auto":
         return newest_checkpoint(Path(out_dir) / "checkpoints")
     return locate(Path(resume), "resume")
+
+
+# what a run writes in its output.dir: a folder holding only these is a run's, and may be started over
+RUN_FILES = {"config.json", "plan.json", "metrics.jsonl", "checkpoints", "tensorboard", "export", LOCK_FILE}
+
+
+def check_fresh_start(out_dir: Path, overwrite: bool, resume: str | None) -> None:
+    """A run about to start from step 0 in `out_dir` (no checkpoint to resume from) loses nothing: the folder is
+    empty, or output.overwrite says so, or (resume=auto with no checkpoint yet) it holds only a run's own files
+    with no step recorded. Anything else, a model's folder or metrics of steps whose checkpoints are gone, is
+    refused: starting over would replace it."""
+    out_dir = Path(out_dir)
+    if overwrite or not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    if not resume:
+        raise MegatrainError(f"output.dir: {out_dir} is not empty; choose another, set output.overwrite=true, "
+                             f"or resume=auto to continue its run")
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in RUN_FILES or _model_config(p))
+    if foreign:
+        raise MegatrainError(f"output.dir: {out_dir} holds {foreign[0]}, which a megatrain run does not write, and "
+                             f"no checkpoint to resume from; choose another output.dir (or set "
+                             f"output.overwrite=true to write into it anyway)")
+    # a run killed before its first save left no checkpoint: starting over redoes its steps, as resuming would.
+    # Checkpoint folders none of which is complete (manifests lost) are another matter: their steps are not redone
+    # by anything the user chose
+    ckpts = out_dir / "checkpoints"
+    broken = sorted(p.name for p in ckpts.iterdir() if STEP_DIR.match(p.name)) if ckpts.is_dir() else []
+    if broken:
+        raise MegatrainError(f"output.dir: {ckpts} holds {', '.join(broken[:3])}{' ...' if len(broken) > 3 else ''} "
+                             f"but no complete checkpoint (manifest.json) to resume from; starting over would "
+                             f"replace them and metrics.jsonl: set output.overwrite=true to do so, or choose another "
+                             f"output.dir")
+
+
+def _model_config(p: Path) -> bool:
+    """A config.json that is a model's (Hugging Face: a top-level model_type), not the run's resolved config."""
+    if p.name != "config.json" or not p.is_file():
+        return False
+    try:
+        return "model_type" in json.loads(p.read_text())
+    except (ValueError, TypeError, OSError):
+        return True  # not the run's (it writes valid JSON): not ours to replace
 
 
 def open_checkpoint(path: Path) -> Resumed:

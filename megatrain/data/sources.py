@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import MegatrainError, load_json, utf8_problem
+from ..errors import MegatrainError, inside, load_json, utf8_problem
 from .config import DEFAULT_COLUMNS, DEFAULT_ROLES, DataConfig, DatasetSpec
 
 if TYPE_CHECKING:
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 READER_VERSION = "2"
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4", ".tar", ".7z")  # named, never skipped silently
 # Columns of a raw JSON part: the row's line (JSON lines) or 1-based item number (JSON array), the row itself, and
 # what is wrong with its bytes ("" when nothing; e.g. not UTF-8: the row is then reported or skipped like any other).
 ROW_COL, RAW_COL, ERR_COL = "_mt_row", "_mt_raw", "_mt_error"
@@ -84,7 +85,8 @@ def _from_registry(reg_file: Path, entry: dict, name: str) -> dict:
         raise MegatrainError(f"{where}: load_from '{entry['load_from']}' is not supported (local files only)")
     cols = entry.get("columns") or {}
     tags = entry.get("tags") or {}
-    out: dict = {"path": str(reg_file.parent / entry["file_name"])}
+    # a registry names files in its own folder, as LLaMA-Factory's data/ does: never one outside it
+    out: dict = {"path": str(inside(reg_file.parent, entry["file_name"], f"{where}: file_name"))}
     if entry.get("formatting", "alpaca") == "sharegpt":
         out["format"] = "sharegpt"
         out["columns"] = {k: cols[k] for k in ("messages", "system", "tools") if k in cols}
@@ -165,13 +167,21 @@ def source_files(src: Source) -> list[Path]:
     if is_saved_dataset(p):
         return [p]
     if p.is_file():
+        if p.suffix.lower() in COMPRESSED:
+            raise MegatrainError(f"{src.key}: {p} is compressed; megatrain reads {', '.join(EXTENSIONS)} files: "
+                                 f"decompress it")
         if p.suffix.lower() not in EXTENSIONS:
             raise MegatrainError(f"{src.key}: {p}: unsupported file type '{p.suffix}' "
                                  f"(supported: {', '.join(EXTENSIONS)})")
         files = [p]
     else:
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in EXTENSIONS
-                       and f.name != "dataset_info.json" and not any(x.startswith(".") for x in f.relative_to(p).parts))
+        visible = [f for f in p.rglob("*")
+                   if f.is_file() and not any(x.startswith(".") for x in f.relative_to(p).parts)]
+        packed = sorted(f for f in visible if f.suffix.lower() in COMPRESSED)
+        if packed:
+            raise MegatrainError(f"{src.key}: {packed[0]} is compressed{_more(packed)}; megatrain reads "
+                                 f"{', '.join(EXTENSIONS)} files: decompress it (or move it out of {p})")
+        files = sorted(f for f in visible if f.suffix.lower() in EXTENSIONS and f.name != "dataset_info.json")
         if not files:
             raise MegatrainError(f"{src.key}: directory {p} holds no data files ({', '.join(EXTENSIONS)}) "
                                  f"and is not a datasets save_to_disk directory")
@@ -179,6 +189,10 @@ def source_files(src: Source) -> list[Path]:
         if f.stat().st_size == 0:
             raise MegatrainError(f"{src.key}: file {f} is empty")
     return files
+
+
+def _more(files: list) -> str:
+    return f" (and {len(files) - 1} more)" if len(files) > 1 else ""
 
 
 # ---- file -> raw dataset -----------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 from ..errors import MegatrainError, load_json, read_text
@@ -37,11 +38,36 @@ def load_tokenizer(path: str | Path):
         except MegatrainError as e:
             raise MegatrainError(f"tokenizer: cannot load the tokenizer in {p}: {name}{str(e)[len(str(f)):]}") \
                 from None
-    try:
-        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    custom = custom_code(p)
+    try:  # never the folder's own Python: with trust_remote_code unset transformers would ask on a terminal
+        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for broken tokenizers
+        if custom:
+            raise MegatrainError(f"tokenizer: {p} asks for custom code ({custom}), which megatrain never runs, and "
+                                 f"transformers' own classes cannot load it") from None
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise MegatrainError(f"tokenizer: cannot load the tokenizer in {p}: {msg}") from None
+    if custom:
+        print(f"megatrain: tokenizer: {p} asks for custom code ({custom}); it was not run: transformers' own "
+              f"{type(tok).__name__} loaded the folder", file=sys.stderr)
+    return tok
+
+
+def custom_code(folder: Path) -> str | None:
+    """What a model or tokenizer folder asks to run of its own code (`auto_map` in tokenizer_config.json or
+    config.json, a class in one of its .py files), or None."""
+    for name in ("tokenizer_config.json", "config.json"):
+        f = folder / name
+        if not f.is_file():
+            continue
+        try:
+            auto_map = load_json(f).get("auto_map")
+        except (MegatrainError, AttributeError):
+            continue  # a broken file is reported by whatever reads it
+        if auto_map:
+            refs = [r for v in auto_map.values() for r in (v if isinstance(v, list) else [v]) if isinstance(r, str)]
+            return f"auto_map in {name}: {', '.join(refs[:2]) or auto_map}"
+    return None
 
 
 def read_chat_template(template: str) -> str:

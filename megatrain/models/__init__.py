@@ -47,12 +47,15 @@ def load_hf_config(model_path: str | Path) -> PretrainedConfig:
     raw = load_json(cfg_file)
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise MegatrainError(f"{cfg_file}: no 'model_type' key; supported model types: {', '.join(sorted(ADAPTERS))}")
+    if not isinstance(raw["model_type"], str):
+        raise MegatrainError(f"{cfg_file}: model_type must be a string, got {type(raw['model_type']).__name__}; "
+                             f"supported: {', '.join(sorted(ADAPTERS))}")
     if raw["model_type"] not in ADAPTERS:
         raise MegatrainError(
             f"{cfg_file}: model_type '{raw['model_type']}' is not supported; supported: {', '.join(sorted(ADAPTERS))}"
         )
     try:
-        return AutoConfig.from_pretrained(str(path))
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=False)  # never the folder's code
     except Exception as e:  # transformers raises many types for a bad config
         raise MegatrainError(f"{cfg_file}: cannot be read as a {raw['model_type']} config: {e}") from None
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..errors import ArgumentParser, MegatrainError, check_file_target, report
+from ..errors import ArgumentParser, MegatrainError, check_file_target, positive_int, positive_number, report
 from ..runtime.disk_files import check_disk_path
 from ..runtime.disk_probe import START_BYTES, describe, measure_disk
 from ..runtime.layer import layer_backward
@@ -202,7 +202,7 @@ def _adapter(model_dir: str):
 
     from ..models import get_adapter
 
-    return get_adapter(AutoConfig.from_pretrained(model_dir))
+    return get_adapter(AutoConfig.from_pretrained(model_dir, trust_remote_code=False))
 
 
 def layer_rate(model_dir: str, micro: int, seq: int, device: str, compile_layers: bool, reps: int = 3,
@@ -414,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         return report(e)
 
 
-def _main(argv: list[str] | None) -> int:
+def parser() -> ArgumentParser:
+    """`megatrain probe`'s arguments."""
     p = ArgumentParser(prog="megatrain probe", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(default_profile_path()),
                    help=f"where the profile goes (default: {default_profile_path()}, which plan reads by default)")
@@ -422,23 +423,25 @@ def _main(argv: list[str] | None) -> int:
                    help="measure one decoder layer of this model at B rows x T tokens per micro-batch (repeatable)")
     p.add_argument("--compile", choices=["both", "on", "off"], default="both",
                    help="CUDA: measure the layers compiled, eager, or both (default both)")
-    p.add_argument("--adam-params", type=int, default=1 << 27, help="tile size for the CPU AdamW rate")
-    p.add_argument("--bandwidth-gib", type=float, default=1.0, help="bytes per transfer measurement")
-    p.add_argument("--matmul", type=int, default=8192, help="square matmul size for the GPU rate")
+    p.add_argument("--adam-params", type=positive_int, default=1 << 27, help="tile size for the CPU AdamW rate")
+    p.add_argument("--bandwidth-gib", type=positive_number, default=1.0, help="bytes per transfer measurement")
+    p.add_argument("--matmul", type=positive_int, default=8192, help="square matmul size for the GPU rate")
     p.add_argument("--disk", metavar="DIR", default=None,
                    help="measure the disk under DIR as the SSD tier uses it (memory.disk_path): O_DIRECT, 8 requests "
                         "of 16 MiB in flight, written then read back")
-    p.add_argument("--disk-gib", type=float, default=START_BYTES / GiB,
+    p.add_argument("--disk-gib", type=positive_number, default=START_BYTES / GiB,
                    help=f"GiB written and read by --disk (default {START_BYTES / GiB:g}, as `megatrain train` "
                         "measures at its start)")
-    args = p.parse_args(argv)
+    return p
+
+
+def _main(argv: list[str] | None) -> int:
+    args = parser().parse_args(argv)
     layers = [parse_layer(s) for s in args.layer]
     out = Path(args.out).expanduser()
     check_file_target(out, "probe: --out")  # before anything is measured
     if args.disk is not None:
         check_disk_path(args.disk, "probe: --disk")
-        if args.disk_gib <= 0:
-            raise MegatrainError(f"probe: --disk-gib {args.disk_gib}: must be more than 0")
     modes = {"both": [False, True], "on": [True], "off": [False]}[args.compile]
     disk = (args.disk, int(args.disk_gib * GiB)) if args.disk is not None else None
     prof = probe(layers, modes, args.adam_params, int(args.bandwidth_gib * GiB), args.matmul, disk)

@@ -23,6 +23,7 @@ import torch
 
 from .. import data as data_lib
 from ..checkpoint import resume as resume_lib
+from ..checkpoint.folder_lock import holder
 from ..config import Config, check_paths
 from ..data import StepLoader
 from ..distributed import OneProcess, Ranks
@@ -144,11 +145,13 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
     data_lib.validate_inputs(cfg.data)
     exact = data_lib.load_exact_match(cfg.train.exact_match_path) if cfg.train.exact_match_path else None
     out_dir = Path(cfg.output.dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not cfg.output.overwrite and not cfg.resume:
-        raise MegatrainError(f"output.dir: {out_dir} is not empty; choose another, set output.overwrite=true, "
-                             f"or resume=auto to continue its run")
+    if (who := holder(out_dir)) is not None:  # said now, before minutes of loading; trainer takes the lock
+        raise MegatrainError(f"output.dir: {out_dir} is in use by another run ({who}); wait for it to end or "
+                             f"choose another output.dir")
     resumed = None
-    if (resume_path := resume_lib.resolve(cfg.resume, out_dir)) is not None:
+    if (resume_path := resume_lib.resolve(cfg.resume, out_dir)) is None:
+        resume_lib.check_fresh_start(out_dir, cfg.output.overwrite, cfg.resume)
+    else:
         resumed = resume_lib.open_checkpoint(resume_path)
         resume_lib.check_model_config(resumed, hf_config, cfg.model.path)
         resume_lib.check_no_newer(resumed, out_dir)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..checkpoint import StopOnSignal
 from ..checkpoint import resume as resume_lib
+from ..checkpoint.folder_lock import FolderLock
 from ..checkpoint.state import model_files_writer, restore_rng, run_state
 from ..config import Config
 from ..errors import MegatrainError
@@ -41,9 +42,15 @@ def train(cfg: Config, ranks: Ranks | None = None, since_process_start: bool = F
     begins at the process's start (the command line)."""
     run = prepare(cfg, ranks, since_process_start)  # every input checked, the store filled, the runtime built:
     #                                                nothing written yet
+    lock = None
     try:
+        if run.writes:  # the run's first write: output.dir's lock, held until the run ends (two runs on one
+            #            folder would replace each other's checkpoints and metrics)
+            lock = FolderLock(run.out_dir, "output.dir").acquire()
         s = start(run)
     except BaseException:
+        if lock is not None:
+            lock.release()
         run.runtime.close()
         raise
     try:
@@ -70,7 +77,11 @@ def train(cfg: Config, ranks: Ranks | None = None, since_process_start: bool = F
             s.saver.abandon()  # a second signal: leave at once; the partial save never becomes a checkpoint
         raise
     finally:
-        close(run, s)
+        try:
+            close(run, s)
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 @dataclass

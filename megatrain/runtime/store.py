@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import MegatrainError
+from ..errors import MegatrainError, inside
 from ..models import ModelAdapter
 from .adamw import landing_piece
 from .disk_tier import KIND_NAMES, DiskTier
@@ -175,8 +175,6 @@ class HostStore:
 
     def load_safetensors(self, model_dir: str | Path) -> None:
         """Load unit by unit: at most one unit's tensors are read beyond the store at any time."""
-        from safetensors import safe_open
-
         model_dir = Path(model_dir)
         weight_map = _weight_map(model_dir)
         # a tensor the checkpoint stores otherwise (quantized) is built from other tensors: the adapter says how
@@ -203,7 +201,7 @@ class HostStore:
             if missing:
                 raise MegatrainError(f"{model_dir}: tensor '{missing[0]}' ({t.unit.name}) is missing from the checkpoint")
             files = sorted({weight_map[n] for s in t.unit.specs for n in names(s)})
-            handles = {f: safe_open(str(model_dir / f), framework="pt") for f in files}
+            handles = {f: _open_shard(model_dir / f) for f in files}
             try:
                 with self.unit_state(i, ("master",), read=False, write=True) as st:
                     self._load_unit(model_dir, t, st["master"], handles, weight_map, packed)
@@ -238,30 +236,44 @@ class HostStore:
 
 
 def _weight_map(model_dir: Path) -> dict[str, str]:
-    """HF tensor name -> safetensors file name, from the index or from the shards themselves."""
-    from safetensors import safe_open
-
+    """HF tensor name -> safetensors file name, from the index or from the shards themselves. Every shard's header
+    is read here, before anything is loaded or written: a truncated or foreign file is named now, not mid-load."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
             wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                raise KeyError("weight_map must map tensor names to shard file names")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise MegatrainError(f"{index}: malformed safetensors index ({e})") from None
         for f in sorted(set(wm.values())):
-            if not (model_dir / f).is_file():
+            shard = inside(model_dir, f, f"{index}: shard")
+            if not shard.is_file():
                 raise MegatrainError(f"{index}: shard {f} is listed but missing from {model_dir}")
+            keys = _shard_keys(shard)
+            listed = next((n for n, g in wm.items() if g == f and n not in keys), None)
+            if listed is not None:
+                raise MegatrainError(f"{index}: lists tensor '{listed}' in {f}, which does not hold it")
         return wm
     files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
         raise MegatrainError(
             f"model.path: no *.safetensors in {model_dir}; use model.init=random to train from config.json alone"
         )
-    wm = {}
-    for f in files:
-        try:
-            with safe_open(str(model_dir / f), framework="pt") as h:
-                for k in h.keys():
-                    wm[k] = f
-        except Exception as e:
-            raise MegatrainError(f"{model_dir / f}: not a readable safetensors file ({e})") from None
-    return wm
+    return {k: f for f in files for k in _shard_keys(model_dir / f)}
+
+
+def _shard_keys(path: Path) -> set[str]:
+    """The tensor names of one safetensors file; safetensors checks that the header's tensors lie within the file,
+    which is how a truncated download shows."""
+    return set(_open_shard(path).keys())
+
+
+def _open_shard(path: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # SafetensorError, OSError: a library's error on the user's file
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MegatrainError(f"{path}: truncated or not a safetensors file ({detail})") from None

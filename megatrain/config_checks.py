@@ -1,0 +1,97 @@
+"""Checks on a config beyond its schema: a YAML document's size before it is built, `~` in paths, and the folders
+a run writes against the paths it reads.
+
+- An alias bomb (a few lines of YAML whose aliases expand to billions of values) is refused in time linear in the
+  file, before it is built.
+- `~` is expanded once, when the config is validated, in every path the run reads or writes, so that the checks
+  and the writes see the same folder (never one named `~` in the working directory).
+- No folder the run writes is, holds or lies inside a path it reads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from .errors import MegatrainError
+
+MAX_CONFIG_NODES = 100_000  # values after aliases are expanded: a real config has hundreds
+MAX_CONFIG_DEPTH = 64
+
+
+class TooLarge(yaml.YAMLError):
+    """A YAML document whose value would be too large or too deep to build."""
+
+
+def check_yaml_size(node) -> None:
+    """Count the values a composed YAML document expands to (an aliased node counts at each use, but is measured
+    once), and refuse one of more than MAX_CONFIG_NODES values or MAX_CONFIG_DEPTH levels."""
+    sizes: dict[int, int] = {}
+
+    def size(n, depth: int) -> int:
+        if depth > MAX_CONFIG_DEPTH:
+            raise TooLarge(f"nested deeper than {MAX_CONFIG_DEPTH} levels")
+        if id(n) in sizes:
+            return sizes[id(n)]
+        children = [c for kv in n.value for c in kv] if isinstance(n, yaml.MappingNode) else \
+            n.value if isinstance(n, yaml.SequenceNode) else []
+        total = 1
+        for c in children:
+            total += size(c, depth + 1)
+            if total > MAX_CONFIG_NODES:
+                raise TooLarge(f"expands to more than {MAX_CONFIG_NODES:,} values (aliases repeat what they name); "
+                               f"a config needs far fewer")
+        sizes[id(n)] = total
+        return total
+
+    size(node, 0)
+
+
+def expand_home(cfg) -> None:
+    """Expand a leading `~` in every path field of a validated `megatrain.config.Config`, in place."""
+
+    def home(v):
+        return str(Path(v).expanduser()) if isinstance(v, str) and v.startswith("~") else v
+
+    d = cfg.data
+    fields = [(cfg.model, "path"), (cfg.model, "tokenizer"), (cfg.train, "exact_match_path"), (cfg.output, "dir"),
+              (cfg.export, "dir"), (cfg.memory, "disk_path"), (cfg.plan, "profile"), (d, "path"), (d, "eval_path"),
+              (d, "dataset_info"), (d, "cache_dir"),
+              *((e, "path") for e in (d.datasets or []) + (d.eval_datasets or []))]
+    if d.chat_template and "{" not in d.chat_template:  # a file, not the template itself
+        fields.append((d, "chat_template"))
+    if cfg.resume != "auto":
+        fields.append((cfg, "resume"))
+    for obj, key in fields:
+        object.__setattr__(obj, key, home(getattr(obj, key)))  # (no re-validation: the value's type is unchanged)
+
+
+def check_overlaps(cfg) -> None:
+    """Of a `megatrain.config.Config`: no folder the run writes is, holds or lies inside a path it reads (writing
+    there would replace the model, its tokenizer or the data), and an export never goes among output.dir's
+    checkpoints (a later save's clean-up would take it). MegatrainError naming both keys."""
+    d = cfg.data
+    inputs = [("model.path", cfg.model.path), ("model.tokenizer", cfg.model.tokenizer),
+              ("train.exact_match_path", cfg.train.exact_match_path), ("data.path", d.path),
+              ("data.eval_path", d.eval_path), ("data.dataset_info", d.dataset_info),
+              *((f"data.datasets[{i}].path", e.path) for i, e in enumerate(d.datasets or [])),
+              *((f"data.eval_datasets[{i}].path", e.path) for i, e in enumerate(d.eval_datasets or []))]
+    out = Path(cfg.output.dir).resolve()
+    outputs = [("output.dir", out)]
+    if cfg.export.at_end:
+        export = Path(cfg.export.dir).resolve() if cfg.export.dir else out / "export"
+        outputs.append(("export.dir", export))
+        ckpts = out / "checkpoints"
+        if export == ckpts or ckpts in export.parents:
+            raise MegatrainError(f"export.dir: {export} lies inside output.dir's checkpoints folder, where saves "
+                                 f"replace and remove folders; choose a folder outside {ckpts}")
+    for okey, o in outputs:
+        for ikey, value in inputs:
+            if not value:
+                continue
+            i = Path(value).resolve()
+            if o == i or o in i.parents or i in o.parents:
+                how = "is" if o == i else ("holds" if o in i.parents else "lies inside")
+                raise MegatrainError(f"{okey}: {o} {how} {ikey} ({i}): the run would write over what it reads; "
+                                     f"choose an {okey} that does not overlap its inputs")
