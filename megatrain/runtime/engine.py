@@ -22,9 +22,10 @@ Stream/event protocol (CUDA; on CPU the slots are the host tiles themselves and 
     d2h stream      owned by the gradient sink (optimizer_pipeline.py): it waits on the event recorded after a
                     unit's gradient is complete and copies it to host memory; the compute stream never waits for it.
 
-No host synchronisation happens inside the waves: labels, target positions and token counts are computed on
-the host before the step, and the loss stays a device scalar until the caller reads it. The engine records what
-it is doing in `phase`, so an out-of-memory error can be told apart by what was being allocated.
+`train_step` walks the schedule (schedule.walk) with `_StepRun`: one method per kind of use, the step's state in
+its attributes. No host synchronisation happens inside the waves: labels, target positions and token counts are
+computed on the host before the step, and the loss stays a device scalar until the caller reads it. The engine
+records what it is doing in `phase`, so an out-of-memory error can be told apart by what was being allocated.
 """
 
 from __future__ import annotations
@@ -383,12 +384,13 @@ class _StepRun(ScheduleVisitor):
             for unit in nxt.accumulators:
                 e.accumulators.prefetch(unit)
         if use.grad:
-            grad = self.acc.pop(use.grad_unit)
+            unit = use.grad_unit
+            grad = self.acc.pop(unit)
             if use.grad in ("gpu", "host"):
                 self.sq_norms.append(squared_norm(grad))
-                e.sink.put(use.grad_unit, grad, use.grad == "host")
+                e.sink.put(unit, grad, use.grad == "host")
             else:
-                e.accumulators.park(use.grad_unit, grad, use.grad.removeprefix("group-"))
+                e.accumulators.park(unit, grad, use.grad.removeprefix("group-"))
 
     def embed(self, use: Use) -> None:
         with torch.no_grad():
