@@ -39,6 +39,7 @@ Per group g, the uses are:
 Units are numbered in forward order: 0 the embedding, 1 .. L the layers, L + 1 the head. A unit's gradient is
 complete after its last use of the last group; `Use.grad` says where it goes then (or where the accumulator waits
 between groups).
+
 Every model of the step visits it through `ScheduleVisitor`, one method per kind of use (`KINDS`): the engine's
 executor (runtime/engine.py), the planner's memory (planner/memory.py) and time (planner/timing.py) models. `walk`
 is the one place that branches on a use's kind; a model that lacks a kind's method cannot be instantiated.
