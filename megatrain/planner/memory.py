@@ -39,7 +39,7 @@ from ..runtime.engine import STAGE_ELEMS
 from ..runtime.lmhead import default_chunk
 from ..runtime.optimizer_pipeline import DEVICE_GRADS, NUM_LANDING, update_order
 from ..runtime.adamw import landing_piece as _landing_piece
-from ..runtime.schedule import TIED_INPUT, grads_to_host, spilled_layers, step_schedule
+from ..runtime.schedule import TIED_INPUT, ScheduleVisitor, grads_to_host, spilled_layers, step_schedule, walk
 from ..runtime.schedule import slot_numel as _slot_numel
 from ..runtime.store import padded_numel
 from . import activations as actsim
@@ -261,159 +261,180 @@ def gpu_phases(adapter, units, w: Workload, notes: list[str], prof: Profile | No
     a group (`Use.grad`: waits on the GPU for the optimizer, copied to host, parked for the next group on the GPU or
     in host memory, brought back one use ahead of its next touch); and, on CUDA, the last step's gradients still
     waiting for the optimizer's copy-out while the first group's forward waits for their updates unit by unit."""
-    e, T, H = w.elem, w.seq_len, adapter.hidden_size
-    n = len(units)
-    pl = w.placement
-    groups = w.groups
-    grad = [4.0 * u.numel for u in units]  # fp32, by unit index (forward order: embed, layers, head)
-    cuda = w.device == "cuda"
-    to_host = set(grads_to_host(n, pl))
-    slots = float(w.num_slots * slot_numel(units, adapter.tied) * e) if cuda else 0.0
-    if cuda and w.fp32_stream:  # the engine's staging buffer: fp32 pieces cast into the slots
-        slots += 4.0 * min(slot_numel(units, adapter.tied), STAGE_ELEMS)
-    per_token_ctx = 2 * adapter.head_dim * e + 4 * 8  # cos, sin; input ids, positions, target index, targets
-    act = _activation_sizes(adapter, w, notes, prof)
-    # the last step's gradients that waited on the GPU, copied out in the optimizer's order (forward order); without
-    # clipping they were updated during that step's backward: none is left
-    copied_out = update_order(n)
-    stays = [0.0 if i in to_host or not w.clipping else grad[i] for i in range(n)]
-    left_after = [0.0] * n
-    for k in range(n - 2, -1, -1):
-        left_after[copied_out[k]] = left_after[copied_out[k + 1]] + stays[copied_out[k + 1]]
-    handed = []  # without clipping: the gradients handed to the optimizer, the latest of which may wait on the device
+    books = _GpuBooks(adapter, units, w, notes, prof)
+    walk(books.uses, books)
+    return books.phases
 
-    phases = []
-    finished = 0.0  # this step's complete gradients waiting on the GPU
-    parked: dict[int, float] = {}  # unit -> accumulator waiting on the GPU for the next group (TIED_INPUT: -1)
-    sched = step_schedule(n, adapter.tied, pl, len(groups))
-    by_group: dict[int, list] = {}
-    for use in sched:
-        by_group.setdefault(use.group, []).append(use)
-    for gi, uses in sorted(by_group.items()):
-        mbs = [w.micro_batches[m] for m in groups[gi]]
+
+class _GpuBooks(ScheduleVisitor):
+    """gpu_phases' walk of the schedule: the engine's books as attributes (the step's; the wave group's, set anew
+    when a group begins), one phase appended per use, its method named after its kind."""
+
+    def __init__(self, adapter, units, w: Workload, notes: list[str], prof: Profile | None):
+        e, n, pl = w.elem, len(units), w.placement
+        self.adapter, self.w, self.groups = adapter, w, w.groups
+        self.grad = grad = [4.0 * u.numel for u in units]  # fp32, by unit index (forward order: embed, layers, head)
+        self.cuda = cuda = w.device == "cuda"
+        to_host = set(grads_to_host(n, pl))
+        slots = float(w.num_slots * slot_numel(units, adapter.tied) * e) if cuda else 0.0
+        if cuda and w.fp32_stream:  # the engine's staging buffer: fp32 pieces cast into the slots
+            slots += 4.0 * min(slot_numel(units, adapter.tied), STAGE_ELEMS)
+        self.slots = slots
+        self.per_token_ctx = 2 * adapter.head_dim * e + 4 * 8  # cos, sin; input ids, positions, target index, targets
+        self.act = _activation_sizes(adapter, w, notes, prof)
+        # the last step's gradients that waited on the GPU, copied out in the optimizer's order (forward order);
+        # without clipping they were updated during that step's backward: none is left
+        copied_out = update_order(n)
+        stays = [0.0 if i in to_host or not w.clipping else grad[i] for i in range(n)]
+        self.left_after = left_after = [0.0] * n
+        for k in range(n - 2, -1, -1):
+            left_after[copied_out[k]] = left_after[copied_out[k + 1]] + stays[copied_out[k + 1]]
+        self.handed = []  # without clipping: the gradients handed to the optimizer, the latest of which may wait
+        self.phases = []
+        self.finished = 0.0  # this step's complete gradients waiting on the GPU
+        self.parked: dict[int, float] = {}  # unit -> accumulator waiting on the GPU for the next group (TIED_INPUT)
+        self.uses = step_schedule(n, adapter.tied, pl, len(self.groups))
+        self.gi = None  # the wave group of the use being visited
+
+    def _begin_group(self, gi: int) -> None:
+        """A wave group's sizes (the worst micro-batch of each kind of work) and empty books."""
+        w, act = self.w, self.act
+        e, T, H = w.elem, w.seq_len, self.adapter.hidden_size
+        self.gi = gi
+        mbs = [w.micro_batches[m] for m in self.groups[gi]]
         c = [float(b * T * H * e) for b in mbs]
-        C = sum(c)
-        tag = f", group {gi + 1}/{len(groups)}" if len(groups) > 1 else ""
+        self.C = C = sum(c)
+        self.tag = f", group {gi + 1}/{len(self.groups)}" if len(self.groups) > 1 else ""
         rows = sum(mbs)
-        base = {"weight slots": slots,
-                "rope tables, token ids, masks": float(rows * T * per_token_ctx + (rows * T * T if w.packed else 0)),
-                "workspace": float(GPU_WORKSPACE) if cuda else 0.0}
+        self.base = {"weight slots": self.slots, "rope tables, token ids, masks":
+                     float(rows * T * self.per_token_ctx + (rows * T * T if w.packed else 0)),
+                     "workspace": float(GPU_WORKSPACE) if self.cuda else 0.0}
         pre = [sum(c[:m]) for m in range(len(c))]  # outputs (or d(hidden)) of the micro-batches before m
-        fwd = _worst([(pre[m], act[b]["forward"]) for m, b in enumerate(mbs)])
-        st = [float(act[b].get("stash", 0.0)) for b in mbs]  # each micro-batch's kept attention (reuse_attention)
-        if any(use.stash for use in uses) and not all("stash" in act[b] for b in mbs):
+        self.fwd = _worst([(pre[m], act[b]["forward"]) for m, b in enumerate(mbs)])
+        self.st = st = [float(act[b].get("stash", 0.0)) for b in mbs]  # each micro-batch's kept attention
+        if any(use.stash for use in self.uses if use.group == gi) and not all("stash" in act[b] for b in mbs):
             raise ValueError("reuse_attention: this model's layers cannot keep their attention (runtime.layer."
                              "can_stash)")
         # a layer that keeps its attention: the earlier micro-batches' stashes of it are alive in its forward; in
         # its backward, those of the micro-batches after the current one (whose own stash, spent as its backward
         # goes, is in that backward's measured peak)
-        fwd_st = _worst([(pre[m] + sum(st[:m]), act[b].get("forward_stash", 0.0)) for m, b in enumerate(mbs)])
-        bwd_st = _worst([(C - pre[m] + sum(st[m + 1:]), act[b].get("backward_stash", 0.0))
-                         for m, b in enumerate(mbs)])
-        head = _worst([(pre[m], act[b]["head"]) for m, b in enumerate(mbs)])
-        bwd = _worst([(C - pre[m], act[b]["backward"]) for m, b in enumerate(mbs)])  # own inputs not yet spent
-        emb = _worst([(0.0, 2.0 * c[m] if e == 2 else 0.0) for m in range(len(mbs))])  # d(hidden) as fp32
-        kept: dict[int, float] = {}  # layer -> its inputs of this group on the GPU (kept, fetched, or rebuilt)
-        stashed: dict[int, float] = {}  # layer -> its kept attention of this group's micro-batches
-        active: dict[int, float] = {}  # unit -> accumulator in use
-        dh = hidden = last_out = prev_out = 0.0
+        self.fwd_st = _worst([(pre[m] + sum(st[:m]), act[b].get("forward_stash", 0.0)) for m, b in enumerate(mbs)])
+        self.bwd_st = _worst([(C - pre[m] + sum(st[m + 1:]), act[b].get("backward_stash", 0.0))
+                              for m, b in enumerate(mbs)])
+        self.lm = _worst([(pre[m], act[b]["head"]) for m, b in enumerate(mbs)])
+        self.bwd = _worst([(C - pre[m], act[b]["backward"]) for m, b in enumerate(mbs)])  # own inputs not yet spent
+        self.emb = _worst([(0.0, 2.0 * c[m] if e == 2 else 0.0) for m in range(len(mbs))])  # d(hidden) as fp32
+        self.kept: dict[int, float] = {}  # layer -> its inputs of this group on the GPU (kept, fetched, or rebuilt)
+        self.stashed: dict[int, float] = {}  # layer -> its kept attention of this group's micro-batches
+        self.active: dict[int, float] = {}  # unit -> accumulator in use
+        self.dh = self.hidden = self.last_out = self.prev_out = 0.0
 
-        def phase(name: str, m: int | None, comps: dict) -> None:
-            where = f", micro-batch {groups[gi][m] + 1}/{len(w.micro_batches)}" if m is not None else ""
-            phases.append((name + tag + where, {**base, STASHED: sum(stashed.values()), **comps,
-                                                ACTIVE: sum(active.values()), FINISHED: finished,
-                                                PARKED_GPU: sum(parked.values())}))
+    def enter(self, use) -> None:
+        if use.group != self.gi:
+            self._begin_group(use.group)
+        self.prev_out, self.last_out = self.last_out, 0.0  # an accumulator copied to host by the use before
 
-        def take(unit: int) -> None:  # Engine._grad_buffer: continued from the GPU, back from host, or new
-            b = parked.pop(unit, None)
-            if b is None:
-                b = grad[max(unit, 0)]
-                if gi > 0 and pl.group_grads == "host":  # prefetched at the end of the use before, while that
-                    #                                       use's own accumulator was still on the device
-                    phase("accumulator back from host", None, {CHECKPOINTS: sum(kept.values()), HIDDEN: hidden,
-                                                                DHIDDEN: dh, ARRIVING: b + prev_out})
-            active[unit] = b
+    def _phase(self, name: str, m: int | None, comps: dict) -> None:
+        where = f", micro-batch {self.groups[self.gi][m] + 1}/{len(self.w.micro_batches)}" if m is not None else ""
+        self.phases.append((name + self.tag + where, {**self.base, STASHED: sum(self.stashed.values()), **comps,
+                                                      ACTIVE: sum(self.active.values()), FINISHED: self.finished,
+                                                      PARKED_GPU: sum(self.parked.values())}))
 
-        def done(unit: int, where: str) -> None:  # Engine._finish_grad, after the unit's last use in the group
-            nonlocal finished, last_out
-            b = active.pop(unit)
-            if where == "gpu" and w.clipping:
-                finished += b
-            elif where == "gpu":  # OptimizerPipeline.put holds the engine while DEVICE_GRADS wait for the worker
-                handed.append(b)
-                finished = sum(handed[-DEVICE_GRADS:]) if cuda else 0.0
-            elif where == "group-gpu":
-                parked[unit] = b
-            else:  # copied to host memory: freed (its memory reused once the copy ends)
-                last_out = b
+    def _take(self, unit: int) -> None:  # Engine._grad_buffer: continued from the GPU, back from host, or new
+        b = self.parked.pop(unit, None)
+        if b is None:
+            b = self.grad[max(unit, 0)]
+            if self.gi > 0 and self.w.placement.group_grads == "host":  # prefetched at the end of the use before,
+                #                                   while that use's own accumulator was still on the device
+                self._phase("accumulator back from host", None, {CHECKPOINTS: sum(self.kept.values()),
+                                                                  HIDDEN: self.hidden, DHIDDEN: self.dh,
+                                                                  ARRIVING: b + self.prev_out})
+        self.active[unit] = b
 
-        def bring_back(use) -> None:  # spilled inputs on the device: fetched a block ahead, or loaded at use
-            if use.fetch is not None:
-                kept[use.fetch] = C
-            kept.setdefault(use.layer, C)
+    def _done(self, unit: int, where: str) -> None:  # after the unit's last use in the group (Use.grad)
+        b = self.active.pop(unit)
+        if where == "gpu" and self.w.clipping:
+            self.finished += b
+        elif where == "gpu":  # OptimizerPipeline.put holds the engine while DEVICE_GRADS wait for the worker
+            self.handed.append(b)
+            self.finished = sum(self.handed[-DEVICE_GRADS:]) if self.cuda else 0.0
+        elif where == "group-gpu":
+            self.parked[unit] = b
+        else:  # copied to host memory: freed (its memory reused once the copy ends)
+            self.last_out = b
 
-        for use in uses:
-            u = use.units[0] if use.units else 0
-            prev_out, last_out = last_out, 0.0
-            if use.kind == "embed":
-                hidden = C
-                phase("embedding", None, {HIDDEN: C, LAST_STEP: left_after[0] if cuda and gi == 0 else 0.0})
-            elif use.kind == "forward":
-                if use.keep == "gpu":
-                    kept[use.layer] = C
-                m, state, transient = fwd_st if use.stash else fwd
-                sm = sum(st[:m]) if use.stash else 0.0  # `state` holds this layer's earlier micro-batches' stashes:
-                state -= sm  #                             counted apart, as STASHED
-                phase(f"forward, layer {use.layer}", m, {
-                    STASHED: sum(stashed.values()) + sm, CHECKPOINTS: sum(kept.values()),
-                    HIDDEN: (0.0 if use.keep == "gpu" else C) + state,
-                    "layer activations (1 micro-batch)": transient,
-                    LAST_STEP: left_after[u] if cuda and gi == 0 else 0.0})
-                if use.stash:
-                    stashed[use.layer] = sum(st)
-            elif use.kind == "head":
-                take(0)
-                take(u)
-                m, state, transient = head
-                phase("LM head", m, {CHECKPOINTS: sum(kept.values()), HIDDEN: C, DHIDDEN: state,
-                                     "LM head chunk + loss (1 micro-batch)": transient})
-                dh, hidden = C, 0.0
-                done(u, use.grad)
-            elif use.kind == "rebuild":
-                bring_back(use)
-                m, state, transient = fwd
-                phase(f"rebuild, layer {use.layer}", m, {CHECKPOINTS: sum(kept.values()), HIDDEN: state,
-                                                         DHIDDEN: dh, "layer activations (1 micro-batch)": transient})
-                kept[use.layer + 1] = C
-            elif use.kind == "backward":
-                take(u)
-                bring_back(use)
-                own = stashed.pop(use.layer, None)
-                m, state, transient = bwd if own is None else bwd_st
-                left = 0.0
-                if own is not None:  # `state` holds the later micro-batches' stashes: counted apart, as STASHED
-                    left = sum(st[m + 1:])
-                    state -= left
-                phase(f"backward, layer {use.layer}", m, {
-                    STASHED: sum(stashed.values()) + left,
-                    CHECKPOINTS: sum(kept.values()) - kept[use.layer] + state, DHIDDEN: dh,
-                    "layer activations (1 micro-batch)": transient})
-                del kept[use.layer]
-                done(u, use.grad)
-            else:  # embed_backward: the scatter-add of each micro-batch's d(hidden), no weights
-                if adapter.tied:
-                    take(TIED_INPUT)
-                m, _, transient = emb
-                phase("embedding backward", m, {DHIDDEN: dh + transient})
-                dh = 0.0
-                if adapter.tied:  # the input side is added to the LM-head side, or waits for the next group
-                    b = active.pop(TIED_INPUT)
-                    if use.grad == "group-gpu":
-                        parked[TIED_INPUT] = b
-                    elif use.grad == "group-host":
-                        last_out = b
-                done(0, use.grad)
-    return phases
+    def _bring_back(self, use) -> None:  # spilled inputs on the device: fetched a block ahead, or loaded at use
+        if use.fetch is not None:
+            self.kept[use.fetch] = self.C
+        self.kept.setdefault(use.layer, self.C)
+
+    def _last_step(self, unit: int) -> float:
+        """The last step's gradients still on the GPU while the first group's forward waits for `unit`'s update."""
+        return self.left_after[unit] if self.cuda and self.gi == 0 else 0.0
+
+    def embed(self, use) -> None:
+        self.hidden = self.C
+        self._phase("embedding", None, {HIDDEN: self.C, LAST_STEP: self._last_step(0)})
+
+    def forward(self, use) -> None:
+        if use.keep == "gpu":
+            self.kept[use.layer] = self.C
+        m, state, transient = self.fwd_st if use.stash else self.fwd
+        sm = sum(self.st[:m]) if use.stash else 0.0  # `state` holds this layer's earlier micro-batches' stashes:
+        state -= sm  #                                  counted apart, as STASHED
+        self._phase(f"forward, layer {use.layer}", m, {
+            STASHED: sum(self.stashed.values()) + sm, CHECKPOINTS: sum(self.kept.values()),
+            HIDDEN: (0.0 if use.keep == "gpu" else self.C) + state, "layer activations (1 micro-batch)": transient,
+            LAST_STEP: self._last_step(use.grad_unit)})
+        if use.stash:
+            self.stashed[use.layer] = sum(self.st)
+
+    def head(self, use) -> None:
+        self._take(0)
+        self._take(use.grad_unit)
+        m, state, transient = self.lm
+        self._phase("LM head", m, {CHECKPOINTS: sum(self.kept.values()), HIDDEN: self.C, DHIDDEN: state,
+                                   "LM head chunk + loss (1 micro-batch)": transient})
+        self.dh, self.hidden = self.C, 0.0
+        self._done(use.grad_unit, use.grad)
+
+    def rebuild(self, use) -> None:
+        self._bring_back(use)
+        m, state, transient = self.fwd
+        self._phase(f"rebuild, layer {use.layer}", m, {CHECKPOINTS: sum(self.kept.values()), HIDDEN: state, DHIDDEN:
+                                                       self.dh, "layer activations (1 micro-batch)": transient})
+        self.kept[use.layer + 1] = self.C
+
+    def backward(self, use) -> None:
+        self._take(use.grad_unit)
+        self._bring_back(use)
+        own = self.stashed.pop(use.layer, None)
+        m, state, transient = self.bwd if own is None else self.bwd_st
+        left = 0.0
+        if own is not None:  # `state` holds the later micro-batches' stashes: counted apart, as STASHED
+            left = sum(self.st[m + 1:])
+            state -= left
+        self._phase(f"backward, layer {use.layer}", m, {
+            STASHED: sum(self.stashed.values()) + left,
+            CHECKPOINTS: sum(self.kept.values()) - self.kept[use.layer] + state, DHIDDEN: self.dh,
+            "layer activations (1 micro-batch)": transient})
+        del self.kept[use.layer]
+        self._done(use.grad_unit, use.grad)
+
+    def embed_backward(self, use) -> None:  # the scatter-add of each micro-batch's d(hidden), no weights
+        tied = self.adapter.tied
+        if tied:
+            self._take(TIED_INPUT)
+        m, _, transient = self.emb
+        self._phase("embedding backward", m, {DHIDDEN: self.dh + transient})
+        self.dh = 0.0
+        if tied:  # the input side is added to the LM-head side, or waits for the next group
+            b = self.active.pop(TIED_INPUT)
+            if use.grad == "group-gpu":
+                self.parked[TIED_INPUT] = b
+            elif use.grad == "group-host":
+                self.last_out = b
+        self._done(0, use.grad)
 
 
 def peak_phase(phases: list) -> tuple[str, dict[str, float]]:

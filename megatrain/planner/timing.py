@@ -52,7 +52,7 @@ import math
 
 from ..runtime.adamw import landing_piece
 from ..runtime.optimizer_pipeline import DEVICE_GRADS, update_order
-from ..runtime.schedule import grads_to_host, kept, stashes, step_schedule
+from ..runtime.schedule import ScheduleVisitor, grads_to_host, kept, stashes, step_schedule, walk
 from .calibration import (ADAMW_IN_STEP, BLOCKED_ATTENTION_SLOWDOWN, COMPILED_SPEEDUP, FLEX_MEASURED, FLEX_SHAPE_FLOPS,
                           FP32_SLOWDOWN, MOE_DEFAULT_SHARE, SATURATED)
 from .flops import attention_span, flops_per_token, kind_span
@@ -118,20 +118,41 @@ def executed_flops(adapter, units, w: Workload) -> dict[str, float]:
     """FLOPs per step, as executed, from the step's schedule: per layer parameter and token 2 in a forward or
     rebuild use, 6 in a backward use (recompute + backward); attention 2·T·heads·head_dim per layer and token
     forward (causal), 3x that in backward; 6 per LM-head parameter and target."""
-    n = len(units)
-    toks = _use_tokens(w)
-    attn_fwd = 2.0 * attention_span(adapter, w.seq_len) * adapter.num_heads * adapter.head_dim  # per token, layer
-    out = {"forward": 0.0, "rebuild": 0.0, "backward": 0.0}
-    for use in step_schedule(n, adapter.tied, w.placement, len(toks)):
-        if use.kind in out:
-            P, t = adapter.active_numel(units[use.units[0]]), toks[use.group]
-            if use.kind == "backward":  # with the attention kept from the forward wave, its forward is not rerun
-                out[use.kind] += (6.0 * P + (2 if stashes(use.layer, w.placement, n - 2) else 3) * attn_fwd) * t
-            else:
-                out[use.kind] += (2.0 * P + attn_fwd) * t
+    count = _Flops(adapter, units, w)
+    walk(step_schedule(len(units), adapter.tied, w.placement, len(count.toks)), count)
+    out = count.out
     targets = sum(w.micro_batches) * (w.seq_len - 1 if w.targets_per_row is None else w.targets_per_row)
     out["head"] = 6.0 * adapter.vocab_size * adapter.hidden_size * targets
     return out
+
+
+class _Flops(ScheduleVisitor):
+    """executed_flops' walk: the layer uses' FLOPs by kind (the head's are counted per target, apart)."""
+
+    def __init__(self, adapter, units, w: Workload):
+        self.adapter, self.units, self.w, self.toks = adapter, units, w, _use_tokens(w)
+        self.attn_fwd = 2.0 * attention_span(adapter, w.seq_len) * adapter.num_heads * adapter.head_dim  # a token's
+        self.out = {"forward": 0.0, "rebuild": 0.0, "backward": 0.0}
+
+    def _layer(self, use, per_param: float, attention: int) -> float:
+        """per_param FLOPs per active parameter, `attention` times the attention's forward, per token."""
+        P, t = self.adapter.active_numel(self.units[use.units[0]]), self.toks[use.group]
+        return (per_param * P + attention * self.attn_fwd) * t
+
+    def _none(self, use) -> None:  # the embedding's lookup and scatter-add; the head's FLOPs are counted per target
+        pass
+
+    embed = head = embed_backward = _none
+
+    def forward(self, use) -> None:
+        self.out["forward"] += self._layer(use, 2.0, 1)
+
+    def rebuild(self, use) -> None:
+        self.out["rebuild"] += self._layer(use, 2.0, 1)
+
+    def backward(self, use) -> None:  # with the attention kept from the forward wave, its forward is not rerun
+        self.out["backward"] += self._layer(use, 6.0, 2 if stashes(use.layer, self.w.placement, len(self.units) - 2)
+                                            else 3)
 
 
 def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
@@ -357,86 +378,115 @@ def _walk(adapter, units, w: Workload, prof: Profile, layer_s, head_s: float, re
     that stream weights. ready: when each unit's last update is written (its forward in the first group waits).
     chain: the (copy-out, AdamW) seconds behind each ready time (clipping), to name the bound. worker: without
     clipping, the updates this step queues as its gradients are complete."""
-    e = w.elem
-    n = len(units)
-    pl = w.placement
-    H = adapter.hidden_size
-    toks = _use_tokens(w)
-    groups = len(toks)
-    parks = groups > 1 and pl.group_grads == "host"
-    d2h_rate = prof.bidir_bps
-    h2d_end = 0.0
-    comp_end: list[float] = []
-    ring: list[float] = []  # compute end of each weight use, in ring order
-    holds: list[tuple[int, ...] | None] = [None] * w.num_slots
-    h2d_busy = comp_busy = side_d2h = first_forward = 0.0
-    paced, paced_by = 0.0, (0.0, 0.0)  # when the GPU last resumed after waiting for an update; that chain's work
-    back_early: set = set()  # (group, layer) of spilled inputs already on their way back
-    host = 0.0  # the engine's thread, held by a put (no clipping): nothing is queued before
-    for use in step_schedule(n, adapter.tied, pl, groups):
-        C = toks[use.group] * H * e  # one layer boundary of the group
+    times = _StepTimes(adapter, units, w, prof, layer_s, head_s, ready, chain, clipping, worker)
+    walk(step_schedule(len(units), adapter.tied, w.placement, len(times.toks)), times)
+    return {"gpu_end": times.comp_end[-1], "compute": times.comp_busy, "h2d": times.h2d_busy,
+            "side_d2h": times.side_d2h, "paced": times.paced, "paced_by": times.paced_by,
+            "first_forward_s": times.first_forward}
+
+
+class _StepTimes(ScheduleVisitor):
+    """_walk's visitor: per use, `enter` queues its weights (and a spilled input fetched ahead) on the H2D stream,
+    the kind's method what else it brings in and its compute seconds (`dt`), `leave` places both on the timeline
+    with the copies out that overlap the compute."""
+
+    def __init__(self, adapter, units, w: Workload, prof: Profile, layer_s, head_s: float, ready: list[float], chain,
+                 clipping: bool, worker: _UpdatesInBackward | None):
+        self.adapter, self.units, self.w, self.prof = adapter, units, w, prof
+        self.layer_s, self.head_s, self.ready, self.chain = layer_s, head_s, ready, chain
+        self.clipping, self.worker = clipping, worker
+        self.toks, self.d2h_rate = _use_tokens(w), prof.bidir_bps
+        self.parks = len(self.toks) > 1 and w.placement.group_grads == "host"
+        self.comp_end, self.ring = [], []  # compute end of every use; of each weight use, in ring order
+        self.holds: list[tuple[int, ...] | None] = [None] * w.num_slots
+        self.h2d_end = self.h2d_busy = self.comp_busy = self.side_d2h = self.first_forward = 0.0
+        self.paced, self.paced_by = 0.0, (0.0, 0.0)  # the GPU's last resume after waiting for an update; its chain
+        self.back_early: set = set()  # (group, layer) of spilled inputs already on their way back
+        self.host = 0.0  # the engine's thread, held by a put (no clipping): nothing is queued before
+
+    def enter(self, use) -> None:
+        w, ready, ring = self.w, self.ready, self.ring
+        self.C = C = self.toks[use.group] * self.adapter.hidden_size * w.elem  # one layer boundary of the group
         first = use.group == 0
-        waits = max(use.units, key=lambda i: ready[i]) if use.forward and first else None  # wait_for_update
-        t_in = 0.0  # bytes-time on the H2D stream for this use
-        fetched = False
+        self.waits = max(use.units, key=lambda i: ready[i]) if use.forward and first else None  # wait_for_update
+        self.t_in, self.fetched = 0.0, False  # bytes-time on the H2D stream for this use; weights copied
         if use.units:
             slot = len(ring) % w.num_slots
             free = ring[len(ring) - w.num_slots] if len(ring) >= w.num_slots else 0.0
-            fetched = holds[slot] != use.units  # the engine skips the copy when the slot still holds these
+            self.fetched = self.holds[slot] != use.units  # the engine skips the copy when the slot holds these
             # the bus is shared with the gradients' copy-out: in the first forward (clipping), in the last
             # group's backward (no clipping)
-            shared = (use.forward and first) if clipping else (use.group == groups - 1 and not use.forward)
-            rate = d2h_rate if shared else prof.h2d_bps
-            if fetched:
-                t_in += sum(units[i].numel for i in use.units) * w.stream_elem / rate
-            holds[slot] = use.units
+            shared = (use.forward and first) if self.clipping else (use.group == len(self.toks) - 1 and not use.forward)
+            rate = self.d2h_rate if shared else self.prof.h2d_bps
+            if self.fetched:
+                self.t_in += sum(self.units[i].numel for i in use.units) * w.stream_elem / rate
+            self.holds[slot] = use.units
         else:
             free = 0.0
         if use.fetch is not None:
-            t_in += C / prof.h2d_bps  # the next block's spilled input, behind these weights
-        others = max(h2d_end, free)
-        if use.kind in ("rebuild", "backward") and kept(use.layer, pl, len(units) - 2) == "host" and \
-                (use.group, use.layer) not in back_early:
-            t_in += C / prof.h2d_bps  # a spilled input not fetched ahead (the top block's): loaded at its use
-            back_early.add((use.group, use.layer))
+            self.t_in += C / self.prof.h2d_bps  # the next block's spilled input, behind these weights
+        self.others = max(self.h2d_end, free)
+
+    def _spilled_at_use(self, use) -> None:  # a spilled input not fetched ahead (the top block's): loaded at its use
+        if kept(use.layer, self.w.placement, len(self.units) - 2) == "host" and \
+                (use.group, use.layer) not in self.back_early:
+            self.t_in += self.C / self.prof.h2d_bps
+            self.back_early.add((use.group, use.layer))
+
+    def _back_from_host(self, use, units: tuple[int, ...]) -> None:  # parked accumulators, one use ahead
+        if self.parks and use.group > 0:
+            self.t_in += sum(4.0 * self.units[i].numel for i in units) / self.prof.h2d_bps
+
+    def embed(self, use) -> None:
+        self.dt = 0.0  # the lookup
+
+    def forward(self, use) -> None:
+        self.dt = self.layer_s(self.adapter.active_numel(self.units[use.units[0]]), True, self.toks[use.group], False)
+
+    def head(self, use) -> None:
+        self._back_from_host(use, use.units)
+        self.dt = self.head_s * self.toks[use.group] / sum(self.toks)
+
+    def rebuild(self, use) -> None:
+        self._spilled_at_use(use)
+        self.dt = self.layer_s(self.adapter.active_numel(self.units[use.units[0]]), True, self.toks[use.group], False)
+
+    def backward(self, use) -> None:
+        self._spilled_at_use(use)
+        self._back_from_host(use, use.units)
+        self.dt = self.layer_s(self.adapter.active_numel(self.units[use.units[0]]), False, self.toks[use.group],
+                               stashes(use.layer, self.w.placement, len(self.units) - 2))
+
+    def embed_backward(self, use) -> None:
+        if self.adapter.tied:
+            self._back_from_host(use, (0,))
+        self.dt = 0.0
+
+    def leave(self, use) -> None:
+        t_in, dt, waits, ready = self.t_in, self.dt, self.waits, self.ready
         if use.fetch is not None:
-            back_early.add((use.group, use.fetch))
-        if parks and use.group > 0:  # accumulators back from host, one use ahead, on the same stream
-            back = {"head": use.units, "backward": use.units}.get(use.kind, ())
-            if use.kind == "embed_backward" and adapter.tied:
-                back = (0,)
-            t_in += sum(4.0 * units[i].numel for i in back) / prof.h2d_bps
+            self.back_early.add((use.group, use.fetch))
         if t_in:
-            start = max(others, ready[waits] if waits is not None else 0.0)
-            h2d_end = start + t_in
-            h2d_busy += t_in
+            start = max(self.others, ready[waits] if waits is not None else 0.0)
+            self.h2d_end = start + t_in
+            self.h2d_busy += t_in
         # copies out that overlap the compute: spilled inputs, finished gradients to host, parked accumulators
         if use.keep == "host":
-            side_d2h += C / d2h_rate
-        out_s = 4.0 * units[0 if use.kind == "embed_backward" else use.units[0]].numel / d2h_rate \
-            if use.grad in ("host", "group-host") else 0.0
-        side_d2h += out_s
-        if use.kind == "embed":
-            dt = 0.0  # the lookup
-        elif use.kind == "head":
-            dt = head_s * toks[use.group] / sum(toks)
-        elif use.kind == "embed_backward":
-            dt = 0.0
-        else:
-            dt = layer_s(adapter.active_numel(units[use.units[0]]), use.kind in ("forward", "rebuild"), toks[use.group],
-                         use.kind == "backward" and stashes(use.layer, pl, n - 2))
-        prev = comp_end[-1] if comp_end else 0.0
-        begin = max(prev, h2d_end if t_in else 0.0, host)
-        if chain is not None and waits is not None and fetched and ready[waits] > others and begin > prev:
-            paced, paced_by = begin, chain[waits]
-        comp_end.append(begin + dt)
+            self.side_d2h += self.C / self.d2h_rate
+        out_s = 4.0 * self.units[use.grad_unit].numel / self.d2h_rate if use.grad in ("host", "group-host") else 0.0
+        self.side_d2h += out_s
+        prev = self.comp_end[-1] if self.comp_end else 0.0
+        begin = max(prev, self.h2d_end if t_in else 0.0, self.host)
+        if self.chain is not None and waits is not None and self.fetched and ready[waits] > self.others and \
+                begin > prev:
+            self.paced, self.paced_by = begin, self.chain[waits]
+        self.comp_end.append(begin + dt)
         if use.units:
-            ring.append(begin + dt)
-        comp_busy += dt
-        if use.forward and first:
-            first_forward += dt
-        if worker is not None and use.grad in ("gpu", "host"):  # complete: its update is queued now
-            unit = 0 if use.kind == "embed_backward" else use.units[0]
-            host = max(host, worker.put(unit, units[unit].numel, begin + dt, out_s if use.grad == "host" else None))
-    return {"gpu_end": comp_end[-1], "compute": comp_busy, "h2d": h2d_busy, "side_d2h": side_d2h,
-            "paced": paced, "paced_by": paced_by, "first_forward_s": first_forward}
+            self.ring.append(begin + dt)
+        self.comp_busy += dt
+        if use.forward and use.group == 0:
+            self.first_forward += dt
+        if self.worker is not None and use.grad in ("gpu", "host"):  # complete: its update is queued now
+            unit = use.grad_unit
+            self.host = max(self.host, self.worker.put(unit, self.units[unit].numel, begin + dt,
+                                                       out_s if use.grad == "host" else None))

@@ -22,16 +22,17 @@ Stream/event protocol (CUDA; on CPU the slots are the host tiles themselves and 
     d2h stream      owned by the gradient sink (optimizer_pipeline.py): it waits on the event recorded after a
                     unit's gradient is complete and copies it to host memory; the compute stream never waits for it.
 
-No host synchronisation happens inside the waves: labels, target positions and token counts are computed on
-the host before the step, and the loss stays a device scalar until the caller reads it. The engine records what
-it is doing in `phase`, so an out-of-memory error can be told apart by what was being allocated.
+`train_step` walks the schedule (schedule.walk) with `_StepRun`: one method per kind of use, the step's state in
+its attributes. No host synchronisation happens inside the waves: labels, target positions and token counts are
+computed on the host before the step, and the loss stays a device scalar until the caller reads it. The engine
+records what it is doing in `phase`, so an out-of-memory error can be told apart by what was being allocated.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +44,10 @@ from .layer import layer_backward, layer_template
 from .lmhead import HeadKernels, default_chunk, head_loss, softcap_logits
 from .router_loss import RouterStats, group_router_loss
 from .microbatch import MicroBatch, StepOutput
-from .schedule import TIED_INPUT, Placement, Use, group_sizes, head_units, slot_numel, spilled_layers, step_schedule
+from .schedule import (TIED_INPUT, Placement, ScheduleVisitor, Use, group_sizes, head_units, slot_numel,
+                       spilled_layers, step_schedule, walk)
 from .pinned import PinnedHost
+from .sink import CollectGrads, GradientSink  # CollectGrads: imported from here too
 from .store import HostStore
 
 STAGE_ELEMS = 32 << 20  # fp32 streaming: elements per staged piece (128 MiB of device memory)
@@ -65,36 +68,6 @@ def own_version(t: torch.Tensor) -> torch.Tensor:
     another tile during backward, no clipping, must not look like a write to the weights a backward saved)."""
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
                                                               t.stride())
-
-
-class GradientSink(Protocol):
-    """Where finished gradients go (the optimizer pipeline; CollectGrads in tests), and whose updates the next
-    forward waits for."""
-
-    def put(self, unit_index: int, grad: torch.Tensor, to_host: bool) -> None: ...  # on the compute stream's
-    #   timeline; to_host: the schedule sends this gradient to pinned host memory at once. It may start the update
-    #   (no clipping), holding the caller while earlier gradients still wait on the device
-
-    def wait_for_update(self, unit_index: int) -> None: ...  # before unit u's weights are streamed for a forward
-
-    def host_buffer(self, unit_index: int) -> torch.Tensor | None: ...  # the pinned host buffer this unit's
-    #   finished gradient will be copied into (to_host units), which a wave group's accumulator may wait in
-
-
-class CollectGrads:
-    """A sink that keeps each unit's fp32 gradient where it was made and applies no update."""
-
-    def __init__(self):
-        self.grads: dict[int, torch.Tensor] = {}
-
-    def put(self, unit_index: int, grad: torch.Tensor, to_host: bool = False) -> None:
-        self.grads[unit_index] = grad
-
-    def wait_for_update(self, unit_index: int) -> None:
-        pass
-
-    def host_buffer(self, unit_index: int) -> torch.Tensor | None:
-        return None
 
 
 class Phase(NamedTuple):
@@ -277,15 +250,6 @@ class Engine:
         return mbs, [self.adapter.make_context(mb.position_ids, self.dtype, mb.packed).with_token_mask(mb.token_mask)
                      .with_attn_block(self.options.placement.attn_block) for mb in mbs]
 
-    def _finish_grad(self, use: Use, unit: int, grad: torch.Tensor, sq_norms: list) -> None:
-        """After the use that last touches this unit's gradient in its group: hand it to the sink when complete,
-        else keep it for the next group where the schedule says."""
-        if use.grad in ("gpu", "host"):
-            sq_norms.append(squared_norm(grad))
-            self.sink.put(unit, grad, use.grad == "host")
-        else:
-            self.accumulators.park(unit, grad, use.grad.removeprefix("group-"))
-
     # ---- the step ----------------------------------------------------------------------------------
     def train_step(self, microbatches: list[MicroBatch], totals: tuple[int, int] | None = None) -> StepOutput:
         """totals: (target tokens, micro-batches) of the whole step when these micro-batches are one rank's share
@@ -294,89 +258,11 @@ class Engine:
         if num_targets == 0:
             raise ValueError("a step without any target token (every label is -100)")
         self.weights_version += 1
-        schedule = self.schedule(len(microbatches))
-        groups = group_sizes(len(microbatches), self.placement.wave_groups)
-        self.spill.begin_step(spilled_layers(len(self.tiles) - 2, self.placement),
-                              [torch.Size((*mb.input_ids.shape, self.adapter.hidden_size)) for mb in microbatches])
-        # Use k's weights were fetched when use k-1 finished queueing its compute: the copy overlaps that
-        # compute, and a wait for the optimizer (wait_for_update) never delays kernels already decided. A parked
-        # gradient accumulator comes back the same way, ahead of its use.
-        pending = [self._fetch(schedule[0].units)]
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        router = {"aux": torch.zeros((), dtype=torch.float32, device=self.device), "counts": None} \
-            if self.adapter.moe else None
-        sq_norms: list[torch.Tensor] = []
-        acc: dict[int, torch.Tensor] = {}  # units' accumulators in use: the embedding's from the head on, a layer's
-        g: _Group | None = None
-        for k, use in enumerate(schedule):
-            if g is None or g.index != groups[use.group]:
-                g = _Group(groups[use.group], *self._inputs([microbatches[m] for m in groups[use.group]]))
-            pending[k].label = f"{use.kind} {use.units}" if self.timeline is not None else ""
-            w = self._acquire(pending[k])
-            if use.kind == "embed":
-                with torch.no_grad():
-                    g.hidden = [self.adapter.embed(w[0]["weight"], mb.input_ids) for mb in g.mbs]
-            elif use.kind == "forward":
-                self.phase = Phase("forward", use.layer)
-                self._keep(g, use)
-                g.hidden = self._forward_layer(w[0], g, use.layer, use.stash)
-            elif use.kind == "head":
-                acc[0] = self._grad_buffer(0)
-                acc[use.units[0]] = self._grad_buffer(use.units[0])
-                g.grads_out = self._head(w, g.mbs, g.hidden, acc[use.units[0]], acc[0], 1.0 / num_targets, loss_sum)
-                g.hidden = None
-                if self.adapter.moe:
-                    self._router_loss(g, num_micro, loss_sum, router)
-            elif use.kind == "rebuild":  # the block's next input, from the one below (kept or rebuilt)
-                self.phase = Phase("forward", use.layer)
-                self._fetch_spilled(g, use)
-                x = self._checkpoint(g, use.layer)
-                with torch.no_grad():
-                    kind = self.kinds[use.layer]
-                    g.checkpoints[use.layer + 1] = [self._hidden(self.layer(w[0], h, c.for_kind(kind)))
-                                                    for h, c in zip(x, g.ctxs)]
-            elif use.kind == "backward":
-                acc[use.units[0]] = self._grad_buffer(use.units[0])
-                gviews = list(self.tiles[use.units[0]].views(acc[use.units[0]]).values())
-                self._fetch_spilled(g, use)
-                ckpt = self._checkpoint(g, use.layer)
-                del g.checkpoints[use.layer]
-                stashes = g.stashes.pop(use.layer, None)  # the attention kept from the forward wave
-                for m, (c, dh) in enumerate(zip(g.ctxs, g.grads_out)):
-                    self.phase = Phase("backward", use.layer, g.index[m])
-                    extra = g.router_grads[m] if g.router_grads else None  # MoE: the router loss's gradient
-                    g.grads_out[m] = layer_backward(self.layer, w[0], ckpt[m], c.for_kind(self.kinds[use.layer]), dh,
-                                                    gviews, extra, stashes[m] if stashes else None)
-                    ckpt[m] = None  # this checkpoint is spent (and the stash, emptied by the backward)
-                del gviews
-            else:  # embed_backward: scatter-add of the input gradient; needs no weights
-                self.phase = Phase("embedding backward")
-                into = acc[0]
-                if self.adapter.tied:  # the input side apart from the LM head's (see _embed_input_grad)
-                    into = acc[TIED_INPUT] = self._grad_buffer(TIED_INPUT)
-                ev = self.tiles[0].views(into)["weight"]
-                for mb, dh in zip(g.mbs, g.grads_out):
-                    dx = self.adapter.embed_input_grad(dh)
-                    ev.index_add_(0, mb.input_ids.reshape(-1), dx.reshape(-1, dx.shape[-1]).float())
-                del ev, into  # no reference may outlive the accumulator's trip to host between groups
-                g.grads_out = None
-                if self.adapter.tied:
-                    self._tied_embedding_grad(use, acc)
-            self._release(pending[k])
-            pending[k] = None
-            if k + 1 < len(schedule):
-                self.phase = Phase("weights")
-                nxt = schedule[k + 1]
-                pending.append(self._fetch(nxt.units))
-                for unit in {"head": (nxt.units[0] if nxt.units else 0, 0), "backward": nxt.units,
-                             "embed_backward": (TIED_INPUT,)}.get(nxt.kind, ()):
-                    self.accumulators.prefetch(unit)  # the accumulators that use continues into
-            if use.grad:  # the gradient this use last touched in its group is complete, or waits for the next
-                unit = 0 if use.kind == "embed_backward" else use.units[0]
-                self._finish_grad(use, unit, acc.pop(unit), sq_norms)
-        return StepOutput(loss_sum, torch.stack(sq_norms).sum(), num_targets,
+        run = _StepRun(self, microbatches, num_targets, num_micro)
+        walk(run.uses, run)
+        return StepOutput(run.loss_sum, torch.stack(run.sq_norms).sum(), num_targets,
                           sum(mb.num_tokens for mb in microbatches),
-                          router["aux"] if router else None, router["counts"] if router else None)
+                          run.router["aux"] if run.router else None, run.router["counts"] if run.router else None)
 
     @torch.no_grad()
     def _forward_layer(self, w: dict, g: _Group, layer: int, stash: bool = False) -> list[torch.Tensor]:
@@ -397,38 +283,6 @@ class Engine:
     def _hidden(self, out):
         """A layer's output hidden states (a MoE layer also returns its router statistics)."""
         return out[0] if self.adapter.moe else out
-
-    def _router_loss(self, g: _Group, num_microbatches: int, loss_sum: torch.Tensor, router: dict) -> None:
-        """After a group's forward wave: its router losses, their gradients for the backward (router_loss.py)."""
-        g.router_grads = group_router_loss(g.mbs, g.router, self.adapter, num_microbatches, loss_sum, router)
-        g.router = None
-
-    def _tied_embedding_grad(self, use: Use, acc: dict) -> None:
-        """A tied embedding's gradient is its LM-head side (accumulated at the head) plus its input side
-        (accumulated at the embedding's backward), added once both are complete: the same numbers in whatever wave
-        groups the micro-batches ran, since each side accumulates its micro-batches in the step's order."""
-        if use.grad in ("gpu", "host"):
-            acc[0].add_(acc.pop(TIED_INPUT))
-        else:
-            self.accumulators.park(TIED_INPUT, acc.pop(TIED_INPUT), use.grad.removeprefix("group-"))
-
-    def _keep(self, g: _Group, use: Use) -> None:
-        """What the forward wave does with this layer's input: keep it on the GPU, spill it to host, or drop it."""
-        if use.keep == "gpu":
-            g.checkpoints[use.layer] = g.hidden
-        elif use.keep == "host":
-            self.spill.save(use.layer, g.index, g.hidden)
-            g.checkpoints[use.layer] = None
-
-    def _fetch_spilled(self, g: _Group, use: Use) -> None:
-        if use.fetch is not None:  # overlaps this use (the next block's kept input, spilled in the forward wave)
-            self.spill.prefetch(use.fetch, g.index)
-
-    def _checkpoint(self, g: _Group, layer: int) -> list[torch.Tensor]:
-        """The inputs of `layer` for the group's micro-batches, on the device (brought back if spilled)."""
-        if g.checkpoints[layer] is None:
-            g.checkpoints[layer] = self.spill.load(layer, g.index)
-        return g.checkpoints[layer]
 
     def _head(self, w, mbs, hidden, head_grad, embed_grad, scale: float, loss_sum: torch.Tensor) -> list[torch.Tensor]:
         """The LM head over a group's micro-batches: adds their losses to `loss_sum`; d(hidden) per micro-batch."""
@@ -481,18 +335,164 @@ class Engine:
         return logits
 
     def _forward_only(self, microbatches: list[MicroBatch]):
+        """The forward wave alone (evaluation, decoding): the hidden states after the last layer, the batches."""
         self.weights_version += 1
-        mbs, ctxs = self._inputs(microbatches)
-        for use in step_schedule(len(self.tiles), self.adapter.tied):
-            if use.kind not in ("embed", "forward"):
-                break
-            loaded = self._fetch(use.units)
-            (w,) = self._acquire(loaded)
-            self.phase = Phase("forward", use.layer)
-            if use.kind == "embed":
-                hidden = [self.adapter.embed(w["weight"], mb.input_ids) for mb in mbs]
+        wave = _ForwardWave(self, *self._inputs(microbatches))
+        walk(step_schedule(len(self.tiles), self.adapter.tied)[:len(self.tiles) - 1], wave)  # embed, layers
+        return wave.hidden, wave.mbs
+
+
+class _StepRun(ScheduleVisitor):
+    """One train_step's walk of the schedule (schedule.walk), its state as attributes. Use k's weights were fetched
+    when use k-1 finished queueing its compute: the copy overlaps that compute, and a wait for the optimizer
+    (wait_for_update) never delays kernels already decided. A parked gradient accumulator comes back the same way,
+    ahead of its use."""
+
+    def __init__(self, engine: Engine, microbatches: list[MicroBatch], num_targets: int, num_micro: int):
+        e = self.e = engine
+        self.microbatches, self.scale, self.num_micro = microbatches, 1.0 / num_targets, num_micro
+        self.uses = e.schedule(len(microbatches))
+        self.groups = group_sizes(len(microbatches), e.placement.wave_groups)
+        e.spill.begin_step(spilled_layers(len(e.tiles) - 2, e.placement),
+                           [torch.Size((*mb.input_ids.shape, e.adapter.hidden_size)) for mb in microbatches])
+        self.k, self.loaded = 0, e._fetch(self.uses[0].units)  # use k and its weights, on their way
+        self.w: list[dict[str, torch.Tensor]] = []  # use k's weights, once they arrived
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=e.device)
+        self.router = {"aux": torch.zeros((), dtype=torch.float32, device=e.device), "counts": None} \
+            if e.adapter.moe else None
+        self.sq_norms: list[torch.Tensor] = []
+        self.acc: dict[int, torch.Tensor] = {}  # accumulators in use: the embedding's from the head on, a layer's
+        self.g: _Group | None = None  # the wave group running
+
+    def enter(self, use: Use) -> None:
+        e = self.e
+        if self.g is None or self.g.index != self.groups[use.group]:
+            self.g = _Group(self.groups[use.group], *e._inputs([self.microbatches[m] for m in self.groups[use.group]]))
+        self.loaded.label = f"{use.kind} {use.units}" if e.timeline is not None else ""
+        self.w = e._acquire(self.loaded)
+
+    def leave(self, use: Use) -> None:
+        """Release the slot, start fetching the next use's weights and accumulators, then place the gradient this use
+        last touched in its group: complete -> to the sink; else kept for the next group where the schedule says."""
+        e = self.e
+        e._release(self.loaded)
+        self.loaded, self.k = None, self.k + 1
+        if self.k < len(self.uses):
+            e.phase = Phase("weights")
+            nxt = self.uses[self.k]
+            self.loaded = e._fetch(nxt.units)
+            for unit in nxt.accumulators:
+                e.accumulators.prefetch(unit)
+        if use.grad:
+            unit = use.grad_unit
+            grad = self.acc.pop(unit)
+            if use.grad in ("gpu", "host"):
+                self.sq_norms.append(squared_norm(grad))
+                e.sink.put(unit, grad, use.grad == "host")
             else:
-                hidden = [self._hidden(self.layer(w, h, c.for_kind(self.kinds[use.layer])))
-                          for h, c in zip(hidden, ctxs)]
-            self._release(loaded)
-        return hidden, mbs
+                e.accumulators.park(unit, grad, use.grad.removeprefix("group-"))
+
+    def embed(self, use: Use) -> None:
+        with torch.no_grad():
+            self.g.hidden = [self.e.adapter.embed(self.w[0]["weight"], mb.input_ids) for mb in self.g.mbs]
+
+    def forward(self, use: Use) -> None:
+        e, g = self.e, self.g
+        e.phase = Phase("forward", use.layer)
+        if use.keep == "gpu":  # this layer's input: kept on the GPU, spilled to host, or dropped
+            g.checkpoints[use.layer] = g.hidden
+        elif use.keep == "host":
+            e.spill.save(use.layer, g.index, g.hidden)
+            g.checkpoints[use.layer] = None
+        g.hidden = e._forward_layer(self.w[0], g, use.layer, use.stash)
+
+    def head(self, use: Use) -> None:
+        e, g, acc, unit = self.e, self.g, self.acc, use.units[0]
+        acc[0] = e._grad_buffer(0)
+        acc[unit] = e._grad_buffer(unit)
+        g.grads_out = e._head(self.w, g.mbs, g.hidden, acc[unit], acc[0], self.scale, self.loss_sum)
+        g.hidden = None
+        if e.adapter.moe:  # the group's router losses, their gradients for the backward (router_loss.py)
+            g.router_grads = group_router_loss(g.mbs, g.router, e.adapter, self.num_micro, self.loss_sum,
+                                               self.router)
+            g.router = None
+
+    def rebuild(self, use: Use) -> None:  # the block's next input, from the one below (kept or rebuilt)
+        e, g = self.e, self.g
+        e.phase = Phase("forward", use.layer)
+        x, kind = self._checkpoint(use), e.kinds[use.layer]
+        with torch.no_grad():
+            g.checkpoints[use.layer + 1] = [e._hidden(e.layer(self.w[0], h, c.for_kind(kind)))
+                                            for h, c in zip(x, g.ctxs)]
+
+    def backward(self, use: Use) -> None:
+        e, g, unit = self.e, self.g, use.units[0]
+        self.acc[unit] = e._grad_buffer(unit)
+        gviews = list(e.tiles[unit].views(self.acc[unit]).values())
+        ckpt = self._checkpoint(use)
+        del g.checkpoints[use.layer]
+        stashes = g.stashes.pop(use.layer, None)  # the attention kept from the forward wave
+        for m, (c, dh) in enumerate(zip(g.ctxs, g.grads_out)):
+            e.phase = Phase("backward", use.layer, g.index[m])
+            extra = g.router_grads[m] if g.router_grads else None  # MoE: the router loss's gradient
+            g.grads_out[m] = layer_backward(e.layer, self.w[0], ckpt[m], c.for_kind(e.kinds[use.layer]), dh, gviews,
+                                            extra, stashes[m] if stashes else None)
+            ckpt[m] = None  # this checkpoint is spent (and the stash, emptied by the backward)
+
+    def embed_backward(self, use: Use) -> None:  # scatter-add of the input gradient; needs no weights
+        e, g, acc = self.e, self.g, self.acc
+        e.phase = Phase("embedding backward")
+        into = acc[0]
+        if e.adapter.tied:  # the input side apart from the LM head's
+            into = acc[TIED_INPUT] = e._grad_buffer(TIED_INPUT)
+        ev = e.tiles[0].views(into)["weight"]
+        for mb, dh in zip(g.mbs, g.grads_out):
+            dx = e.adapter.embed_input_grad(dh)
+            ev.index_add_(0, mb.input_ids.reshape(-1), dx.reshape(-1, dx.shape[-1]).float())
+        del ev, into  # no reference may outlive the accumulator's trip to host between groups
+        g.grads_out = None
+        # A tied embedding's gradient is its LM-head side (accumulated at the head) plus its input side, added once
+        # both are complete: the same numbers in whatever wave groups the micro-batches ran, since each side
+        # accumulates its micro-batches in the step's order.
+        if e.adapter.tied and use.grad in ("gpu", "host"):
+            acc[0].add_(acc.pop(TIED_INPUT))
+        elif e.adapter.tied:
+            e.accumulators.park(TIED_INPUT, acc.pop(TIED_INPUT), use.grad.removeprefix("group-"))
+
+    def _checkpoint(self, use: Use) -> list[torch.Tensor]:
+        """The inputs of the use's layer for the group's micro-batches, on the device (brought back if spilled),
+        the fetch of the next block's spilled input (`use.fetch`) started first, to overlap this use."""
+        g, spill = self.g, self.e.spill
+        if use.fetch is not None:
+            spill.prefetch(use.fetch, g.index)
+        if g.checkpoints[use.layer] is None:
+            g.checkpoints[use.layer] = spill.load(use.layer, g.index)
+        return g.checkpoints[use.layer]
+
+
+class _ForwardWave(ScheduleVisitor):
+    """The forward wave without autograd or checkpoints (Engine._forward_only): the last hidden states."""
+
+    def __init__(self, engine: Engine, mbs: list[MicroBatch], ctxs: list):
+        self.e, self.mbs, self.ctxs, self.hidden = engine, mbs, ctxs, []
+
+    def enter(self, use: Use) -> None:
+        self.loaded = self.e._fetch(use.units)
+        (self.w,) = self.e._acquire(self.loaded)
+        self.e.phase = Phase("forward", use.layer)
+
+    def leave(self, use: Use) -> None:
+        self.e._release(self.loaded)
+
+    def embed(self, use: Use) -> None:
+        self.hidden = [self.e.adapter.embed(self.w["weight"], mb.input_ids) for mb in self.mbs]
+
+    def forward(self, use: Use) -> None:
+        e = self.e
+        self.hidden = [e._hidden(e.layer(self.w, h, c.for_kind(e.kinds[use.layer])))
+                       for h, c in zip(self.hidden, self.ctxs)]
+
+    def _not_in_the_forward_wave(self, use: Use) -> None:
+        raise ValueError(f"the forward wave has no {use.kind} use")
+
+    head = rebuild = backward = embed_backward = _not_in_the_forward_wave

@@ -40,19 +40,26 @@ Per group g, the uses are:
 Units are numbered in forward order: 0 the embedding, 1 .. L the layers, L + 1 the head. A unit's gradient is
 complete after its last use of the last group; `Use.grad` says where it goes then (or where the accumulator waits
 between groups).
+
+Every model of the step visits it through `ScheduleVisitor`, one method per kind of use (`KINDS`): the engine's
+executor (runtime/engine.py), the planner's memory (planner/memory.py) and time (planner/timing.py) models. `walk`
+is the one place that branches on a use's kind; a model that lacks a kind's method cannot be instantiated.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, get_args
 
 from .knobs import knob, knobs
 
 TIED_INPUT = -1  # the accumulator of a tied embedding's input-side gradient (unit 0 accumulates its LM-head side)
 
 Kind = Literal["embed", "forward", "head", "rebuild", "backward", "embed_backward"]
+KINDS: tuple[str, ...] = get_args(Kind)  # each is the name of a ScheduleVisitor method
 
 
 @dataclass(frozen=True)
@@ -114,11 +121,69 @@ class Use:
     grad: Literal["", "gpu", "host", "group-gpu", "group-host"] = ""  # where the gradient of units[0] (embed:
     #   unit 0) goes after this use: complete -> waits on the GPU / copied to host; accumulating -> waits for
     #   the next group on the GPU / in host memory
+    accumulators: tuple[int, ...] = ()  # the fp32 accumulators this use continues into, in the order the engine
+    #   brings them back ahead of it when they wait in host memory between groups (head: the head's and the
+    #   embedding's; backward: the layer's; embed_backward: a tied embedding's input side, TIED_INPUT)
 
     @property
     def forward(self) -> bool:
         """Reads weights that must hold this step's update (the forward wave, the head)."""
         return self.kind in ("embed", "forward", "head")
+
+    @property
+    def grad_unit(self) -> int:
+        """The unit whose gradient `grad` places: units[0], the embedding (unit 0) for embed_backward."""
+        return self.units[0] if self.units else 0
+
+
+class ScheduleVisitor(ABC):
+    """A model of the step: one method per kind of use (KINDS), each abstract, so that a model lacking one cannot be
+    instantiated. `walk` calls, for each use in step order, `enter(use)`, the method of its kind, `leave(use)`:
+    `enter` and `leave` hold the work every use shares (weights in, gradients out), the kind's method its own."""
+
+    def enter(self, use: Use) -> None:
+        """Before the use's own work."""
+
+    def leave(self, use: Use) -> None:
+        """After the use's own work."""
+
+    @abstractmethod
+    def embed(self, use: Use) -> None:
+        """The embedding lookup of the group's micro-batches."""
+
+    @abstractmethod
+    def forward(self, use: Use) -> None:
+        """A layer's forward over the group; `use.keep`: where its input goes, `use.stash`: keep its attention."""
+
+    @abstractmethod
+    def head(self, use: Use) -> None:
+        """Final norm, LM head and loss with their backward: the group's d(hidden) starts here."""
+
+    @abstractmethod
+    def rebuild(self, use: Use) -> None:
+        """A layer's forward again from its block's kept input: the input of the layer above, kept until used."""
+
+    @abstractmethod
+    def backward(self, use: Use) -> None:
+        """A layer's recompute and backward from its input; the layer's gradient accumulated."""
+
+    @abstractmethod
+    def embed_backward(self, use: Use) -> None:
+        """The scatter-add of the group's input gradient into the embedding's gradient (no weights)."""
+
+
+def walk(uses: Sequence[Use], visitor: ScheduleVisitor) -> None:
+    """Visit the uses in order: `enter`, the method of the use's kind, `leave`. The only place that branches on a
+    use's kind: a kind without a method fails here."""
+    enter, leave = visitor.enter, visitor.leave
+    methods = {kind: getattr(visitor, kind) for kind in KINDS}
+    for use in uses:
+        method = methods.get(use.kind)
+        if method is None:
+            raise ValueError(f"a use of unknown kind {use.kind!r} (schedule.KINDS: {KINDS})")
+        enter(use)
+        method(use)
+        leave(use)
 
 
 def head_units(num_units: int, tied: bool) -> tuple[int, ...]:
@@ -203,17 +268,18 @@ def _schedule(num_units: int, tied: bool, placement: Placement, groups: int) -> 
         uses += [Use((1 + l,), "forward", l, g, keep=kept(l, placement, L), stash=stashes(l, placement, L))
                  for l in range(L)]
         head = head_units(num_units, tied)
-        uses.append(Use(head, "head", group=g, grad=grad(head[0])))
+        uses.append(Use(head, "head", group=g, grad=grad(head[0]), accumulators=(head[0], 0)))
         for b in reversed(range(len(bl))):
             s, e = bl[b]
             # the next block's kept input comes back from host during this block, one block ahead of its use
             below = bl[b - 1][0] if b > 0 else None
             fetch = below if below is not None and kept(below, placement, L) == "host" else None
             block = [Use((1 + l,), "rebuild", l, g) for l in range(s, e - 1)]
-            block += [Use((1 + l,), "backward", l, g, grad=grad(1 + l)) for l in reversed(range(s, e))]
-            block[0] = Use(block[0].units, block[0].kind, block[0].layer, g, grad=block[0].grad, fetch=fetch)
+            block += [Use((1 + l,), "backward", l, g, grad=grad(1 + l), accumulators=(1 + l,))
+                      for l in reversed(range(s, e))]
+            block[0] = replace(block[0], fetch=fetch)
             uses += block
-        uses.append(Use((), "embed_backward", group=g, grad=grad(0)))
+        uses.append(Use((), "embed_backward", group=g, grad=grad(0), accumulators=(TIED_INPUT,) if tied else ()))
     return tuple(uses)
 
 
