@@ -36,26 +36,24 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(USER_ERROR_EXIT, f"{ERROR_PREFIX}{message}\n")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1."""
+def _whole(text: str, least: int) -> int:
     try:
         n = int(text)
     except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got '{text}'")
+        n = least - 1
+    if n < least:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least {least}, got '{text}'")
     return n
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    return _whole(text, 1)
 
 
 def count(text: str) -> int:
     """argparse type: a whole number >= 0."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 0, got '{text}'")
-    return n
+    return _whole(text, 0)
 
 
 def positive_number(text: str) -> float:

@@ -12,6 +12,7 @@ import pytest
 import megatrain.planner.precision as precision
 from megatrain.planner.precision import Bf16Support, precision_line, resolve_precision
 from megatrain.planner.report import render
+from test_inputs import setup  # noqa: F401  (a fixture)
 
 NATIVE = Bf16Support(True, "this CPU has avx512_bf16")
 EMULATED = Bf16Support(False, "this CPU has no bf16 instructions (amx_bf16, avx512_bf16)")
@@ -69,7 +70,7 @@ def test_the_config_default_is_auto_and_the_demo_uses_it():
 
 
 @pytest.mark.parametrize("support", [NATIVE, EMULATED], ids=["bf16-cpu", "avx2-cpu"])
-def test_the_plan_and_the_run_resolve_auto_once(tmp_path, monkeypatch, cpu, support):
+def test_the_plan_and_the_run_resolve_auto_once(setup, monkeypatch, cpu, support):
     """The plan's workload, its line, the run's config (config.json, what a checkpoint records) and the start
     summary all hold the resolved precision."""
     from megatrain.config import load_config
@@ -80,7 +81,7 @@ def test_the_plan_and_the_run_resolve_auto_once(tmp_path, monkeypatch, cpu, supp
 
     cpu(support)
     expected = "bf16" if support.native else "fp32"
-    model_dir, data = _tiny_run(tmp_path)
+    tmp_path, model_dir, data = setup
     cfg_path = write_config(tmp_path, model_dir, data, precision="auto", device="cpu")
     cfg = load_config(cfg_path)
     plan = plan_for_config(cfg, get_adapter(load_hf_config(str(model_dir))), "cpu")
@@ -93,19 +94,3 @@ def test_the_plan_and_the_run_resolve_auto_once(tmp_path, monkeypatch, cpu, supp
     assert json.loads((tmp_path / "out" / "config.json").read_text())["train"]["precision"] == expected
     assert any(precision_line(expected, "cpu") in m for m in lines), lines
 
-
-def _tiny_run(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from conftest import make_model_dir
-
-    model_dir = tmp_path / "model"
-    make_model_dir(model_dir, "llama")
-    vocab = {c: i for i, c in enumerate(["<pad>", "<s>", "</s>"] + list("abcdefghijklmnopqrstuvwxyz "))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>").save_pretrained(model_dir)
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"text": "hello world " * 3}) + "\n" for _ in range(8)))
-    return model_dir, data
