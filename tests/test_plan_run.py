@@ -24,7 +24,7 @@ def test_start_summary_and_step_records(tmp_path, capsys):
 
     train(default_cfg(tmp_path))
     err = capsys.readouterr().err
-    assert "tokens per step: up to 4,096 (2 micro-batches of 32 rows x 64 tokens)" in err
+    assert "tokens per step: up to 2,048 (2 micro-batches of 32 rows x 32 tokens)" in err
     assert "plan: host RAM" in err and "s/step" in err and "bound by" in err
     assert "eta=" in err and "tok/s=" in err and "host=" in err  # plain lines (not a terminal)
     steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
