@@ -23,7 +23,7 @@ GiB = 2**30
 @dataclass(frozen=True)
 class Fit:
     name: str
-    value: object
+    value: float | int | tuple | dict  # a rate or size; a range or a table keyed by shape
     unit: str
     meaning: str  # what it is and why it has this value
     refit: str  # the command whose measurement refits it
