@@ -126,7 +126,7 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "
     shards = plan_shards([(n, s.part_shape) for s in specs.values() for n in s.checkpoint_names], esize,
                          max(1, int(max_shard_mb * 1e6)))
 
-    tmp = _partial_folder(out)
+    tmp, lock = _partial_folder(out)
     try:
         stream = _ShardStream(tmp, shards, torch_dtype)
         for unit, u in zip(units, manifest["units"]):
@@ -167,35 +167,25 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        _release(tmp)
+        lock.release()
     return {"path": out, "checkpoint": ckpt, "shards": len(shards), "bytes": total,
             "seconds": time.perf_counter() - t0}
 
 
-def _partial_folder(out: Path) -> Path:
+def _partial_folder(out: Path) -> tuple[Path, FolderLock]:
     """`.NAME.partial` beside the target, created empty and locked (flock) while this export writes it: an
     earlier export's leftover (killed) is removed, one still being written is refused, and a file of that name
-    that is not ours is named rather than replaced."""
+    that is not ours is named rather than replaced. Returns the folder and its lock, held until released."""
     tmp = out.parent / f".{out.name}.partial"
     if tmp.is_symlink() or (tmp.exists() and not tmp.is_dir()):
         raise MegatrainError(f"export: {tmp} is in the way (the export writes its shards there before renaming "
                              f"it to {out}); move or remove it")
     if tmp.is_dir():
-        if holder(tmp) is not None:
-            raise MegatrainError(f"export: another export is writing {out} ({holder(tmp)}); wait for it to end")
+        if (who := holder(tmp)) is not None:
+            raise MegatrainError(f"export: another export is writing {out} ({who}); wait for it to end")
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    _EXPORT_LOCKS[tmp] = FolderLock(tmp, "export").acquire()  # released when the export ends (_release)
-    return tmp
-
-
-_EXPORT_LOCKS: dict[Path, FolderLock] = {}
-
-
-def _release(tmp: Path) -> None:
-    lock = _EXPORT_LOCKS.pop(tmp, None)
-    if lock is not None:
-        lock.release()
+    return tmp, FolderLock(tmp, "export").acquire()
 
 
 def _numel(shape) -> int:

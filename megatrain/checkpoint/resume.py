@@ -49,7 +49,7 @@ RUN_FILES = {"config.json", "plan.json", "metrics.jsonl", "checkpoints", "tensor
 def check_fresh_start(out_dir: Path, overwrite: bool, resume: str | None) -> None:
     """A run about to start from step 0 in `out_dir` (no checkpoint to resume from) loses nothing: the folder is
     empty, or output.overwrite says so, or (resume=auto with no checkpoint yet) it holds only a run's own files
-    with no step recorded. Anything else, a model's folder or metrics of steps whose checkpoints are gone, is
+    and no checkpoint folder. Anything else, a model's folder or checkpoint folders none of which is complete, is
     refused: starting over would replace it."""
     out_dir = Path(out_dir)
     if overwrite or not out_dir.is_dir() or not any(out_dir.iterdir()):

@@ -246,14 +246,17 @@ def _weight_map(model_dir: Path) -> dict[str, str]:
                 raise KeyError("weight_map must map tensor names to shard file names")
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise MegatrainError(f"{index}: malformed safetensors index ({e})") from None
-        for f in sorted(set(wm.values())):
+        listed: dict[str, list[str]] = {}
+        for name, f in wm.items():
+            listed.setdefault(f, []).append(name)
+        for f in sorted(listed):
             shard = inside(model_dir, f, f"{index}: shard")
             if not shard.is_file():
                 raise MegatrainError(f"{index}: shard {f} is listed but missing from {model_dir}")
             keys = _shard_keys(shard)
-            listed = next((n for n, g in wm.items() if g == f and n not in keys), None)
-            if listed is not None:
-                raise MegatrainError(f"{index}: lists tensor '{listed}' in {f}, which does not hold it")
+            absent = next((n for n in listed[f] if n not in keys), None)
+            if absent is not None:
+                raise MegatrainError(f"{index}: lists tensor '{absent}' in {f}, which does not hold it")
         return wm
     files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
