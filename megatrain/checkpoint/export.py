@@ -33,7 +33,7 @@ import torch
 
 from .folder_lock import LOCK_FILE, FolderLock, holder
 from .layout import locate, read_manifest, small_files, verify_file
-from .fastio import ChunkReader, Pool, byte_view, wait_all
+from .fastio import CHUNK, ChunkReader, ChunkWriter, Pool, byte_view, direct_ok, wait_all
 from .resume import unit_segments
 from .tensorfile import TensorFileReader, fsync_dir, header_bytes
 from ..runtime.disk_files import transfer
@@ -83,18 +83,20 @@ class _Shards:
         self.weight_map = {nm: self.names[k] for nm, (k, _, _) in self.where.items()}
         self.written: set[str] = set()
 
-    def put(self, pool: Pool, name: str, t: torch.Tensor) -> Future:
+    def put(self, pool: Pool, name: str, t: torch.Tensor) -> list[Future]:
         if name not in self.where:
             raise MegatrainError(f"export: tensor '{name}' is not among the planned ones")
         k, off, shape = self.where[name]
         if tuple(t.shape) != shape:
             raise MegatrainError(f"export: tensor '{name}' is {list(t.shape)}, config.json implies {list(shape)}")
         self.written.add(name)
+        flat, e = t.reshape(-1), self.dtype.itemsize
 
-        def convert_write():
-            c = t.to(self.dtype).contiguous()  # fp32 -> bf16 here, on the pool's threads
-            transfer(self.fds[k], memoryview(byte_view(c).numpy()), off, True)
-        return pool.submit(convert_write)
+        def convert_write(a: int, b: int):  # fp32 -> bf16 here, on the pool's threads, a piece at a time
+            c = flat[a:b].to(self.dtype).contiguous()
+            transfer(self.fds[k], memoryview(byte_view(c).numpy()), off + a * e, True)
+        step = max(1, CHUNK // e)
+        return [pool.submit(convert_write, a, min(a + step, flat.numel())) for a in range(0, flat.numel(), step)]
 
     def finish(self, pool: Pool) -> None:
         missing = sorted(set(self.where) - self.written)
@@ -184,11 +186,12 @@ def export_store(store, ckpt: str | Path, out_dir: str | Path, *, dtype: str = "
     if [u.name for u in units] != [t.unit.name for t in store.tiles]:
         raise MegatrainError(f"export: the store's units differ from those of {ckpt}'s config.json")
 
+    if "master" not in store.on_disk:
+        return _export(None, out, shards, torch_dtype, dtype_name, ckpt, manifest, adapter, specs, t0, threads,
+                       store.tiles)
+
     def masters(pool: Pool):
         for i, t in enumerate(store.tiles):
-            if t.master is not None:
-                yield t.unit, t.master
-                continue
             with store.unit_state(i, ("master",)) as st:  # a master on the SSD tier: staged one unit at a time
                 yield t.unit, st["master"].clone()
 
@@ -220,30 +223,18 @@ def _read_master(path: Path, info: dict, unit, pool: Pool) -> torch.Tensor:
 
 def _export(masters, out, shards, torch_dtype, dtype_name, ckpt, manifest, adapter, specs, t0, threads, per_unit):
     """The shards from `masters(pool)` ((unit, its flat fp32 master) in order); per_unit: wait for a unit's writes
-    before the next unit is produced (its master is a buffer read from a checkpoint: memory stays one unit)."""
+    before the next unit is produced (its master is a buffer read from a checkpoint: memory stays one unit).
+    masters None: from the store's tiles `per_unit` (all in RAM), cast chunk by chunk into O_DIRECT writes."""
     esize = torch.empty((), dtype=torch_dtype).element_size()
     tmp, lock = _partial_folder(out)
     try:
-        stream = _Shards(tmp, shards, torch_dtype)
-        try:
-            with Pool(threads) as pool:
-                futures = []
-                for unit, master in masters(pool):
-                    for sp, view in zip(unit.specs, unit.views(master).values()):
-                        if sp.hf_name not in specs:
-                            raise MegatrainError(f"export: {unit.name} holds '{sp.hf_name}', not part of this model")
-                        futures += [stream.put(pool, n, part) for n, part in sp.split(view)]
-                    if per_unit:
-                        wait_all(pool, futures)
-                        futures = []
-                    del master  # (a checkpoint's unit buffer is freed before the next one is read)
-                wait_all(pool, futures)
-                stream.finish(pool)
-        finally:
-            stream.close()
+        if masters is None:
+            weight_map = _write_from_ram(tmp, per_unit, shards, torch_dtype, specs, threads)
+        else:
+            weight_map = _write_streamed(tmp, masters, shards, torch_dtype, specs, threads, per_unit)
         total = sum(esize * _numel(shape) for shard in shards for _, shape in shard)
         index = {"metadata": {"total_size": total, "megatrain_checkpoint": str(ckpt), "step": manifest["step"]},
-                 "weight_map": stream.weight_map}
+                 "weight_map": weight_map}
         (tmp / INDEX).write_text(json.dumps(index, indent=2))
         _write_configs(ckpt, manifest, tmp, adapter.hf_config, dtype_name)
         _copy_tokenizer(ckpt, manifest, tmp)
@@ -264,6 +255,57 @@ def _export(masters, out, shards, torch_dtype, dtype_name, ckpt, manifest, adapt
         lock.release()
     return {"path": out, "checkpoint": ckpt, "shards": len(shards), "bytes": total,
             "seconds": time.perf_counter() - t0}
+
+
+def _write_streamed(tmp: Path, masters, shards, torch_dtype, specs, threads, per_unit) -> dict:
+    stream = _Shards(tmp, shards, torch_dtype)
+    try:
+        with Pool(threads) as pool:
+            futures = []
+            for unit, master in masters(pool):
+                for sp, view in zip(unit.specs, unit.views(master).values()):
+                    if sp.hf_name not in specs:
+                        raise MegatrainError(f"export: {unit.name} holds '{sp.hf_name}', not part of this model")
+                    futures += [f for n, part in sp.split(view) for f in stream.put(pool, n, part)]
+                if per_unit:
+                    wait_all(pool, futures)
+                    futures = []
+                master = view = None  # (a checkpoint's unit buffer is freed before the next one is read)
+            wait_all(pool, futures)
+            stream.finish(pool)
+    finally:
+        stream.close()
+    return stream.weight_map
+
+
+def _write_from_ram(tmp: Path, tiles, shards, torch_dtype, specs, threads) -> dict:
+    """Every shard a ChunkWriter whose parts are the store's fp32 tensors, cast into each chunk's buffer: the
+    casts and the O_DIRECT writes of all shards run on the pool at once, no copy of a tensor is made."""
+    src = {}
+    for t in tiles:
+        for sp, view in zip(t.unit.specs, t.unit.views(t.master).values()):
+            if sp.hf_name not in specs:
+                raise MegatrainError(f"export: {t.unit.name} holds '{sp.hf_name}', not part of this model")
+            src.update((n, part.reshape(-1)) for n, part in sp.split(view))
+    n = len(shards)
+    names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    direct, writers = direct_ok(tmp), []
+    try:
+        with Pool(threads) as pool:
+            futures = []
+            for name, shard in zip(names, shards):
+                missing = next((nm for nm, _ in shard if nm not in src), None)
+                if missing is not None:
+                    raise MegatrainError(f"export: tensor '{missing}' of the model was not found in the store")
+                head = header_bytes([(nm, torch_dtype, shape) for nm, shape in shard], {"format": "pt"})
+                parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8)]
+                writers.append(ChunkWriter(tmp / name, parts + [(src[nm], torch_dtype) for nm, _ in shard], direct))
+                futures += writers[-1].submit(pool)
+            wait_all(pool, futures)
+    finally:
+        for w in writers:
+            w.close()
+    return {nm: name for name, shard in zip(names, shards) for nm, _ in shard}
 
 
 def _partial_folder(out: Path) -> tuple[Path, FolderLock]:

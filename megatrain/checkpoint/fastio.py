@@ -120,9 +120,9 @@ class ChunkWriter:
     chunks; when the last one is written the file is truncated to size, fsynced and closed, `info` holds its
     manifest entry and `on_done()` runs (on that pool thread)."""
 
-    def __init__(self, path: Path, parts: list[torch.Tensor], direct: bool, on_done: Callable | None = None):
+    def __init__(self, path: Path, parts: list, direct: bool, on_done: Callable | None = None):
         self.path, self.parts, self.on_done = Path(path), parts, on_done
-        self.size = sum(p.numel() for p in parts)
+        self.size = sum(part_bytes(p) for p in parts)
         self.n = max(1, -(-self.size // CHUNK))
         self.hashes: list[str | None] = [None] * self.n
         self.direct = direct
@@ -162,17 +162,27 @@ class ChunkWriter:
             os.close(fd)
 
 
-def gather(parts: list[torch.Tensor], a: int, b: int, out: torch.Tensor) -> None:
-    """Bytes [a, b) of the concatenation of `parts` into out[:b - a]."""
+def gather(parts: list, a: int, b: int, out: torch.Tensor) -> None:
+    """Bytes [a, b) of the concatenation of `parts` into out[:b - a]. A part is a uint8 tensor (its bytes), or
+    (tensor, dtype): that flat tensor cast to dtype, cast here, straight into `out` (an export's fp32 -> bf16)."""
     pos = 0
     for p in parts:
-        n = p.numel()
+        n = part_bytes(p)
         lo, hi = max(a, pos), min(b, pos + n)
         if lo < hi:
-            out[lo - a: hi - a].copy_(p[lo - pos: hi - pos])
+            if isinstance(p, tuple):  # every offset is a multiple of the element size: whole elements
+                src, dtype = p
+                e = dtype.itemsize
+                out[lo - a: hi - a].view(dtype).copy_(src[(lo - pos) // e: (hi - pos) // e])
+            else:
+                out[lo - a: hi - a].copy_(p[lo - pos: hi - pos])
         pos += n
         if pos >= b:
             break
+
+
+def part_bytes(p) -> int:
+    return p[0].numel() * p[1].itemsize if isinstance(p, tuple) else p.numel()
 
 
 class ChunkReader:
@@ -182,7 +192,7 @@ class ChunkReader:
     (its manifest entry: bytes, chunk_bytes, sha256_chunks) before its task ends; a mismatch names the file."""
 
     def __init__(self, path: Path, info: dict, dest: list[tuple[int, torch.Tensor | None, int]],
-                 skip_unused: bool = False, on_done: Callable | None = None):
+                 skip_unused: bool = False, on_done: Callable | None = None, direct: bool = False):
         """dest: (offset, tensor or None, length) in file order, covering [0, info['bytes'])."""
         self.path, self.info, self.dest, self.on_done = Path(path), info, dest, on_done
         self.chunk = int(info["chunk_bytes"])
@@ -192,6 +202,7 @@ class ChunkReader:
             raise MegatrainError(f"{self.path}: its manifest entry lists {self.n} chunk checksums for "
                                  f"{self.size} bytes")
         self.skip_unused = skip_unused
+        self.direct = direct and self.chunk % PAGE == 0 and self.chunk <= CHUNK
         self._left, self._lock = 0, threading.Lock()
         self.fd = -1
 
@@ -202,7 +213,13 @@ class ChunkReader:
             if self.on_done is not None:
                 self.on_done()
             return []
-        self.fd = os.open(self.path, os.O_RDONLY)
+        if self.direct:
+            try:
+                self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:  # a filesystem without O_DIRECT: buffered reads
+                self.direct = False
+        if self.fd < 0:
+            self.fd = os.open(self.path, os.O_RDONLY)
         return [pool.submit(self._chunk, pool, k) for k in ks]
 
     def _span(self, k: int) -> tuple[int, int]:
@@ -214,6 +231,43 @@ class ChunkReader:
 
     def _chunk(self, pool: Pool, k: int) -> None:
         a, b = self._span(k)
+        if self.direct:
+            self._direct(pool, k, a, b)
+        else:
+            self._buffered(pool, k, a, b)
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self.close()
+            if self.on_done is not None:
+                self.on_done()
+
+    def _direct(self, pool: Pool, k: int, a: int, b: int) -> None:
+        """O_DIRECT into the thread's aligned buffer, hashed, then copied to the tensors: nothing in the page cache."""
+        buf = pool.bounce()
+        m = -(-(b - a) // PAGE) * PAGE
+        mv, done = _mv(buf[:m]), 0
+        while done < b - a:
+            got = os.preadv(self.fd, [mv[done:]], a + done)
+            if got <= 0:
+                raise MegatrainError(f"{self.path}: truncated (ends at byte {a + done})")
+            done += got
+        self._check(k, a, b, [_mv(buf[:b - a])])
+        for off, t, n in self.dest:
+            lo, hi = max(a, off), min(b, off + n)
+            if lo < hi and t is not None:
+                t[lo - off: hi - off].copy_(buf[lo - a: hi - a])
+
+    def _check(self, k: int, a: int, b: int, views) -> None:
+        h = hashlib.sha256()
+        for v in views:
+            h.update(v)
+        if h.hexdigest() != self.info["sha256_chunks"][k]:
+            raise MegatrainError(f"{self.path}: checksum mismatch in bytes {a}-{b} (chunk {k + 1} of {self.n}): the "
+                                 f"file is corrupted")
+
+    def _buffered(self, pool: Pool, k: int, a: int, b: int) -> None:
         h = hashlib.sha256()
         for off, t, n in self.dest:
             lo, hi = max(a, off), min(b, off + n)
@@ -234,13 +288,6 @@ class ChunkReader:
                                  f"file is corrupted")
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, a, b - a, os.POSIX_FADV_DONTNEED)
-        with self._lock:
-            self._left -= 1
-            last = self._left == 0
-        if last:
-            self.close()
-            if self.on_done is not None:
-                self.on_done()
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1

@@ -149,7 +149,7 @@ def load_store(r: Resumed, store, threads: int | None = None) -> dict:
                     continue
                 segs = unit_segments(path, info, dest, tile.unit.name)
                 master = st["master"]
-                reader = ChunkReader(path, info, segs,
+                reader = ChunkReader(path, info, segs, direct=True,
                                      on_done=lambda t=tile, m=master: store.refresh_stream_copy(t, m))
                 futures += reader.submit(pool)
                 if staged:

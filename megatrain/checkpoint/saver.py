@@ -224,8 +224,7 @@ class CheckpointSaver:
         except BaseException:
             w.abort()
             raise
-        sha, size = w.close()
-        return {"sha256": sha, "bytes": size}
+        return w.close()
 
     def _unit_done(self, job: _Job, i: int) -> None:
         job.written[i].set()  # the optimizer may now update this unit

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MegatrainError
+from .fastio import CHUNK
 
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 DTYPE_OF = {v: k for k, v in DTYPES.items()}
@@ -84,23 +85,34 @@ def read_header(path: Path, expected_size: int | None = None) -> tuple[bytes, li
 
 
 class TensorFileWriter:
-    """Writes the planned tensors, in plan order, to `path`. `close()` fsyncs and returns (sha256, size)."""
+    """Writes the planned tensors, in plan order, to `path`, on the calling thread: the single writer (a save whose
+    states are staged from the SSD tier one kind at a time). `close()` fsyncs and returns the manifest entry:
+    bytes and the sha256 of every `chunk_bytes` chunk, as fastio.ChunkWriter records them."""
 
-    def __init__(self, path: Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None):
+    def __init__(self, path: Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None,
+                 chunk_bytes: int = CHUNK):
         self.path = Path(path)
         self._plan = list(plan)
         self._next = 0
+        self.chunk = chunk_bytes
+        self.hashes: list[str] = []
         self.sha = hashlib.sha256()
         self.size = 0
         self.file = open(self.path, "wb")
         self._put(memoryview(header_bytes(plan, metadata)))
 
     def _put(self, mv: memoryview) -> None:
-        for a in range(0, len(mv), PIECE):
-            piece = mv[a: a + PIECE]
+        a = 0
+        while a < len(mv):
+            room = self.chunk - self.size % self.chunk  # to the end of the current chunk
+            piece = mv[a: a + min(PIECE, room)]
             self.file.write(piece)
             self.sha.update(piece)  # hashlib releases the GIL on large buffers: training threads keep running
-        self.size += len(mv)
+            self.size += len(piece)
+            a += len(piece)
+            if self.size % self.chunk == 0:
+                self.hashes.append(self.sha.hexdigest())
+                self.sha = hashlib.sha256()
 
     def write(self, t: torch.Tensor) -> None:
         name, dtype, shape = self._plan[self._next]
@@ -109,13 +121,15 @@ class TensorFileWriter:
         self._next += 1
         self._put(_bytes(t))
 
-    def close(self) -> tuple[str, int]:
+    def close(self) -> dict:
         if self._next != len(self._plan):
             raise ValueError(f"{self.path}: {len(self._plan) - self._next} planned tensors were not written")
+        if self.size % self.chunk:
+            self.hashes.append(self.sha.hexdigest())
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
-        return self.sha.hexdigest(), self.size
+        return {"bytes": self.size, "chunk_bytes": self.chunk, "sha256_chunks": self.hashes}
 
     def abort(self) -> None:
         self.file.close()
