@@ -19,7 +19,7 @@ from .layout import RUN_STATE, STEP_DIR, complete_checkpoints, locate, newest_ch
     verify_file
 from .saver import KINDS
 from .fastio import ChunkReader, Pool, byte_view, wait_all
-from .tensorfile import DTYPES, TensorFileReader, _nbytes, read_header
+from .tensorfile import DTYPES, TensorFileReader, tensor_nbytes, read_header
 
 # config.json keys that say nothing about the model's weights or computation
 IGNORED_MODEL_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache", "architectures"}
@@ -168,7 +168,7 @@ def unit_segments(path: Path, info: dict, dest: dict, unit_name: str) -> list:
         if name not in dest:
             raise MegatrainError(f"{path}: tensor '{name}' is not part of {unit_name} of this model")
         t = dest[name]
-        if len(head) + start != pos or end - start != _nbytes(dtype, shape) or \
+        if len(head) + start != pos or end - start != tensor_nbytes(dtype, shape) or \
                 (t is not None and (t.dtype != dtype or tuple(t.shape) != tuple(shape))):
             raise MegatrainError(f"{path}: tensor '{name}' is {DTYPES.get(dtype, dtype)}{list(shape)} at bytes "
                                  f"{start}-{end}, not what {unit_name} of this model holds there")

@@ -34,7 +34,7 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _nbytes(dtype: torch.dtype, shape) -> int:
+def tensor_nbytes(dtype: torch.dtype, shape) -> int:
     n = torch.empty((), dtype=dtype).element_size()
     for s in shape:
         n *= s
@@ -45,7 +45,7 @@ def header_bytes(plan: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata:
     """The file's first bytes (8-byte length, JSON header padded to 8) for tensors stored in `plan` order."""
     header, off = {}, 0
     for name, dtype, shape in plan:
-        n = _nbytes(dtype, shape)
+        n = tensor_nbytes(dtype, shape)
         header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
         off += n
     if metadata:
@@ -166,7 +166,7 @@ class TensorFileReader:
     def __iter__(self):
         while self._k < len(self.entries):
             start, end, name, dtype, shape = self.entries[self._k]
-            if start != self._pos or end - start != _nbytes(dtype, shape):
+            if start != self._pos or end - start != tensor_nbytes(dtype, shape):
                 raise MegatrainError(f"{self.path}: safetensors layout megatrain does not read (tensor '{name}')")
             self._k += 1
             self._current = (name, dtype, shape)

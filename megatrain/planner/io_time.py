@@ -20,7 +20,11 @@ from __future__ import annotations
 
 from .calibration import IO_EFFICIENCY
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a config's dtype name (float32: 4, the 16-bit ones: 2)."""
+    return 4 if "32" in name else 2
 
 
 def io_times(params: int, read_bps: float, write_bps: float, step_s: float, every: int = 0,
@@ -30,7 +34,7 @@ def io_times(params: int, read_bps: float, write_bps: float, step_s: float, ever
     e = IO_EFFICIENCY
     ckpt = 12 * params
     out = {"read_bps": read_bps, "write_bps": write_bps, "source": source, "checkpoint_bytes": ckpt,
-           "load_s": (params * DTYPE_BYTES.get(str(file_dtype), 2) / (read_bps * e["load"])) if file_dtype else 0.0,
+           "load_s": (params * dtype_bytes(str(file_dtype)) / (read_bps * e["load"])) if file_dtype else 0.0,
            "save_s": ckpt / (write_bps * e["save"]),
            "resume_s": ckpt / (read_bps * e["resume"]),
            "export_s": 2 * params / (write_bps * e["export"]),
