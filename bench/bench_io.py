@@ -19,7 +19,6 @@ first N layers of the config (the disk must hold one checkpoint: 12 B/param, and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -31,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import hf_config  # noqa: E402
+from common import hf_config, write_json  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402,F401  (imported before the timings: the export uses it)
 from megatrain.checkpoint import CheckpointSaver  # noqa: E402
 from megatrain.checkpoint.export import export_checkpoint, export_store  # noqa: E402
@@ -120,8 +119,10 @@ def main() -> int:
     r = store.load_safetensors(model, threads=a.threads, progress=False)
     record("load_cached", r["bytes"], r["seconds"], rd, "read")
     shutil.rmtree(root, ignore_errors=True)
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1))
+    out["command"] = "python3 bench/bench_io.py " + " ".join(sys.argv[1:])
+    if os.environ.get("BENCH_REV"):  # a copy without .git: the revision it was copied from
+        out["git"] = os.environ["BENCH_REV"]
+    write_json(a.json, out)
     return 0
 
 
