@@ -1,12 +1,14 @@
 """Saving step N's state from the live store, in the background, while step N+1 trains.
 
-No copy of the host state is made: a writer thread streams each unit's tiles (fp32 master, Adam m and v, Adam
-step) from the store to disk, in forward order (a state kind on the SSD tier is read from it into a buffer of one
-unit first: the files are the same bytes as an all-RAM run's). The optimizer of step N+1 also updates units in forward order,
-and the pipeline calls `before_update(u)` right before it modifies unit u: that call waits until the writer has
-finished unit u. So the files hold exactly step N's state, and training is slowed only where the optimizer
-catches up with the disk. The save is started at a step boundary after `pipeline.drain()` (every update of
-step N written), with the run state (data position, RNG, ...) captured at that same boundary.
+No copy of the host state is made: each unit file's 16 MiB chunks (fp32 master, Adam m and v, Adam step, in
+forward order) are gathered from the store, hashed and written with O_DIRECT by a pool of I/O threads
+(fastio.py: several requests in flight, a sha256 per chunk). A state kind on the SSD tier is read from it into a
+buffer of one unit and one kind first and written by this thread (the same bytes and checksums). The optimizer of
+step N+1 also updates units in forward order, and the pipeline calls `before_update(u)` right before it modifies
+unit u: that call waits until unit u's file is complete. So the files hold exactly step N's state, and the
+optimizer waits at most for the bytes not yet written, at the disk's rate. The save is started at a step boundary
+after `pipeline.drain()` (every update of step N written), with the run state (data position, RNG, ...) captured
+at that same boundary.
 
 Crash safety: everything goes into `.step-N.tmp/`; each file is fsynced, the manifest (sha256 and size of every
 file) is written last, the directory is fsynced and then atomically renamed to `step-N/`. A killed save leaves

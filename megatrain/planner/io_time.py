@@ -53,5 +53,5 @@ def io_lines(io: dict) -> list[str]:
     every = (f"; checkpoint.every {io['every']}: a save costs {io['save_cost_s']:.0f} s beyond the step it overlaps, "
              f"{io['save_share']:.1%} of the run's wall time" if io["every"] else "")
     return [f"disk work (predicted, disk read {io['read_bps'] / 1e9:.2f} / write {io['write_bps'] / 1e9:.2f} GB/s, "
-            f"{io['source']}): {load}save {io['save_s']:.0f} s, resume {io['resume_s']:.0f} s, export {io['export_s']:.0f} s "
-            f"(from a checkpoint {io['export_ckpt_s']:.0f} s){every}"]
+            f"{io['source']}): {load}save {io['save_s']:.0f} s, resume {io['resume_s']:.0f} s, "
+            f"export {io['export_s']:.0f} s (from a checkpoint {io['export_ckpt_s']:.0f} s){every}"]
