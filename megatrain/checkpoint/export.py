@@ -204,7 +204,11 @@ def _read_master(path: Path, info: dict, unit, pool: Pool) -> torch.Tensor:
     if "sha256_chunks" in info:  # only the chunks holding masters are read (each verified); Adam states are not
         kinds = {f"{k}/{sp.hf_name}": None for k in ("exp_avg", "exp_avg_sq") for sp in unit.specs}
         segs = unit_segments(path, info, {**dest, **kinds, "step": None}, unit.name)
-        wait_all(pool, ChunkReader(path, info, segs, skip_unused=True).submit(pool))
+        reader = ChunkReader(path, info, segs, skip_unused=True)
+        try:
+            wait_all(pool, reader.submit(pool))  # every chunk done or skipped: its file may be closed
+        finally:
+            reader.close()
         return m
     reader = TensorFileReader(path, info["bytes"])  # a checkpoint with one sha256 per file: one pass
     try:

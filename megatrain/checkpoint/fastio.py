@@ -107,8 +107,10 @@ class Pool:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, kind, value, tb):
+        if kind is not None:  # leaving on an error: the tasks not yet started are skipped
+            self.cancelled = True
+        self.close()  # waits for those running: no file is closed under a task
 
 
 def direct_ok(folder: Path) -> bool:

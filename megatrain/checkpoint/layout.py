@@ -107,8 +107,12 @@ def verify_file(ckpt: Path, manifest: dict, name: str) -> Path:
     if "sha256_chunks" in info:  # a unit file: one sha256 per chunk, checked in parallel
         from .fastio import ChunkReader, Pool, wait_all
 
-        with Pool() as pool:
-            wait_all(pool, ChunkReader(path, info, [(0, None, size)]).submit(pool))
+        reader = ChunkReader(path, info, [(0, None, size)])
+        try:
+            with Pool() as pool:
+                wait_all(pool, reader.submit(pool))
+        finally:
+            reader.close()
         return path
     digest, _ = sha256_file(path)
     if digest != info["sha256"]:

@@ -134,28 +134,38 @@ def load_store(r: Resumed, store, threads: int | None = None) -> dict:
             raise MegatrainError(f"{r.path / 'manifest.json'}: does not list {u['file']}")
         infos.append(info)
     staged = any(k in store.on_disk for k in KINDS)
-    with Pool(threads) as pool:
-        futures = []
-        for i, (tile, u, info) in enumerate(zip(store.tiles, units, infos)):
-            # kinds on the SSD tier are staged (one unit) and written to it when the unit is complete
-            with store.unit_state(i, KINDS, read=False, write=True) as st:
-                dest = {f"{k}/{s.hf_name}": v for k in KINDS
-                        for s, v in zip(tile.unit.specs, tile.views(st[k]).values())}
-                dest["step"] = tile.step
-                path = r.path / u["file"]
-                if "sha256_chunks" not in info:
-                    _load_unit_serial(path, info, dest, tile)
-                    store.refresh_stream_copy(tile, st["master"])
-                    continue
-                segs = unit_segments(path, info, dest, tile.unit.name)
-                master = st["master"]
-                reader = ChunkReader(path, info, segs, direct=True,
-                                     on_done=lambda t=tile, m=master: store.refresh_stream_copy(t, m))
-                futures += reader.submit(pool)
-                if staged:
-                    wait_all(pool, futures)
-        wait_all(pool, futures)
+    readers: list[ChunkReader] = []
+    try:
+        with Pool(threads) as pool:
+            _fill(r, store, units, infos, staged, pool, readers)
+    finally:
+        for reader in readers:  # those a failed chunk left open (the pool has stopped)
+            reader.close()
     return {"bytes": sum(int(i["bytes"]) for i in infos), "seconds": time.perf_counter() - t0}
+
+
+def _fill(r: Resumed, store, units: list, infos: list, staged: bool, pool: Pool, readers: list) -> None:
+    futures = []
+    for i, (tile, u, info) in enumerate(zip(store.tiles, units, infos)):
+        # kinds on the SSD tier are staged (one unit) and written to it when the unit is complete
+        with store.unit_state(i, KINDS, read=False, write=True) as st:
+            dest = {f"{k}/{s.hf_name}": v for k in KINDS
+                    for s, v in zip(tile.unit.specs, tile.views(st[k]).values())}
+            dest["step"] = tile.step
+            path = r.path / u["file"]
+            if "sha256_chunks" not in info:
+                _load_unit_serial(path, info, dest, tile)
+                store.refresh_stream_copy(tile, st["master"])
+                continue
+            segs = unit_segments(path, info, dest, tile.unit.name)
+            master = st["master"]
+            reader = ChunkReader(path, info, segs, direct=True,
+                                 on_done=lambda t=tile, m=master: store.refresh_stream_copy(t, m))
+            readers.append(reader)
+            futures += reader.submit(pool)
+            if staged:
+                wait_all(pool, futures)
+    wait_all(pool, futures)
 
 
 def unit_segments(path: Path, info: dict, dest: dict, unit_name: str) -> list:
