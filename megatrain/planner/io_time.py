@@ -3,7 +3,8 @@ and the share of a run's wall time its periodic saves take.
 
 Each is bytes over the disk's rate (the profile's `disk`, `megatrain probe --disk PATH`, else the defaults: the
 calibration's DEFAULT_DISK_*; the same disk is assumed for output.dir and model.path) times the share of that rate
-the code reaches (calibration.IO_EFFICIENCY, measured by bench/bench_io.py):
+the code reaches (calibration.IO_EFFICIENCY, measured by bench/bench_io.py), a checkpoint's save and resume at most
+at the rate its I/O threads hash (IO_HASH_BPS):
 
     load          the safetensors files (params x the config's dtype) read
     save          the checkpoint (fp32 master, Adam m and v: 12 B/param) written
@@ -18,7 +19,7 @@ run max(0, save - one step) of wall time; every `checkpoint.every` steps that is
 
 from __future__ import annotations
 
-from .calibration import IO_EFFICIENCY
+from .calibration import IO_EFFICIENCY, IO_HASH_BPS
 
 
 
@@ -35,8 +36,8 @@ def io_times(params: int, read_bps: float, write_bps: float, step_s: float, ever
     ckpt = 12 * params
     out = {"read_bps": read_bps, "write_bps": write_bps, "source": source, "checkpoint_bytes": ckpt,
            "load_s": (params * dtype_bytes(str(file_dtype)) / (read_bps * e["load"])) if file_dtype else 0.0,
-           "save_s": ckpt / (write_bps * e["save"]),
-           "resume_s": ckpt / (read_bps * e["resume"]),
+           "save_s": ckpt / min(write_bps * e["save"], IO_HASH_BPS),  # every byte hashed on the I/O threads
+           "resume_s": ckpt / min(read_bps * e["resume"], IO_HASH_BPS),
            "export_s": 2 * params / (write_bps * e["export"]),
            "export_ckpt_s": (4 * params / read_bps + 2 * params / write_bps) / e["export_ckpt"]}
     out["save_cost_s"] = max(0.0, out["save_s"] - step_s)
