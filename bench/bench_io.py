@@ -3,6 +3,7 @@
     python3 bench/bench_io.py --model bench/model-configs/qwen2.5-7b --layers 10 --dir /tmp/bench-io --json OUT.json
 
 In order, on one host store of the model (random weights, bf16 streaming copy as a bf16 run's):
+  sha256        the checkpoint's integrity check on its I/O threads (16 MiB chunks), GB/s
   disk          runtime/disk_probe.measure_disk at --dir: O_DIRECT, 8 x 16 MiB requests in flight (the SSD tier's
                 way, what `megatrain train` measures at its start)
   save          CheckpointSaver: fp32 master, Adam m and v, 12 B/param (start to the renamed folder, fsynced)
@@ -56,6 +57,21 @@ def size(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
 
+def hash_rate(threads: int | None, nbytes: int = 4 << 30) -> float:
+    """sha256 of 16 MiB chunks on the checkpoint's I/O threads (calibration.IO_HASH_BPS)."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatrain.checkpoint.fastio import CHUNK, io_threads
+
+    buf = memoryview(torch.randint(0, 256, (CHUNK,), dtype=torch.uint8).numpy())
+    n = nbytes // CHUNK
+    with ThreadPoolExecutor(io_threads(threads)) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(lambda _: hashlib.sha256(buf).digest(), range(n)))
+        return n * CHUNK / (time.perf_counter() - t0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a folder with config.json")
@@ -73,6 +89,8 @@ def main() -> int:
     disk = measure_disk(root, int(a.probe_gib * 2**30), key="--dir")
     log(describe(disk))
     rd, wr = disk["read_bps"], disk["write_bps"]
+    out_hash = hash_rate(a.threads)
+    log(f"sha256 on the I/O threads: {out_hash / 1e9:.2f} GB/s")
     adapter = get_adapter(cfg)
     store = HostStore(adapter, torch.bfloat16)
     t0 = time.perf_counter()
@@ -82,7 +100,7 @@ def main() -> int:
         t.exp_avg_sq.copy_(t.master).abs_()
     log(f"{store.num_params / 1e9:.2f}B params, store filled in {time.perf_counter() - t0:.1f}s")
     out = {"model": a.model, "layers": cfg.num_hidden_layers, "params": store.num_params, "disk": disk,
-           "threads": a.threads, "cpus": len(os.sched_getaffinity(0)), "results": {}}
+           "threads": a.threads, "sha256_bps": out_hash, "cpus": len(os.sched_getaffinity(0)), "results": {}}
 
     def record(name: str, nbytes: int, seconds: float, against: float, what: str) -> None:
         r = {"bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9,

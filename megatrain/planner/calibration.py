@@ -279,8 +279,7 @@ IO_HASH_BPS = _fit(
     "IO_HASH_BPS", 7.4e9, "bytes/s",
     "sha256 on the 8 I/O threads of a save or a resume (checkpoint/fastio.py): 0.92 GB/s a thread on an H100 host "
     "(8.4 GB/s measured on 8 threads): a disk faster than this is not written or read faster than it is hashed",
-    "python3 -c \"import hashlib, os, time; b = os.urandom(1 << 30); t = time.time(); hashlib.sha256(b); "
-    "print(1 / (time.time() - t))\" (GB/s on one thread, x 8)")
+    "python3 bench/bench_io.py --model bench/model-configs/qwen2.5-7b --layers 10 --json OUT.json (sha256_bps)")
 
 # ---- several ranks (world.py) -------------------------------------------------------------------------------
 INTRA_NODE_BPS = _fit(
