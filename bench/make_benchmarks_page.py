@@ -146,6 +146,25 @@ def index_table() -> list[str]:
     return out
 
 
+def io_table() -> list[str]:
+    """bench/bench_io.py's runs: each operation's rate beside the disk's, measured in the same process."""
+    out = []
+    for name in names():
+        for run in runs(name):
+            r = run  # bench_io.py's JSON: its figures at the run's top level
+            if not isinstance(r.get("results"), dict) or not isinstance(r.get("disk"), dict):
+                continue
+            d = r["disk"]
+            for op, x in r["results"].items():
+                out.append(f"| `{name}` | {r.get('params', 0) / 1e9:.2f}B, {r.get('threads') or 'default'} threads "
+                           f"| {op} | {x['bytes'] / 1e9:.1f} | {x['seconds']:.1f} | {x['gb_per_s']:.2f} | "
+                           f"{d['read_bps'] / 1e9:.2f} / {d['write_bps'] / 1e9:.2f} | {x['fraction_of_disk']:.0%} of "
+                           f"{x['against']} |")
+    head = ["| reference run | model, I/O threads | operation | GB | s | GB/s | disk read / write GB/s | share |",
+            "| --- | --- | --- | ---: | ---: | ---: | --- | --- |"]
+    return head + out if out else []
+
+
 def page() -> str:
     listed = {n for _, _, folders in TOPICS for n in folders}
     lines = ["# Benchmarks", "",
@@ -166,6 +185,12 @@ def page() -> str:
     other = [n for n in names() if n not in listed and any(run_row(n, load(n), r) for r in runs(n))]
     if other:
         lines += ["## Other runs", ""] + run_table(other) + [""]
+    io = io_table()
+    if io:
+        lines += ["## Disk I/O", "", "Load, save, resume and export (`bench/bench_io.py`), each beside the disk's "
+                  "O_DIRECT rates measured in the same process the SSD tier's way (8 x 16 MiB requests in flight). "
+                  "The export's GB are those written (a checkpoint's export also reads 4 B/param of masters).", ""]
+        lines += io + [""]
     lines += ["## Plan against measured", "",
               "Every `megatrain train` run above records the plan it made at its start, from config.json alone; "
               "targets: memory within 10%, time within 15%. `python3 bench/plan_vs_measured.py` re-plans every run "

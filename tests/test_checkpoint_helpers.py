@@ -81,6 +81,8 @@ def losses(out: Path) -> dict[int, float]:
 
 
 def unit_hashes(ckpt: Path) -> dict[str, str]:
-    """sha256 of each unit file: equal hashes = bit-identical master, Adam m and v and step of every unit."""
+    """The sha256 of each unit file (one per file, or one per chunk): equal hashes = bit-identical master, Adam m and
+    v and step of every unit."""
     m = json.loads((Path(ckpt) / "manifest.json").read_text())
-    return {u["file"]: m["files"][u["file"]]["sha256"] for u in m["units"]}
+    return {u["file"]: str(m["files"][u["file"]].get("sha256_chunks", m["files"][u["file"]].get("sha256")))
+            for u in m["units"]}

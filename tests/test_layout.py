@@ -14,7 +14,7 @@ ALLOWED = {
     "models": set(),
     "data": set(),
     "runtime": {"models"},
-    "checkpoint": {"models"},
+    "checkpoint": {"models", "runtime"},  # runtime: the SSD tier's request loop and aligned buffers (fastio.py)
     "planner": {"runtime", "models"},
     "distributed": {"runtime", "models"},
     "run": {"runtime", "data", "checkpoint", "planner", "models", "config", "distributed"},

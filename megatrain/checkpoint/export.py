@@ -6,11 +6,17 @@
     OUT_DIR/generation_config.json             the model's, or one derived from config.json
     OUT_DIR/tokenizer files                    the run's tokenizer, data.chat_template included
 
-Memory: the export streams, tensor by tensor, from the checkpoint's unit files into the shards. The shard layout
-is planned from config.json before any tensor is read (so each shard's header is known up front), and only one
-tensor in fp32 plus its cast copy is held at a time: far less than one layer of the host store. Every unit file
-is checked against the checkpoint's sha256 as it is read. Tied embeddings export no lm_head.weight
-(config.json's tie_word_embeddings makes transformers share it). The directory appears only when complete.
+Two sources: a checkpoint (`megatrain export`), and the host store at the end of a run (`export_store`: the
+weights are in RAM already, config.json and the tokenizer come from the run's final checkpoint). The shard layout
+is planned from config.json before any tensor is read, so every shard is opened with its header written and each
+tensor has a known offset: a pool of threads (fastio.Pool) casts tensors fp32 -> bf16 and writes them at their
+offsets, several shards at once; the files are the bytes one writer would write, fsynced at the end.
+
+Memory: from a checkpoint, one unit's fp32 master at a time (read in parallel chunks, each checked against the
+manifest; chunks holding only Adam states are not read), and the casts of the tensors being written: within one
+layer of the host store. From the store, only the casts in flight (one tensor per thread). Tied embeddings export
+no lm_head.weight (config.json's tie_word_embeddings makes transformers share it). The directory appears only when
+complete.
 """
 
 from __future__ import annotations
@@ -20,13 +26,17 @@ import math
 import os
 import shutil
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
 from .folder_lock import LOCK_FILE, FolderLock, holder
 from .layout import locate, read_manifest, small_files, verify_file
-from .tensorfile import TensorFileReader, TensorFileWriter, fsync_dir
+from .fastio import CHUNK, ChunkReader, ChunkWriter, Pool, byte_view, direct_ok, wait_all
+from .resume import unit_segments
+from .tensorfile import TensorFileReader, fsync_dir, header_bytes
+from ..runtime.disk_files import transfer
 from ..errors import MegatrainError, check_dir_target
 from ..models import get_adapter, load_hf_config
 
@@ -51,32 +61,53 @@ def plan_shards(tensors: list[tuple[str, tuple[int, ...]]], esize: int, max_byte
     return shards
 
 
-class _ShardStream:
-    """Writes tensors, arriving in plan order, into the planned shard files one after another."""
+class _Shards:
+    """Every planned shard opened at once, its header written; each tensor, cast to the export's dtype by a task of
+    the pool, is written at its planned offset: tensors of several shards are converted and written at once, in any
+    order, and the files are the bytes a single writer would write. `finish` fsyncs them all."""
 
     def __init__(self, out: Path, shards: list[list], dtype: torch.dtype):
-        self.out, self.shards, self.dtype = out, shards, dtype
-        n = len(shards)
+        self.dtype, n = dtype, len(shards)
         self.names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-        self.weight_map: dict[str, str] = {}
-        self._k, self._i, self._writer = 0, 0, None
+        self.where: dict[str, tuple[int, int, tuple]] = {}
+        self.fds: list[int] = []
+        esize = torch.empty((), dtype=dtype).element_size()
+        for k, shard in enumerate(shards):
+            head = header_bytes([(nm, dtype, shape) for nm, shape in shard], {"format": "pt"})
+            self.fds.append(os.open(out / self.names[k], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+            transfer(self.fds[-1], memoryview(head), 0, True)
+            off = len(head)
+            for nm, shape in shard:
+                self.where[nm] = (k, off, tuple(shape))
+                off += esize * _numel(shape)
+        self.weight_map = {nm: self.names[k] for nm, (k, _, _) in self.where.items()}
+        self.written: set[str] = set()
 
-    def put(self, name: str, t: torch.Tensor) -> None:
-        if self._writer is None:
-            plan = [(nm, self.dtype, shape) for nm, shape in self.shards[self._k]]
-            self._writer = TensorFileWriter(self.out / self.names[self._k], plan, metadata={"format": "pt"})
-        expected = self.shards[self._k][self._i][0]
-        if name != expected:
-            raise MegatrainError(f"export: checkpoint tensor '{name}' arrived where '{expected}' was planned")
-        self._writer.write(t.to(self.dtype).contiguous())
-        self.weight_map[name] = self.names[self._k]
-        self._i += 1
-        if self._i == len(self.shards[self._k]):
-            self._writer.close()
-            self._writer, self._k, self._i = None, self._k + 1, 0
+    def put(self, pool: Pool, name: str, t: torch.Tensor) -> list[Future]:
+        if name not in self.where:
+            raise MegatrainError(f"export: tensor '{name}' is not among the planned ones")
+        k, off, shape = self.where[name]
+        if tuple(t.shape) != shape:
+            raise MegatrainError(f"export: tensor '{name}' is {list(t.shape)}, config.json implies {list(shape)}")
+        self.written.add(name)
+        flat, e = t.reshape(-1), self.dtype.itemsize
 
-    def done(self) -> bool:
-        return self._k == len(self.shards)
+        def convert_write(a: int, b: int):  # fp32 -> bf16 here, on the pool's threads, a piece at a time
+            c = flat[a:b].to(self.dtype).contiguous()
+            transfer(self.fds[k], memoryview(byte_view(c).numpy()), off + a * e, True)
+        step = max(1, CHUNK // e)
+        return [pool.submit(convert_write, a, min(a + step, flat.numel())) for a in range(0, flat.numel(), step)]
+
+    def finish(self, pool: Pool) -> None:
+        missing = sorted(set(self.where) - self.written)
+        if missing:
+            raise MegatrainError(f"export: tensor '{missing[0]}' of the model was not found in the source")
+        wait_all(pool, [pool.submit(os.fsync, fd) for fd in self.fds])
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
 
 
 def check_export_target(out: Path, replace_export: bool = False) -> None:
@@ -101,14 +132,33 @@ def _check_outside_checkpoints(ckpt: Path, out: Path) -> None:
 
 
 def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "bf16", max_shard_mb: float = 5000,
-                      replace_export: bool = False) -> dict:
+                      replace_export: bool = False, threads: int | None = None) -> dict:
     """Export the checkpoint `source` (a checkpoint, a run's checkpoints/ folder or its output.dir: the newest
     complete checkpoint) to `out_dir`. Returns {"path", "checkpoint", "shards", "bytes", "seconds"}.
-    replace_export: out_dir may hold an earlier export, which is replaced (export.at_end of a resumed run)."""
+    replace_export: out_dir may hold an earlier export, which is replaced (export.at_end of a resumed run).
+    threads: I/O and conversion threads (default fastio.THREADS, at most the cores)."""
     t0 = time.perf_counter()
+    torch_dtype, dtype_name, ckpt, manifest, out, adapter, units, specs, shards = _prepare(
+        source, out_dir, dtype, max_shard_mb, replace_export)
+    if len(units) != len(manifest["units"]):
+        raise MegatrainError(f"{ckpt}: holds {len(manifest['units'])} units, its config.json implies {len(units)}")
+
+    def masters(pool: Pool):  # one unit's fp32 master at a time, read in parallel chunks and verified
+        for unit, u in zip(units, manifest["units"]):
+            info = manifest["files"].get(u["file"])
+            if info is None:
+                raise MegatrainError(f"{ckpt / 'manifest.json'}: does not list {u['file']}")
+            yield unit, _read_master(ckpt / u["file"], info, unit, pool)
+
+    return _export(masters, out, shards, torch_dtype, dtype_name, ckpt, manifest, adapter, specs, t0, threads, True)
+
+
+def _prepare(source, out_dir, dtype: str, max_shard_mb, replace_export: bool):
+    """The checks made before anything is written, the checkpoint's manifest and model, and the shard plan."""
     if dtype not in DTYPES:
         raise MegatrainError(f"export: dtype '{dtype}' is not one of {', '.join(DTYPES)}")
-    if not (isinstance(max_shard_mb, (int, float)) and math.isfinite(max_shard_mb) and max_shard_mb > 0):
+    if isinstance(max_shard_mb, bool) or not (isinstance(max_shard_mb, (int, float)) and math.isfinite(max_shard_mb)
+                                              and max_shard_mb > 0):
         raise MegatrainError(f"export: the largest shard must be a finite number of MB above 0, got {max_shard_mb!r}")
     torch_dtype, dtype_name = DTYPES[dtype]
     ckpt = locate(Path(source), "export")
@@ -119,37 +169,76 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "
     verify_file(ckpt, manifest, "config.json")
     adapter = get_adapter(load_hf_config(ckpt))
     units = adapter.units()
-    if len(units) != len(manifest["units"]):
-        raise MegatrainError(f"{ckpt}: holds {len(manifest['units'])} units, its config.json implies {len(units)}")
     esize = torch.empty((), dtype=torch_dtype).element_size()
     specs = {s.hf_name: s for u in units for s in u.specs}
     shards = plan_shards([(n, s.part_shape) for s in specs.values() for n in s.checkpoint_names], esize,
                          max(1, int(max_shard_mb * 1e6)))
+    return torch_dtype, dtype_name, ckpt, manifest, out, adapter, units, specs, shards
 
+
+def export_store(store, ckpt: str | Path, out_dir: str | Path, *, dtype: str = "bf16", max_shard_mb: float = 5000,
+                 replace_export: bool = False, threads: int | None = None) -> dict:
+    """Export the weights in the host store (the state of checkpoint `ckpt`, which supplies config.json, the
+    generation config and the tokenizer): the end of a run, without reading the weights back from disk."""
+    t0 = time.perf_counter()
+    torch_dtype, dtype_name, ckpt, manifest, out, adapter, units, specs, shards = _prepare(
+        ckpt, out_dir, dtype, max_shard_mb, replace_export)
+    if [u.name for u in units] != [t.unit.name for t in store.tiles]:
+        raise MegatrainError(f"export: the store's units differ from those of {ckpt}'s config.json")
+
+    if "master" not in store.on_disk:
+        return _export(None, out, shards, torch_dtype, dtype_name, ckpt, manifest, adapter, specs, t0, threads,
+                       store.tiles)
+
+    def masters(pool: Pool):
+        for i, t in enumerate(store.tiles):
+            with store.unit_state(i, ("master",)) as st:  # a master on the SSD tier: staged one unit at a time
+                yield t.unit, st["master"].clone()
+
+    return _export(masters, out, shards, torch_dtype, dtype_name, ckpt, manifest, adapter, specs, t0, threads, False)
+
+
+def _read_master(path: Path, info: dict, unit, pool: Pool) -> torch.Tensor:
+    m = torch.empty(unit.numel, dtype=torch.float32)
+    dest = {f"master/{sp.hf_name}": v for sp, v in zip(unit.specs, unit.views(m).values())}
+    if "sha256_chunks" in info:  # only the chunks holding masters are read (each verified); Adam states are not
+        kinds = {f"{k}/{sp.hf_name}": None for k in ("exp_avg", "exp_avg_sq") for sp in unit.specs}
+        segs = unit_segments(path, info, {**dest, **kinds, "step": None}, unit.name)
+        reader = ChunkReader(path, info, segs, skip_unused=True)
+        try:
+            wait_all(pool, reader.submit(pool))  # every chunk done or skipped: its file may be closed
+        finally:
+            reader.close()
+        return m
+    reader = TensorFileReader(path, info["bytes"])  # a checkpoint with one sha256 per file: one pass
+    try:
+        for name, _, _ in reader:
+            if name.startswith("master/"):
+                if name not in dest:
+                    raise MegatrainError(f"{path}: holds '{name}', not part of this model")
+                reader.read_into(dest.pop(name))
+        reader.finish(info["sha256"])  # Adam states are skipped but still hashed
+    finally:
+        reader.close()
+    if dest:
+        raise MegatrainError(f"{path}: tensor '{next(iter(dest))}' is missing")
+    return m
+
+
+def _export(masters, out, shards, torch_dtype, dtype_name, ckpt, manifest, adapter, specs, t0, threads, per_unit):
+    """The shards from `masters(pool)` ((unit, its flat fp32 master) in order); per_unit: wait for a unit's writes
+    before the next unit is produced (its master is a buffer read from a checkpoint: memory stays one unit).
+    masters None: from the store's tiles `per_unit` (all in RAM), cast chunk by chunk into O_DIRECT writes."""
+    esize = torch.empty((), dtype=torch_dtype).element_size()
     tmp, lock = _partial_folder(out)
     try:
-        stream = _ShardStream(tmp, shards, torch_dtype)
-        for unit, u in zip(units, manifest["units"]):
-            info = manifest["files"].get(u["file"])
-            if info is None:
-                raise MegatrainError(f"{ckpt / 'manifest.json'}: does not list {u['file']}")
-            reader = TensorFileReader(ckpt / u["file"], info["bytes"])
-            try:
-                for name, _, _ in reader:
-                    if name.startswith("master/"):  # one tensor at a time, split as the checkpoint stores it
-                        spec = specs.get(name[len("master/"):])
-                        if spec is None:
-                            raise MegatrainError(f"{ckpt / u['file']}: holds '{name}', not part of this model")
-                        for part_name, part in spec.split(reader.read()):
-                            stream.put(part_name, part)
-                reader.finish(info["sha256"])  # Adam states are skipped but still hashed
-            finally:
-                reader.close()
-        if not stream.done():
-            raise MegatrainError(f"{ckpt}: some tensors of the model are missing from its unit files")
+        if masters is None:
+            weight_map = _write_from_ram(tmp, per_unit, shards, torch_dtype, specs, threads)
+        else:
+            weight_map = _write_streamed(tmp, masters, shards, torch_dtype, specs, threads, per_unit)
         total = sum(esize * _numel(shape) for shard in shards for _, shape in shard)
         index = {"metadata": {"total_size": total, "megatrain_checkpoint": str(ckpt), "step": manifest["step"]},
-                 "weight_map": stream.weight_map}
+                 "weight_map": weight_map}
         (tmp / INDEX).write_text(json.dumps(index, indent=2))
         _write_configs(ckpt, manifest, tmp, adapter.hf_config, dtype_name)
         _copy_tokenizer(ckpt, manifest, tmp)
@@ -170,6 +259,57 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "
         lock.release()
     return {"path": out, "checkpoint": ckpt, "shards": len(shards), "bytes": total,
             "seconds": time.perf_counter() - t0}
+
+
+def _write_streamed(tmp: Path, masters, shards, torch_dtype, specs, threads, per_unit) -> dict:
+    stream = _Shards(tmp, shards, torch_dtype)
+    try:
+        with Pool(threads) as pool:
+            futures = []
+            for unit, master in masters(pool):
+                for sp, view in zip(unit.specs, unit.views(master).values()):
+                    if sp.hf_name not in specs:
+                        raise MegatrainError(f"export: {unit.name} holds '{sp.hf_name}', not part of this model")
+                    futures += [f for n, part in sp.split(view) for f in stream.put(pool, n, part)]
+                if per_unit:
+                    wait_all(pool, futures)
+                    futures = []
+                master = view = None  # (a checkpoint's unit buffer is freed before the next one is read)
+            wait_all(pool, futures)
+            stream.finish(pool)
+    finally:
+        stream.close()
+    return stream.weight_map
+
+
+def _write_from_ram(tmp: Path, tiles, shards, torch_dtype, specs, threads) -> dict:
+    """Every shard a ChunkWriter whose parts are the store's fp32 tensors, cast into each chunk's buffer: the
+    casts and the O_DIRECT writes of all shards run on the pool at once, no copy of a tensor is made."""
+    src = {}
+    for t in tiles:
+        for sp, view in zip(t.unit.specs, t.unit.views(t.master).values()):
+            if sp.hf_name not in specs:
+                raise MegatrainError(f"export: {t.unit.name} holds '{sp.hf_name}', not part of this model")
+            src.update((n, part.reshape(-1)) for n, part in sp.split(view))
+    n = len(shards)
+    names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    direct, writers = direct_ok(tmp), []
+    try:
+        with Pool(threads) as pool:
+            futures = []
+            for name, shard in zip(names, shards):
+                missing = next((nm for nm, _ in shard if nm not in src), None)
+                if missing is not None:
+                    raise MegatrainError(f"export: tensor '{missing}' of the model was not found in the store")
+                head = header_bytes([(nm, torch_dtype, shape) for nm, shape in shard], {"format": "pt"})
+                parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8)]
+                writers.append(ChunkWriter(tmp / name, parts + [(src[nm], torch_dtype) for nm, _ in shard], direct))
+                futures += writers[-1].submit(pool)
+            wait_all(pool, futures)
+    finally:
+        for w in writers:
+            w.close()
+    return {nm: name for name, shard in zip(names, shards) for nm, _ in shard}
 
 
 def _partial_folder(out: Path) -> tuple[Path, FolderLock]:

@@ -1,12 +1,14 @@
 """Saving step N's state from the live store, in the background, while step N+1 trains.
 
-No copy of the host state is made: a writer thread streams each unit's tiles (fp32 master, Adam m and v, Adam
-step) from the store to disk, in forward order (a state kind on the SSD tier is read from it into a buffer of one
-unit first: the files are the same bytes as an all-RAM run's). The optimizer of step N+1 also updates units in forward order,
-and the pipeline calls `before_update(u)` right before it modifies unit u: that call waits until the writer has
-finished unit u. So the files hold exactly step N's state, and training is slowed only where the optimizer
-catches up with the disk. The save is started at a step boundary after `pipeline.drain()` (every update of
-step N written), with the run state (data position, RNG, ...) captured at that same boundary.
+No copy of the host state is made: each unit file's 16 MiB chunks (fp32 master, Adam m and v, Adam step, in
+forward order) are gathered from the store, hashed and written with O_DIRECT by a pool of I/O threads
+(fastio.py: several requests in flight, a sha256 per chunk). A state kind on the SSD tier is read from it into a
+buffer of one unit and one kind first and written by this thread (the same bytes and checksums). The optimizer of
+step N+1 also updates units in forward order, and the pipeline calls `before_update(u)` right before it modifies
+unit u: that call waits until unit u's file is complete. So the files hold exactly step N's state, and the
+optimizer waits at most for the bytes not yet written, at the disk's rate. The save is started at a step boundary
+after `pipeline.drain()` (every update of step N written), with the run state (data position, RNG, ...) captured
+at that same boundary.
 
 Crash safety: everything goes into `.step-N.tmp/`; each file is fsynced, the manifest (sha256 and size of every
 file) is written last, the directory is fsynced and then atomically renamed to `step-N/`. A killed save leaves
@@ -32,7 +34,8 @@ import torch
 
 from ..errors import MegatrainError
 from .layout import FORMAT, MANIFEST, RUN_STATE, complete_checkpoints, unit_file_name
-from .tensorfile import TensorFileWriter, fsync_dir, sha256_file
+from .fastio import ChunkWriter, Pool, byte_view, direct_ok, wait_all
+from .tensorfile import TensorFileWriter, fsync_dir, header_bytes, sha256_file
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")  # the tile buffers saved, all fp32; the streaming copy is derived
 
@@ -46,6 +49,7 @@ class _Job:
     started: float = field(default_factory=time.perf_counter)
     error: BaseException | None = None
     cancelled: bool = False
+    pool: Pool | None = None
     seconds: float = 0.0
     bytes: int = 0
 
@@ -60,7 +64,7 @@ class CheckpointSaver:
     keeps the newest `keep` (0: all)."""
 
     def __init__(self, root: Path, store, pipeline=None, keep: int = 0, every: int = 0,
-                 final_step: int | None = None, world: dict | None = None, listener=None):
+                 final_step: int | None = None, world: dict | None = None, listener=None, threads: int | None = None):
         """every: save every N steps (0: never periodically); final_step: also save when that step is done
         (the run's last, when checkpoint.at_end or export.at_end asks for it). world: the ranks of the run, named in
         the manifest (default one process). listener: told `begin_save(step)` before a save's writer starts and
@@ -70,6 +74,7 @@ class CheckpointSaver:
         self.every, self.final_step = every, final_step
         self.world = world or {"world_size": 1, "nodes": 1, "ranks_per_node": 1}
         self.listener = listener
+        self.threads = threads  # I/O threads (default fastio.THREADS, at most the cores)
         self._job: _Job | None = None
         self._thread: threading.Thread | None = None
         self.last: Path | None = None  # the newest checkpoint this saver completed
@@ -141,44 +146,51 @@ class CheckpointSaver:
         job = self._job
         if job is not None:
             job.cancelled = True  # the writer stops at the next unit and removes its .tmp directory
+            if job.pool is not None:
+                job.pool.cancelled = True  # and its chunks not yet written are skipped
             self._all_written(job)
         self._job = self._thread = None
 
     # ---- the writer thread ---------------------------------------------------------------------------
     def _write(self, job: _Job) -> None:
+        writers: list[ChunkWriter] = []
         try:
             delay = float(os.environ.get("MEGATRAIN_TEST_SAVE_DELAY_S", "0") or 0)
             files, units = {}, []
-            for i, tile in enumerate(self.store.tiles):
-                if job.cancelled:
-                    raise RuntimeError("abandoned")
-                name = unit_file_name(i, tile.unit)
-                w = TensorFileWriter(job.tmp / name, unit_plan(tile),
-                                     metadata={"format": "pt", "unit": tile.unit.name, "step": job.step})
-                try:
-                    for k in KINDS:  # a kind on the SSD tier is staged one unit at a time
-                        with self.store.unit_state(i, (k,)) as st:
-                            for view in tile.views(st[k]).values():
-                                w.write(view)
-                    w.write(tile.step)
-                except BaseException:
-                    w.abort()
-                    raise
-                sha, size = w.close()
-                files[name] = {"sha256": sha, "bytes": size}
-                units.append({"file": name, "name": tile.unit.name, "numel": tile.numel})
-                job.written[i].set()  # the optimizer may now update this unit
-                if self.listener is not None:
-                    self.listener.unit_written(job.step, i)
-                if delay:
-                    time.sleep(delay)
+            staged = any(k in self.store.on_disk for k in KINDS)
+            direct = direct_ok(job.tmp)
+            with Pool(self.threads) as pool:
+                job.pool, futures = pool, []
+                for i, tile in enumerate(self.store.tiles):
+                    if job.cancelled:
+                        raise RuntimeError("abandoned")
+                    name = unit_file_name(i, tile.unit)
+                    meta = {"format": "pt", "unit": tile.unit.name, "step": job.step}
+                    if staged:  # a kind on the SSD tier is staged one unit of one kind at a time: one stream
+                        files[name] = self._write_staged(job.tmp / name, i, tile, meta)
+                        self._unit_done(job, i)
+                    else:
+                        head = torch.frombuffer(bytearray(header_bytes(unit_plan(tile), meta)), dtype=torch.uint8)
+                        parts = [head] + [byte_view(v) for k in KINDS for v in tile.views(getattr(tile, k)).values()]
+                        w = ChunkWriter(job.tmp / name, parts + [byte_view(tile.step)], direct,
+                                        on_done=lambda i=i: self._unit_done(job, i))
+                        writers.append(w)
+                        futures += w.submit(pool)
+                        if delay:  # test-only: the unit complete, then the pause
+                            wait_all(pool, futures)
+                    units.append({"file": name, "name": tile.unit.name, "numel": tile.numel})
+                    if delay:
+                        time.sleep(delay)
+                wait_all(pool, futures)
+            files.update({w.path.name: w.info for w in writers})
+            job.pool = None
             for p in sorted(job.tmp.rglob("*")):
                 rel = p.relative_to(job.tmp).as_posix()
                 if p.is_file() and rel not in files:
                     sha, size = sha256_file(p)
                     files[rel] = {"sha256": sha, "bytes": size}
                     _fsync(p)
-            manifest = {"format": FORMAT, "format_version": 1, "step": job.step, "world": self.world, "units": units,
+            manifest = {"format": FORMAT, "format_version": 2, "step": job.step, "world": self.world, "units": units,
                         "files": files}
             with open(job.tmp / MANIFEST, "w") as f:
                 json.dump(manifest, f, indent=1)
@@ -196,10 +208,30 @@ class CheckpointSaver:
             self._prune(job.final)
         except BaseException as e:  # reported on the training thread by wait()
             job.error = e
+            for w in writers:
+                w.close()
             shutil.rmtree(job.tmp, ignore_errors=True)
         finally:
             job.seconds = time.perf_counter() - job.started
             self._all_written(job)  # never leave the optimizer waiting on a dead writer
+
+    def _write_staged(self, path: Path, i: int, tile, meta: dict) -> dict:
+        w = TensorFileWriter(path, unit_plan(tile), metadata=meta)
+        try:
+            for k in KINDS:
+                with self.store.unit_state(i, (k,)) as st:
+                    for view in tile.views(st[k]).values():
+                        w.write(view)
+            w.write(tile.step)
+        except BaseException:
+            w.abort()
+            raise
+        return w.close()
+
+    def _unit_done(self, job: _Job, i: int) -> None:
+        job.written[i].set()  # the optimizer may now update this unit
+        if self.listener is not None:
+            self.listener.unit_written(job.step, i)
 
     def _all_written(self, job: _Job) -> None:
         for i, e in enumerate(job.written):

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MegatrainError
+from .fastio import CHUNK
 
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 DTYPE_OF = {v: k for k, v in DTYPES.items()}
@@ -33,40 +34,85 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _nbytes(dtype: torch.dtype, shape) -> int:
+def tensor_nbytes(dtype: torch.dtype, shape) -> int:
     n = torch.empty((), dtype=dtype).element_size()
     for s in shape:
         n *= s
     return n
 
 
-class TensorFileWriter:
-    """Writes the planned tensors, in plan order, to `path`. `close()` fsyncs and returns (sha256, size)."""
+def header_bytes(plan: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None) -> bytes:
+    """The file's first bytes (8-byte length, JSON header padded to 8) for tensors stored in `plan` order."""
+    header, off = {}, 0
+    for name, dtype, shape in plan:
+        n = tensor_nbytes(dtype, shape)
+        header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as the format recommends
+    return struct.pack("<Q", len(raw)) + raw
 
-    def __init__(self, path: Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None):
+
+def read_header(path: Path, expected_size: int | None = None) -> tuple[bytes, list, dict]:
+    """(the header's bytes, entries (start, end, name, dtype, shape) sorted by offset, metadata) of a safetensors
+    file; MegatrainError naming the file when it is missing, of another size than expected, or not safetensors."""
+    path = Path(path)
+    if not path.is_file():
+        raise MegatrainError(f"{path}: checkpoint file is missing")
+    actual = path.stat().st_size
+    if expected_size is not None and actual != expected_size:
+        raise MegatrainError(f"{path}: truncated or altered: {actual} bytes, the manifest says {expected_size}")
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise MegatrainError(f"{path}: truncated (ends inside its header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or 8 + n > actual:
+            raise MegatrainError(f"{path}: not a safetensors file (header length {n})")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+        metadata = header.pop("__metadata__", {}) or {}
+        entries = sorted(((v["data_offsets"][0], v["data_offsets"][1], k, DTYPE_OF[v["dtype"]], tuple(v["shape"]))
+                          for k, v in header.items()))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise MegatrainError(f"{path}: not a safetensors file (unreadable header)") from None
+    except (KeyError, TypeError, IndexError, AttributeError):
+        raise MegatrainError(f"{path}: safetensors header has an entry megatrain does not read") from None
+    return head + raw, entries, metadata
+
+
+class TensorFileWriter:
+    """Writes the planned tensors, in plan order, to `path`, on the calling thread: the single writer (a save whose
+    states are staged from the SSD tier one kind at a time). `close()` fsyncs and returns the manifest entry:
+    bytes and the sha256 of every `chunk_bytes` chunk, as fastio.ChunkWriter records them."""
+
+    def __init__(self, path: Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None,
+                 chunk_bytes: int = CHUNK):
         self.path = Path(path)
-        header, off = {}, 0
-        for name, dtype, shape in plan:
-            n = _nbytes(dtype, shape)
-            header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
-            off += n
-        if metadata:
-            header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as the format recommends
         self._plan = list(plan)
         self._next = 0
+        self.chunk = chunk_bytes
+        self.hashes: list[str] = []
         self.sha = hashlib.sha256()
         self.size = 0
         self.file = open(self.path, "wb")
-        self._put(memoryview(struct.pack("<Q", len(raw)) + raw))
+        self._put(memoryview(header_bytes(plan, metadata)))
 
     def _put(self, mv: memoryview) -> None:
-        for a in range(0, len(mv), PIECE):
-            piece = mv[a: a + PIECE]
+        a = 0
+        while a < len(mv):
+            room = self.chunk - self.size % self.chunk  # to the end of the current chunk
+            piece = mv[a: a + min(PIECE, room)]
             self.file.write(piece)
             self.sha.update(piece)  # hashlib releases the GIL on large buffers: training threads keep running
-        self.size += len(mv)
+            self.size += len(piece)
+            a += len(piece)
+            if self.size % self.chunk == 0:
+                self.hashes.append(self.sha.hexdigest())
+                self.sha = hashlib.sha256()
 
     def write(self, t: torch.Tensor) -> None:
         name, dtype, shape = self._plan[self._next]
@@ -75,13 +121,15 @@ class TensorFileWriter:
         self._next += 1
         self._put(_bytes(t))
 
-    def close(self) -> tuple[str, int]:
+    def close(self) -> dict:
         if self._next != len(self._plan):
             raise ValueError(f"{self.path}: {len(self._plan) - self._next} planned tensors were not written")
+        if self.size % self.chunk:
+            self.hashes.append(self.sha.hexdigest())
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
-        return self.sha.hexdigest(), self.size
+        return {"bytes": self.size, "chunk_bytes": self.chunk, "sha256_chunks": self.hashes}
 
     def abort(self) -> None:
         self.file.close()
@@ -98,42 +146,13 @@ class TensorFileReader:
 
     def __init__(self, path: Path, expected_size: int | None = None):
         self.path = Path(path)
-        if not self.path.is_file():
-            raise MegatrainError(f"{self.path}: checkpoint file is missing")
-        actual = self.path.stat().st_size
-        if expected_size is not None and actual != expected_size:
-            raise MegatrainError(f"{self.path}: truncated or altered: {actual} bytes, the manifest says "
-                                 f"{expected_size}")
-        self.size = actual
-        self.sha = hashlib.sha256()
+        head, self.entries, self.metadata = read_header(self.path, expected_size)
+        self.size = self.path.stat().st_size
+        self.sha = hashlib.sha256(head)
         self.file = open(self.path, "rb")
-        head = self._take(8)
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER or 8 + n > actual:
-            self.file.close()
-            raise MegatrainError(f"{self.path}: not a safetensors file (header length {n})")
-        try:
-            header = json.loads(self._take(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            self.file.close()
-            raise MegatrainError(f"{self.path}: not a safetensors file (unreadable header)") from None
-        self.metadata = header.pop("__metadata__", {}) or {}
-        try:
-            entries = sorted(((v["data_offsets"][0], v["data_offsets"][1], k, DTYPE_OF[v["dtype"]],
-                               tuple(v["shape"])) for k, v in header.items()))
-        except (KeyError, TypeError, IndexError):
-            self.file.close()
-            raise MegatrainError(f"{self.path}: safetensors header has an entry megatrain does not read") from None
-        self.entries = entries
+        self.file.seek(len(head))
         self._pos = 0  # offset into the data section
         self._k = 0
-
-    def _take(self, n: int) -> bytes:
-        b = self.file.read(n)
-        if len(b) != n:
-            raise MegatrainError(f"{self.path}: truncated (ends inside its header)")
-        self.sha.update(b)
-        return b
 
     def _fill(self, mv: memoryview) -> None:
         for a in range(0, len(mv), PIECE):
@@ -147,7 +166,7 @@ class TensorFileReader:
     def __iter__(self):
         while self._k < len(self.entries):
             start, end, name, dtype, shape = self.entries[self._k]
-            if start != self._pos or end - start != _nbytes(dtype, shape):
+            if start != self._pos or end - start != tensor_nbytes(dtype, shape):
                 raise MegatrainError(f"{self.path}: safetensors layout megatrain does not read (tensor '{name}')")
             self._k += 1
             self._current = (name, dtype, shape)

@@ -266,6 +266,20 @@ DEFAULT_DISK_READ_BPS = _fit(
 DEFAULT_DISK_WRITE_BPS = _fit(
     "DEFAULT_DISK_WRITE_BPS", 1.6e9, "bytes/s", "the same disk written (O_DIRECT, 16 MiB requests)",
     f"{_PROBE} --disk PATH")
+IO_EFFICIENCY = _fit(
+    "IO_EFFICIENCY", {"load": 0.7, "save": 0.85, "resume": 0.75, "export": 0.65, "export_ckpt": 0.6},
+    "share of the disk's rate",
+    "what loading pretrained safetensors (read), a checkpoint's save (write), a resume (read), the export from the "
+    "store (write) and from a checkpoint (its masters read, then the bf16 written) reach of the disk's O_DIRECT "
+    "rates, with 8 I/O threads (16 for the load) on an H100 host (Qwen2.5-7B's layers, disk 2.1 GB/s read, 2.3 "
+    "write): load 0.73, save 0.85, resume 0.79, export 0.69, a checkpoint's export 0.63 of the sum of its read and "
+    "write times; rounded down",
+    "python3 bench/bench_io.py --model bench/model-configs/qwen2.5-7b --layers 10 --json OUT.json")
+IO_HASH_BPS = _fit(
+    "IO_HASH_BPS", 7.4e9, "bytes/s",
+    "sha256 on the 8 I/O threads of a save or a resume (checkpoint/fastio.py): 0.92 GB/s a thread on an H100 host "
+    "(8.4 GB/s measured on 8 threads): a disk faster than this is not written or read faster than it is hashed",
+    "python3 bench/bench_io.py --model bench/model-configs/qwen2.5-7b --layers 10 --json OUT.json (sha256_bps)")
 
 # ---- several ranks (world.py) -------------------------------------------------------------------------------
 INTRA_NODE_BPS = _fit(

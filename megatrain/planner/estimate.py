@@ -56,6 +56,7 @@ class Plan:
     disk_path: str | None = None  # memory.disk_path: the SSD tier's folder (None: no SSD tier allowed)
     ssd_free: float | None = None  # free bytes there
     precision_why: str = ""  # the resolved train.precision and why, one line (precision.precision_line)
+    io: dict = field(default_factory=dict)  # load, save, resume, export seconds (io_time.io_times; set by the caller)
 
     @property
     def ssd(self) -> dict:
@@ -93,7 +94,7 @@ class Plan:
                 "seq_len": self.workload.seq_len, "fits": self.fits, "problems": self.problems,
                 "suggestions": self.suggestions,
                 "placement": {**asdict(pl), "wave_groups": len(self.workload.groups)},
-                "placement_why": self.why, "chosen_keys": sorted(self.free),
+                "placement_why": self.why, "chosen_keys": sorted(self.free), "io": self.io,
                 "host_peak_gib": self.host_total / GiB, "host_bytes_per_param": self.host_total / self.params,
                 "host_available_gib": None if self.host_available is None else self.host_available / GiB,
                 "pinned_gib": self.pinned / GiB, "host": {k: v / GiB for k, v in self.host.items()},

@@ -18,6 +18,7 @@ functions, the GPU and the time from walking the runtime's own step schedule.
 from __future__ import annotations
 
 from .estimate import Plan, estimate
+from .io_time import io_times
 from .precision import precision_line
 from .profile import GiB, Profile
 from .report import refusal, render
@@ -84,6 +85,8 @@ def plan_for_config(cfg, adapter, device: str, profile: Profile | None = None, w
                      choose_keys=frozenset(PLACEMENT_KEYS) - set(fixed_placement(cfg)), world=world,
                      disk_path=cfg.memory.disk_path, ssd_free=ssd_free)
     plan.model = f"{adapter.model_type} ({cfg.model.path})"
+    plan.io = io_times(plan.params, prof.disk_read_bps, prof.disk_write_bps, plan.step_s, cfg.checkpoint.every,
+                       None if cfg.model.init == "random" else _file_dtype(adapter.hf_config), prof.disk_source)
     slow = prof.cpu_flops / prof.cpu_bf16_flops if device == "cpu" and len(prof.cpu_measured) == 2 else None
     plan.precision_why = precision_line(w.precision, device, slow)
     if stale:
@@ -92,6 +95,12 @@ def plan_for_config(cfg, adapter, device: str, profile: Profile | None = None, w
     if w.device == "cuda" and not torch_cuda_available():
         plan.notes.append("no GPU on this machine: planned for the profile's GPU (train.device=cpu plans a CPU run)")
     return plan
+
+
+def _file_dtype(hf_config) -> str:
+    """The pretrained files' dtype as config.json states it (bf16 when it does not)."""
+    d = getattr(hf_config, "dtype", None) or "bfloat16"
+    return str(d).replace("torch.", "")
 
 
 def torch_cuda_available() -> bool:

@@ -12,6 +12,7 @@ is computed here: every figure is a field of the Plan (estimate.py).
 from __future__ import annotations
 
 from .estimate import Plan
+from .io_time import io_lines
 from .profile import GiB
 
 
@@ -65,7 +66,7 @@ def render(p: Plan) -> str:
     free = f"; {p.disk_free / GiB:.0f} GiB free in the output folder" if p.disk_free is not None else ""
     lines.append(f"disk per checkpoint: {p.disk_per_checkpoint / GiB:.1f} GiB (fp32 master + Adam m + v, "
                  f"12 B/param){free}")
-    lines += ssd_lines(p)
+    lines += ssd_lines(p) + io_lines(p.io)
     lines.append("")
     lines.append(f"step time (predicted): {t['step_s']:.2f} s, bound by {t['bound']}")
     if w.device == "cuda":

@@ -248,8 +248,10 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
     clock.lap("store allocated")
     if world.fills_store:
         fill_store(cfg, inp, store)
-        clock.lap("store filled" + (f" (from {inp.resumed.path.name})" if inp.resumed is not None else
-                                    " (random init)" if cfg.model.init == "random" else " (weights read)"))
+        io = getattr(store, "load_stats", None) or {}  # bytes and seconds of a read (checkpoint or weights)
+        rate = f" {io['bytes'] / 1e9:.1f} GB at {io['bytes'] / max(io['seconds'], 1e-9) / 1e9:.2f} GB/s" if io else ""
+        clock.lap("store filled" + (f" (from {inp.resumed.path.name}{rate})" if inp.resumed is not None else
+                                    " (random init)" if cfg.model.init == "random" else f" (weights read{rate})"))
     if inp.resumed is not None:
         inp.loader.load_state_dict(inp.resumed.state["loader"])
 
@@ -267,7 +269,7 @@ def fill_store(cfg: Config, inp: Inputs, store: HostStore) -> None:
     """The store's first state: the checkpoint resumed (instead of the model's weights, not after them: the
     weights are read once), a random init, or the model's weights."""
     if inp.resumed is not None:
-        resume_lib.load_store(inp.resumed, store)
+        store.load_stats = resume_lib.load_store(inp.resumed, store)
     elif cfg.model.init == "random":
         std = cfg.train.init_std or getattr(inp.hf_config, "initializer_range", 0.02)
         store.init_random(cfg.train.seed, std)

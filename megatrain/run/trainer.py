@@ -210,11 +210,13 @@ def finish(run: Run, s: Session) -> dict:
     final = final or (run.resumed.path if run.resumed else None)
     run.pipeline.drain()
     if cfg.export.at_end and run.writes:
-        from ..checkpoint.export import export_checkpoint
+        from ..checkpoint.export import export_store
 
-        res = export_checkpoint(final, cfg.export.dir or run.out_dir / "export", dtype=cfg.export.dtype,
-                                max_shard_mb=cfg.export.max_shard_mb, replace_export=True)
-        s.log.info(f"exported a Hugging Face model to {res['path']} ({res['seconds']:.1f}s)")
+        # the store holds the final checkpoint's state: its weights are exported from RAM, its files from `final`
+        res = export_store(run.store, final, cfg.export.dir or run.out_dir / "export", dtype=cfg.export.dtype,
+                           max_shard_mb=cfg.export.max_shard_mb, replace_export=True)
+        s.log.info(f"exported a Hugging Face model to {res['path']} ({res['seconds']:.1f}s, "
+                   f"{res['bytes'] / max(res['seconds'], 1e-9) / 1e9:.2f} GB/s)")
         s.summary["export"] = str(res["path"])
     if "last_loss" in s.summary:
         s.log.info(f"done: loss {s.summary['first_loss']:.4f} -> {s.summary['last_loss']:.4f}; metrics in "

@@ -173,8 +173,9 @@ class HostStore:
         for t in self.tiles:
             self.refresh_stream_copy(t)
 
-    def load_safetensors(self, model_dir: str | Path) -> None:
-        """Load unit by unit: at most one unit's tensors are read beyond the store at any time."""
+    def load_safetensors(self, model_dir: str | Path, threads: int | None = None, progress: bool = True) -> dict:
+        """Load every tensor in parallel (runtime/weights_load.py: shards, tensors and pieces of them on `threads`
+        threads, a few MiB per thread beyond the store). Returns (and keeps as `load_stats`) bytes and seconds."""
         model_dir = Path(model_dir)
         weight_map = _weight_map(model_dir)
         # a tensor the checkpoint stores otherwise (quantized) is built from other tensors: the adapter says how
@@ -196,38 +197,14 @@ class HostStore:
                 f"{model_dir}: checkpoint tensor '{unexpected[0]}' in {weight_map[unexpected[0]]} is not part of a "
                 f"{self.adapter.model_type} model with this config.json{more}: {', '.join(unexpected[:3])}"
             )
-        for i, t in enumerate(self.tiles):
+        for t in self.tiles:
             missing = [n for s in t.unit.specs for n in names(s) if n not in weight_map]
             if missing:
                 raise MegatrainError(f"{model_dir}: tensor '{missing[0]}' ({t.unit.name}) is missing from the checkpoint")
-            files = sorted({weight_map[n] for s in t.unit.specs for n in names(s)})
-            handles = {f: _open_shard(model_dir / f) for f in files}
-            try:
-                with self.unit_state(i, ("master",), read=False, write=True) as st:
-                    self._load_unit(model_dir, t, st["master"], handles, weight_map, packed)
-                    self.refresh_stream_copy(t, st["master"])
-            finally:
-                handles.clear()  # closes the files and their mappings before the next unit
+        from .weights_load import load_units
 
-    def _load_unit(self, model_dir: Path, t: LayerTile, master: torch.Tensor, handles, weight_map, packed) -> None:
-        """One unit's tensors from the open safetensors files into its fp32 master."""
-        for s, view in zip(t.unit.specs, t.views(master).values()):
-            if s.hf_name in packed:
-                p = packed[s.hf_name]
-                try:
-                    p.build(view, [handles[weight_map[n]].get_tensor(n) for n in p.names])
-                except ValueError as e:
-                    raise MegatrainError(f"{model_dir}: tensors {', '.join(p.names)}: {e}") from None
-                continue
-            for name, part in s.split(view):
-                fname = weight_map[name]
-                shape = tuple(handles[fname].get_slice(name).get_shape())
-                if shape != tuple(part.shape):
-                    raise MegatrainError(
-                        f"{model_dir / fname}: tensor '{name}' has shape {list(shape)}, config.json implies "
-                        f"{list(part.shape)}"
-                    )
-                part.copy_(handles[fname].get_tensor(name))
+        self.load_stats = load_units(self, model_dir, weight_map, packed, _open_shard, threads, progress)
+        return self.load_stats
 
     def refresh_stream_copy(self, tile: LayerTile, master: torch.Tensor | None = None) -> None:
         """Rewrite the tile's streaming copy from its master (`master`: where it is staged, when on disk)."""

@@ -1,0 +1,58 @@
+"""Seconds of the work around the steps: loading pretrained weights, a checkpoint's save, a resume, the export;
+and the share of a run's wall time its periodic saves take.
+
+Each is bytes over the disk's rate (the profile's `disk`, `megatrain probe --disk PATH`, else the defaults: the
+calibration's DEFAULT_DISK_*; the same disk is assumed for output.dir and model.path) times the share of that rate
+the code reaches (calibration.IO_EFFICIENCY, measured by bench/bench_io.py), a checkpoint's save and resume at most
+at the rate its I/O threads hash (IO_HASH_BPS):
+
+    load          the safetensors files (params x the config's dtype) read
+    save          the checkpoint (fp32 master, Adam m and v: 12 B/param) written
+    resume        the checkpoint read
+    export        the bf16 export (2 B/param) written from the store, at the end of a run
+    export_ckpt   `megatrain export CHECKPOINT`: the masters (4 B/param) read and the bf16 written
+
+A periodic save overlaps the steps after it: the writer goes through the units in forward order while the next step
+runs, and that step's optimizer waits only for units not yet written (checkpoint/saver.py). So a save costs the
+run max(0, save - one step) of wall time; every `checkpoint.every` steps that is the share below.
+"""
+
+from __future__ import annotations
+
+from .calibration import IO_EFFICIENCY, IO_HASH_BPS
+
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a config's dtype name (float32: 4, the 16-bit ones: 2)."""
+    return 4 if "32" in name else 2
+
+
+def io_times(params: int, read_bps: float, write_bps: float, step_s: float, every: int = 0,
+             file_dtype: str | None = "bfloat16", source: str = "") -> dict:
+    """The seconds of each operation, the wall-time cost of one periodic save and its share at `every` steps.
+    file_dtype: the pretrained files' dtype (None: random init, nothing is loaded)."""
+    e = IO_EFFICIENCY
+    ckpt = 12 * params
+    out = {"read_bps": read_bps, "write_bps": write_bps, "source": source, "checkpoint_bytes": ckpt,
+           "load_s": (params * dtype_bytes(str(file_dtype)) / (read_bps * e["load"])) if file_dtype else 0.0,
+           "save_s": ckpt / min(write_bps * e["save"], IO_HASH_BPS),  # every byte hashed on the I/O threads
+           "resume_s": ckpt / min(read_bps * e["resume"], IO_HASH_BPS),
+           "export_s": 2 * params / (write_bps * e["export"]),
+           "export_ckpt_s": (4 * params / read_bps + 2 * params / write_bps) / e["export_ckpt"]}
+    out["save_cost_s"] = max(0.0, out["save_s"] - step_s)
+    out["every"] = every
+    out["save_share"] = out["save_cost_s"] / (every * step_s + out["save_cost_s"]) if every and step_s > 0 else 0.0
+    return out
+
+
+def io_lines(io: dict) -> list[str]:
+    """The report's lines (planner/report.py)."""
+    if not io:
+        return []
+    load = f"load {io['load_s']:.0f} s, " if io["load_s"] else ""
+    every = (f"; checkpoint.every {io['every']}: a save costs {io['save_cost_s']:.0f} s beyond the step it overlaps, "
+             f"{io['save_share']:.1%} of the run's wall time" if io["every"] else "")
+    return [f"disk work (predicted, disk read {io['read_bps'] / 1e9:.2f} / write {io['write_bps'] / 1e9:.2f} GB/s, "
+            f"{io['source']}): {load}save {io['save_s']:.0f} s, resume {io['resume_s']:.0f} s, "
+            f"export {io['export_s']:.0f} s (from a checkpoint {io['export_ckpt_s']:.0f} s){every}"]

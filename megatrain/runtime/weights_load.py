@@ -1,0 +1,176 @@
+"""Pretrained safetensors into the host store on many cores: shards and tensors read in parallel, converted to the
+fp32 master on the same threads, without a copy of the model beside the store.
+
+Each checkpoint tensor (bf16, fp16 or fp32) is cut into pieces of PIECE bytes; a piece is one task of a pool of
+`threads` threads: `preadv` its bytes (the call releases the GIL) into the thread's own PIECE buffer, then copy them,
+cast, into the master's view (an fp32 piece is read straight into the master). So the loader holds `threads` x PIECE
+bytes beyond the store however large the model, reads many places of many shards at once (what a disk needs to
+reach its rate; a page-cached file reads at memory speed on every thread), and casts on every core. Tensors of
+other dtypes and those a checkpoint stores packed (gpt-oss's MXFP4 experts, `ModelAdapter.packed_source`) go
+through `safe_open`, one tensor per task. The streaming copies are written from the masters at the end (torch's
+own parallelism). A progress bar (tqdm, on a terminal) shows GB/s; the caller logs bytes and seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ..errors import MegatrainError
+
+PIECE = 4 << 20  # bytes of a checkpoint tensor read by one task
+THREADS = 16  # pieces in flight at most (reads and casts: a page-cached file is read at memory speed)
+SOURCE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def shard_header(path: Path) -> tuple[int, dict]:
+    """(offset of the data section, name -> {dtype, shape, data_offsets}) of a safetensors file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
+def load_units(store, model_dir: Path, weight_map: dict, packed: dict, open_shard, threads: int | None = None,
+               progress: bool = True) -> dict:
+    """Fill every tile's master (and streaming copy) from the safetensors files. Returns {"bytes", "seconds"}."""
+    t0 = time.perf_counter()
+    files = sorted(set(weight_map.values()))
+    headers = {f: shard_header(model_dir / f) for f in files}
+    fds = {f: os.open(model_dir / f, os.O_RDONLY) for f in files}
+    n = max(1, threads or min(THREADS, len(os.sched_getaffinity(0))))
+    local = threading.local()
+    used = {nm for u in store.units for s in u.specs
+            for nm in (packed[s.hf_name].names if s.hf_name in packed else s.checkpoint_names)}
+    total = sum(_nbytes(headers[weight_map[nm]][1][nm]) for nm in used)
+    bar = _bar(total, progress)
+    lock = threading.Lock()
+
+    def moved(b: int) -> None:
+        if bar is not None:
+            with lock:
+                bar.update(b)
+
+    def piece(f: str, start: int, part: torch.Tensor, src: torch.dtype, a: int, b: int) -> None:
+        """Elements [a, b) of `part` (flat) from the file's tensor starting at byte `start`."""
+        es = src.itemsize
+        if src == part.dtype:
+            dest = part[a:b].view(torch.uint8)
+        else:
+            buf = getattr(local, "buf", None)
+            if buf is None:
+                buf = local.buf = torch.empty(PIECE, dtype=torch.uint8)
+            dest = buf[: (b - a) * es]
+        _read(fds[f], memoryview(dest.numpy()), start + a * es, model_dir / f)
+        if src != part.dtype:
+            part[a:b].copy_(dest.view(src))
+        moved((b - a) * es)
+
+    def whole(fn, *args) -> None:
+        handles = {}
+        try:
+            fn(handles, *args)
+        finally:
+            handles.clear()
+
+    def via_safe_open(handles, name: str, part: torch.Tensor) -> None:
+        f = weight_map[name]
+        h = handles.setdefault(f, open_shard(model_dir / f))
+        part.copy_(h.get_tensor(name).reshape(part.shape))
+        moved(_nbytes(headers[f][1][name]))
+
+    def build(handles, s, view) -> None:
+        p = packed[s.hf_name]
+        try:
+            p.build(view, [handles.setdefault(weight_map[nm], open_shard(model_dir / weight_map[nm])).get_tensor(nm)
+                           for nm in p.names])
+        except ValueError as e:
+            raise MegatrainError(f"{model_dir}: tensors {', '.join(p.names)}: {e}") from None
+        moved(sum(_nbytes(headers[weight_map[nm]][1][nm]) for nm in p.names))
+
+    try:
+        with ThreadPoolExecutor(n, thread_name_prefix="megatrain-load") as pool:
+            futures = []
+            for i, t in enumerate(store.tiles):
+                with store.unit_state(i, ("master",), read=False, write=True) as st:
+                    for s, view in zip(t.unit.specs, t.views(st["master"]).values()):
+                        if s.hf_name in packed:
+                            futures.append(pool.submit(whole, build, s, view))
+                            continue
+                        for name, part in s.split(view):
+                            futures += _submit_tensor(pool, piece, whole, via_safe_open, name, part, weight_map,
+                                                      headers, model_dir)
+                    if "master" in store.on_disk:  # staged: this unit complete before its buffer is written
+                        _wait(futures)
+                        futures = []
+                        store.refresh_stream_copy(t, st["master"])
+            _wait(futures)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        if bar is not None:
+            bar.close()
+    if "master" not in store.on_disk:
+        for t in store.tiles:
+            store.refresh_stream_copy(t)
+    return {"bytes": total, "seconds": time.perf_counter() - t0}
+
+
+def _submit_tensor(pool, piece, whole, via_safe_open, name, part, weight_map, headers, model_dir) -> list:
+    f = weight_map[name]
+    start, header = headers[f]
+    e = header[name]
+    if tuple(e["shape"]) != tuple(part.shape):
+        raise MegatrainError(f"{model_dir / f}: tensor '{name}' has shape {list(e['shape'])}, config.json implies "
+                             f"{list(part.shape)}")
+    src = SOURCE.get(e["dtype"])
+    if src is None or not part.is_contiguous():
+        return [pool.submit(whole, via_safe_open, name, part)]
+    lo, hi = e["data_offsets"]
+    if hi - lo != part.numel() * src.itemsize:
+        raise MegatrainError(f"{model_dir / f}: tensor '{name}' holds {hi - lo} bytes, its shape and dtype "
+                             f"{e['dtype']} imply {part.numel() * src.itemsize}")
+    flat, step = part.reshape(-1), max(1, PIECE // src.itemsize)
+    return [pool.submit(piece, f, start + lo, flat, src, a, min(a + step, flat.numel()))
+            for a in range(0, flat.numel(), step)]
+
+
+def _nbytes(entry: dict) -> int:
+    return entry["data_offsets"][1] - entry["data_offsets"][0]
+
+
+def _read(fd: int, mv: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(mv):
+        got = os.preadv(fd, [mv[done:]], offset + done)
+        if got <= 0:
+            raise MegatrainError(f"{path}: truncated (ends at byte {offset + done})")
+        done += got
+
+
+def _wait(futures) -> None:
+    first = None
+    for fu in futures:
+        try:
+            fu.result()
+        except BaseException as e:
+            first = first or e
+    if first is not None:
+        raise first
+
+
+def _bar(total: int, progress: bool):
+    if not progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="loading weights", disable=None,
+                dynamic_ncols=True)
