@@ -307,7 +307,8 @@ class _GpuBooks(ScheduleVisitor):
         self.tag = f", group {gi + 1}/{len(self.groups)}" if len(self.groups) > 1 else ""
         rows = sum(mbs)
         self.base = {"weight slots": self.slots, "rope tables, token ids, masks":
-                     float(rows * T * self.per_token_ctx + (rows * T * T if w.packed else 0)),
+                     float(rows * T * self.per_token_ctx) + actsim.mask_bytes(self.adapter, rows, T, w.packed,
+                                                                              self.cuda),
                      "workspace": float(GPU_WORKSPACE) if self.cuda else 0.0}
         pre = [sum(c[:m]) for m in range(len(c))]  # outputs (or d(hidden)) of the micro-batches before m
         self.fwd = _worst([(pre[m], act[b]["forward"]) for m, b in enumerate(mbs)])
