@@ -200,6 +200,10 @@ FLEX_MEASURED = _fit(
     "packed rows, a sliding window shorter than the row, or a score SDPA cannot apply; the planner's attention rate is "
     "fitted to flash runs, so such a layer costs the measured difference per FLOP on top (timing.flex_extra)",
     "python3 bench/attention_kernels.py --json OUT.json")
+VARLEN_MEASURED = _fit(
+    "VARLEN_MEASURED", {128: (1.818, 7.658, 1.818, 7.658)},
+    "ms: (flash fwd, flash fwd+bwd, varlen fwd, varlen fwd+bwd) by head_dim",
+    "PLACEHOLDER", "python3 bench/attention_kernels.py --json OUT.json")
 FLEX_SHAPE_FLOPS = _fit(
     "FLEX_SHAPE_FLOPS", 2.0 * 4096 * 4096 * 8 * 4096, "FLOPs (the planner's count)",
     "forward FLOPs of the shape FLEX_MEASURED was timed at (8 rows x 4096 tokens, heads x head_dim = 4096): refitted "

@@ -200,7 +200,7 @@ def _activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | No
     tiled = False
     for b in sorted(set(w.micro_batches)):
         tile = w.placement.seq_tile if w.placement.seq_tile < b * w.seq_len else 0  # one tile: the whole layer
-        block = w.placement.attn_block if 0 < w.placement.attn_block < w.seq_len and not w.packed else 0
+        block = w.placement.attn_block if 0 < w.placement.attn_block < w.seq_len else 0
         tiled |= bool(tile or block)  # (rows longer than the attention's block run the split layer too)
         stash = w.placement.reuse_attention > 0
         key = (b, w.seq_len, dtype, w.packed, w.device, chunk, targets, w.head_kernels, tile, stash, block)
