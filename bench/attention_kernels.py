@@ -185,7 +185,7 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true",
-                    help="no kernel_options sweep, FlexAttention on packed rows only (its compiling is most of the time)")
+                    help="no kernel_options sweep, FlexAttention on packed rows only (compiling it takes most time)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("attention_kernels: needs CUDA", file=sys.stderr)
@@ -207,8 +207,8 @@ def main() -> int:
             r["vs_flash_fwd"] = r["forward_ms"] / base["forward_ms"] if base else None
             r["vs_flash_fwd_bwd"] = r["fwd_bwd_ms"] / base["fwd_bwd_ms"] if base else None
             rows.append(r)
-            print(f"{name:<22} {r['rows_are']:<8} {r['kernel']:<14} {str(options or ''):<40} fwd {r['forward_ms']:8.2f} "
-                  f"ms {r['forward_tflops']:6.0f} TF/s  fwd+bwd {r['fwd_bwd_ms']:8.2f} ms {r['fwd_bwd_tflops']:6.0f} "
+            print(f"{name:<22} {r['rows_are']:<8} {r['kernel']:<14} {str(options or ''):<40} "
+                  f"fwd {r['forward_ms']:8.2f} ms {r['forward_tflops']:6.0f} TF/s  fwd+bwd {r['fwd_bwd_ms']:8.2f} ms {r['fwd_bwd_tflops']:6.0f} "
                   f"TF/s" + (f"  vs flex {r['max_abs_vs_flex']:.3g}" if "max_abs_vs_flex" in r else ""), flush=True)
             torch.cuda.empty_cache()
     write_json(args.json, {"machine": machine(), "git": git_rev(), "command": " ".join(sys.argv), "results": rows})

@@ -90,7 +90,28 @@ def test_cuda_and_meta_contexts_carry_segments_not_masks():
     pos = packed_positions([[3, 5]])
     cpu = attention_context(pos, pos, pos, packed=True, window=None)
     assert cpu.mask is not None and not cpu.varlen  # CPU keeps the explicit mask (CI's reference path)
-    meta = attention_context(torch.zeros(2, 16, dtype=torch.long, device="meta"), pos, pos, packed=True,
+    rope = torch.ones(2, 16, 8, dtype=torch.bfloat16, device="meta")
+    meta = attention_context(torch.zeros(2, 16, dtype=torch.long, device="meta"), rope, rope, packed=True,
                              window=None)
     assert meta.mask is None and meta.block_mask is None and meta.varlen and meta.max_seqlen == 16
     assert tuple(meta.cu_seqlens.shape) == (3,)
+
+
+def test_packed_rows_planned_on_cuda_count_the_segments_not_a_mask():
+    """The planner's packed-row context bytes (planner/activations.mask_bytes): on CUDA with the varlen kernel the
+    int32 segment offsets `segments` allocates for a row whose every token starts a document (its most); on CPU the
+    boolean T x T mask the CPU path allocates."""
+    from conftest import tiny_hf_config
+
+    from megatrain.models import get_adapter
+    from megatrain.planner.activations import mask_bytes
+
+    adapter = get_adapter(tiny_hf_config("llama"))
+    rows, T = 2, 65536  # long rows: the varlen kernel at any head_dim (base.FLEX_PACKED_TOKENS)
+    assert adapter.cuda_attention("full", T, True) == ("varlen", "plain")
+    cu, _ = segments(torch.zeros(rows, T, dtype=torch.long))
+    assert mask_bytes(adapter, rows, T, packed=True, cuda=True) == cu.nbytes
+    small = packed_positions([[3, 5], [8]])
+    cpu = attention_context(small, small, small, packed=True, window=None)
+    assert mask_bytes(adapter, 2, 8, packed=True, cuda=False) == cpu.mask.untyped_storage().nbytes()
+    assert mask_bytes(adapter, rows, T, packed=False, cuda=True) == 0

@@ -2,9 +2,9 @@
 
 Unpacked rows with full causal attention run SDPA's causal kernel (FlashAttention on CUDA). Packed documents and
 sliding windows: on CPU an explicit boolean [B, 1, T, T] mask (exact, small at test sizes); on CUDA the
-variable-length flash kernel over the documents (models/varlen.py: segment offsets, no mask), or, where the score
-is not plain (Gemma 2's soft-capping, gpt-oss's sinks), a FlexAttention block mask, evaluated per 128 x 128 block,
-never a T x T tensor.
+variable-length flash kernel over the documents (models/varlen.py: segment offsets, no mask), or a FlexAttention
+block mask, evaluated per 128 x 128 block, never a T x T tensor, where the score is not plain (Gemma 2's
+soft-capping, gpt-oss's sinks) or where it measured faster (base.prefers_flex).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import MegatrainError
-from .base import AttnContext
+from .base import AttnContext, prefers_flex
 from .varlen import meta_segments, segments, varlen_attention
 
 _COMPILED = None
@@ -60,7 +60,7 @@ def flex_attention():
 
 
 def attention_context(position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: bool,
-                      window: int | None, force_mask: bool = False) -> AttnContext:
+                      window: int | None, force_mask: bool = False, head_dim: int | None = None) -> AttnContext:
     """An AttnContext: causal attention, within documents when rows are packed, over the last `window` positions
     (the query's own included, as transformers' sliding_window_overlay: kv > q - window) when a window is given.
     Unpacked rows no longer than the window need no mask (plain causal SDPA) unless `force_mask` (attention that
@@ -71,9 +71,10 @@ def attention_context(position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.
     if not packed and window is None and not force_mask:
         return AttnContext(cos=cos, sin=sin, mask=None)
     if not force_mask and cos.dtype in (torch.bfloat16, torch.float16) and \
-            (position_ids.is_cuda or (position_ids.is_meta and META_AS_CUDA[0])):
+            (position_ids.is_meta and META_AS_CUDA[0] or position_ids.is_cuda and not prefers_flex(head_dim, T)):
         # the variable-length kernel (bf16, fp16: fp32 runs keep FlexAttention): a segment per document (packed)
-        # or per row (a window only)
+        # or per row (a window only). The meta device stands it in for FlexAttention too: the same saved tensors,
+        # and an fp32 d(q) accumulator FlexAttention's backward does not allocate (an upper bound)
         if position_ids.is_meta:
             cu, longest = meta_segments(B, T, position_ids.device)
         elif packed:

@@ -82,7 +82,8 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, wi
         return o, lse, (rng, unused)
     if window is not None:
         return _reference(q, k, v, cu_q, cu_k, scale, window, causal), None, ()
-    out, lse = torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.promote_types(q.dtype, torch.float32))
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=acc)
     for qs, qe, ks, ke in _pairs(cu_q, cu_k):
         o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _seg(q, qs, qe), _seg(k, ks, ke), _seg(v, ks, ke), 0.0, causal, scale=scale)

@@ -6,9 +6,8 @@
             forward wave: Placement.reuse_attention); 6 per LM-head parameter per target.
     rates   a layer rate the probe measured at this shape (profile.py), converted by COMPILED_SPEEDUP when it
             was probed only in the other compile mode; else the profile's matmul and attention rates (flash's),
-            plus for each layer that runs FlexAttention (a score SDPA cannot apply) or the variable-length kernel
-            (packed rows, a window shorter than the row) on CUDA (ModelAdapter.cuda_attention) its measured extra
-            time (`flex_seconds`), and for
+            plus for each layer on FlexAttention or the varlen kernel on CUDA (packed rows, a window shorter than
+            the row, a score SDPA cannot apply: ModelAdapter.cuda_attention) its extra time (`flex_seconds`), and for
             the layers whose attention runs blocked for its backward (Placement.attn_block: `blocked_share`) the
             attention at 1/BLOCKED_ATTENTION_SLOWDOWN of the rate. A probed layer rate is used only for rows near
             its own length (Profile.layer_rate) and not for blocked attention (the probe ran the fused kernel).
@@ -82,34 +81,26 @@ def flex_extra(score: str, head_dim: int) -> tuple[float, float]:
 
 
 def varlen_extra(head_dim: int) -> tuple[float, float]:
-    """Seconds per attention forward FLOP (the planner's count) that the variable-length kernel takes beyond SDPA's
-    causal one, forward and forward + backward, at the nearest measured head_dim (VARLEN_MEASURED: rows of one
-    document each, so the same FLOPs; packed rows execute fewer, which the planner does not count)."""
-    d = min(VARLEN_MEASURED, key=lambda m: abs(math.log2(m / head_dim)))
-    flash_f, flash_fb, f, fb = VARLEN_MEASURED[d]
+    """flex_extra for the variable-length kernel over packed rows against SDPA's over plain rows (VARLEN_MEASURED,
+    the nearest measured head_dim), per forward FLOP of a plain row (the planner does not know the documents)."""
+    flash_f, flash_fb, f, fb = VARLEN_MEASURED[min(VARLEN_MEASURED, key=lambda m: abs(math.log2(m / head_dim)))]
     return (f - flash_f) / 1e3 / FLEX_SHAPE_FLOPS, (fb - flash_fb) / 1e3 / FLEX_SHAPE_FLOPS
 
 
 def flex_seconds(adapter, seq_len: int, packed: bool) -> tuple[float, float]:
-    """What the layers' FlexAttention or variable-length kernel adds per token and layer (averaged over the layers) to
-    their attention at flash's rate, in a forward and in a forward + backward (ModelAdapter.cuda_attention: 0 where
-    every layer runs SDPA's causal kernel; FlexAttention's sliding window costs the whole 128 x 128 blocks it
-    touches)."""
+    """What the layers' FlexAttention or varlen kernel adds per token and layer (averaged over the layers) to their
+    attention at flash's rate, in a forward and in a forward + backward (ModelAdapter.cuda_attention: 0 where every
+    layer runs SDPA's causal kernel; FlexAttention's sliding window costs the whole 128 x 128 blocks it touches)."""
     window = getattr(adapter, "sliding_window", None)
     f = fb = 0.0
     for kind in adapter.layer_kinds:
         kernel, score = adapter.cuda_attention(kind, seq_len, packed)
         if kernel == "flash":
             continue
-        span = kind_span(adapter, kind, seq_len)
-        if kernel == "varlen":  # the variable-length kernel: its measured difference per FLOP (a window: exact span)
-            xf, xfb = varlen_extra(adapter.head_dim)
-            flops = 2.0 * span * adapter.num_heads * adapter.head_dim
-            f, fb = f + flops * xf, fb + flops * xfb
-            continue
-        if kind == "sliding" and window is not None and seq_len > window:
+        span = kind_span(adapter, kind, seq_len)  # (the varlen kernel's window: its exact span)
+        if kernel == "flex" and kind == "sliding" and window is not None and seq_len > window:
             span = min(float(seq_len), 2.0 * FLEX_BLOCK * (math.ceil(window / FLEX_BLOCK) + 1))
-        xf, xfb = flex_extra(score, adapter.head_dim)
+        xf, xfb = varlen_extra(adapter.head_dim) if kernel == "varlen" else flex_extra(score, adapter.head_dim)
         flops = 2.0 * span * adapter.num_heads * adapter.head_dim
         f, fb = f + flops * xf, fb + flops * xfb
     n = len(adapter.layer_kinds)
@@ -209,8 +200,7 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
             how += (f", the attention blocked for its backward (memory.attn_block) at 1/{BLOCKED_ATTENTION_SLOWDOWN}"
                     " of it (BLOCKED_ATTENTION_SLOWDOWN)")
         if xb:
-            how += ", FlexAttention's or the variable-length kernel's measured extra time over flash's (FLEX_MEASURED, " \
-                "VARLEN_MEASURED)"
+            how += ", FlexAttention's or varlen's measured extra time over flash's (FLEX_MEASURED, VARLEN_MEASURED)"
         if adapter.moe:
             r_mm, r_attn = r_mm * MOE_DEFAULT_SHARE, r_attn * MOE_DEFAULT_SHARE
             how += f", MoE layers at {MOE_DEFAULT_SHARE:.2f} of it (fitted to one run; probe the layer)"

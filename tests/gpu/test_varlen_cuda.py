@@ -182,3 +182,45 @@ def test_varlen_backward_memory_at_length(block):
     write_result(f"varlen_memory_cuda_b{block}", __file__, res)
     print(res)
     assert res["backward_peak_gib"] <= res["planned_peak_gib"] * 1.05 + 0.25, res
+
+
+def test_engine_packed_step_on_varlen_is_as_exact_as_on_flex(tmp_path, monkeypatch):
+    """A packed training step through the engine (build_runtime, as the trainer builds it), bf16, one row of
+    32,768 tokens (8 documents: the varlen kernel, models/base.FLEX_PACKED_TOKENS) against the fp32 step (which
+    runs FlexAttention): loss and gradients within 2x the bf16 step's error with FlexAttention forced."""
+    import megatrain.models.base as base
+    from test_packing_cuda import model_dir, runtime, step
+
+    d = model_dir(tmp_path, 2, 512)
+    T, n_docs = 32768, 8
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 4096, (1, T), generator=g)
+    labels = ids.clone()
+    labels[0, ::T // n_docs] = -100
+    pos = torch.arange(T // n_docs).repeat(n_docs)[None]
+
+    def run(dtype):
+        rt = runtime(d, dtype)
+        try:
+            out = step(rt, [(ids, labels, pos)])
+            rt.pipeline.drain()
+            return out
+        finally:
+            rt.close()
+
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref_loss, ref = run(torch.float32)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    var_loss, var = run(torch.bfloat16)
+    monkeypatch.setattr(base, "FLEX_PACKED_TOKENS", 1 << 40)  # FlexAttention at every length
+    flex_loss, flex = run(torch.bfloat16)
+    res = {"tokens": T, "documents": n_docs,
+           "loss_rel_varlen": abs(var_loss - ref_loss) / abs(ref_loss), "grad_rel_varlen": rel(var, ref),
+           "loss_rel_flex": abs(flex_loss - ref_loss) / abs(ref_loss), "grad_rel_flex": rel(flex, ref)}
+    write_result("varlen_engine_cuda", __file__, res)
+    print(res)
+    assert res["grad_rel_varlen"] <= 2 * res["grad_rel_flex"], res
+    assert res["loss_rel_varlen"] <= 2 * res["loss_rel_flex"] + 1e-6, res
