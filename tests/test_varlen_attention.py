@@ -90,9 +90,16 @@ def test_cuda_and_meta_contexts_carry_segments_not_masks():
     pos = packed_positions([[3, 5]])
     cpu = attention_context(pos, pos, pos, packed=True, window=None)
     assert cpu.mask is not None and not cpu.varlen  # CPU keeps the explicit mask (CI's reference path)
+    from megatrain.models import attention
+
     rope = torch.ones(2, 16, 8, dtype=torch.bfloat16, device="meta")
-    meta = attention_context(torch.zeros(2, 16, dtype=torch.long, device="meta"), rope, rope, packed=True,
-                             window=None)
+    meta_pos = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    assert attention_context(meta_pos, rope, rope, packed=True, window=None).mask is not None  # the CPU path's
+    attention.META_AS_CUDA[0] = True  # as the planner sets it planning for CUDA (planner/activations.py)
+    try:
+        meta = attention_context(meta_pos, rope, rope, packed=True, window=None)
+    finally:
+        attention.META_AS_CUDA[0] = False
     assert meta.mask is None and meta.block_mask is None and meta.varlen and meta.max_seqlen == 16
     assert tuple(meta.cu_seqlens.shape) == (3,)
 

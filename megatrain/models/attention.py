@@ -23,8 +23,8 @@ _COMPILED = None
 # the run stops with a clear error instead.
 FLEX_SHAPES = 256
 # Whether attention_context on the meta device stands in the CUDA path (the variable-length kernel's segments) or
-# the CPU's explicit mask: the planner's memory simulation sets it to the device it plans for.
-META_AS_CUDA = [True]
+# the CPU's explicit mask (by default): the planner's memory simulation sets it to the device it plans for.
+META_AS_CUDA = [False]
 
 
 def _guarded(compiled):
