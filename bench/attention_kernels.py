@@ -1,15 +1,26 @@
 """The attention kernels megatrain's layers run on CUDA, timed at each family's shape: SDPA's causal kernel
-(FlashAttention: plain unpacked rows) against FlexAttention (what a layer runs when it needs a mask or a score
-change: packed rows, sliding windows shorter than the row, Gemma 2's soft-capping, gpt-oss's sinks), through
-megatrain's own functions (models/attention.py: causal_attention, sink_attention; the contexts attention_context
-builds). The planner times attention at one rate (Profile.attention_rate, fitted to flash runs); this measures
-what the other kernel costs against it at the same shape.
+(plain unpacked rows), the variable-length flash kernel (models/varlen.py: packed rows, sliding windows) and
+FlexAttention (a score SDPA cannot apply: Gemma 2's soft-capping, gpt-oss's sinks; before, also packed rows and
+windows), through megatrain's own functions (models/attention.py: causal_attention, sink_attention; the contexts
+attention_context builds).
 
-    python bench/attention_kernels.py [--json OUT.json] [--reps 5]
+    python bench/attention_kernels.py [--json OUT.json] [--reps 5] [--quick]
 
-Per case: forward alone (no autograd) and forward + backward, milliseconds and TFLOP/s by the planner's count
-(forward 2·span·heads·head_dim per token, span = T for causal rows, 2W - W²/T with a window W; backward 2.5x the
-forward), and for FlexAttention cases the time against the flash case of the same shape. A table last.
+(--quick: no kernel_options sweep, FlexAttention timed on packed rows only.)
+
+Two kinds of case:
+    one row per document  every row one document (FLOPs as a plain causal row): each kernel against SDPA's at the
+                          same FLOPs. The planner charges a layer the measured difference per FLOP on top of its
+                          attention rate (calibration.py: FLEX_MEASURED, VARLEN_MEASURED)
+    packed                rows of documents 200-3,000 tokens long (seeded; long rows: 8,192-24,000), as SFT packing
+                          makes them: the varlen kernel, FlexAttention with the document block mask (and, at head_dim
+                          256, with other kernel_options), and the plain causal row of the same shape beside them
+                          (what the packed row costs against an unpacked one)
+
+Per case: forward alone (no autograd) and forward + backward, milliseconds and TFLOP/s by the FLOPs executed
+(forward 2·span·heads·head_dim per token, span = T for causal rows, 2W - W²/T with a window W, the sum of the
+documents' for packed rows; backward 2.5x the forward), and for packed rows the exactness of the varlen output
+against FlexAttention's. A table last.
 """
 
 from __future__ import annotations
@@ -27,18 +38,30 @@ import torch  # noqa: E402
 from common import git_rev, machine, table, write_json  # noqa: E402
 from megatrain.models.attention import attention_context, causal_attention, sink_attention  # noqa: E402
 
-# (family, heads, kv_heads, head_dim, rows, tokens per row, window): real configs' attention shapes
+# (family, heads, kv_heads, head_dim, rows, tokens per row, window, score): real configs' attention shapes
 SHAPES = [
-    ("llama-3.1-8b", 32, 8, 128, 8, 4096, None),
-    ("gemma-2-9b", 16, 8, 256, 8, 4096, None),
-    ("gpt-oss-120b", 64, 8, 64, 8, 4096, None),
-    ("gpt-oss-120b sliding", 64, 8, 64, 8, 4096, 128),
-    ("llama-3.1-8b 32k", 32, 8, 128, 1, 32768, None),
+    ("llama-3.1-8b", 32, 8, 128, 8, 4096, None, "plain"),
+    ("qwen2.5-7b", 28, 4, 128, 8, 4096, None, "plain"),
+    ("gemma-2-9b", 16, 8, 256, 8, 4096, None, "softcap"),
+    ("gemma-3-27b sliding", 32, 16, 128, 8, 4096, 1024, "plain"),
+    ("gpt-oss-120b", 64, 8, 64, 8, 4096, None, "sinks"),
+    ("gpt-oss-120b sliding", 64, 8, 64, 8, 4096, 128, "sinks"),
+    ("llama-3.1-8b 32k", 32, 8, 128, 1, 32768, None, "plain"),
+    ("llama-3.1-8b 128k", 32, 8, 128, 1, 131072, None, "plain"),
 ]
+# FlexAttention's kernel_options tried at head_dim 256 (its defaults there run at a third of flash's rate)
+FLEX_OPTIONS = [None, {"BLOCK_M": 64, "BLOCK_N": 64}, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8},
+                {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2}, {"USE_TMA": True}, {"ROWS_GUARANTEED_SAFE": True}]
+CAP = 50.0
 
 
 def span(T: int, window: int | None) -> float:
     return float(T) if window is None or T <= window else 2.0 * window - window * window / T
+
+
+def doc_span(lengths: list[int], window: int | None) -> float:
+    """Tokens-weighted span of rows made of these documents: sum over documents of L·span(L), per token."""
+    return sum(L * span(L, window) for L in lengths) / sum(lengths)
 
 
 def timed(fn, reps: int) -> float:
@@ -57,26 +80,60 @@ def timed(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def case(name, kernel, h, kvh, d, B, T, window, reps, fn_kind):
+def documents(B: int, T: int, seed: int) -> tuple[torch.Tensor, list[int]]:
+    """position_ids [B, T] of rows packed with documents of 200-3,000 tokens (rows over 8,192 tokens: 8,192-24,000),
+    and the documents' lengths."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (200, 3000) if T <= 8192 else (8192, 24000)
+    pos, lengths = torch.empty(B, T, dtype=torch.long), []
+    for b in range(B):
+        t = 0
+        while t < T:
+            n = min(int(torch.randint(lo, hi + 1, (1,), generator=g)), T - t)
+            pos[b, t:t + n] = torch.arange(n)
+            lengths.append(n)
+            t += n
+    return pos, lengths
+
+
+def case(name, kernel, h, kvh, d, B, T, window, reps, score, packed, options=None):
+    """One timing: `kernel` "flash" (SDPA's causal), "varlen" or "flex" (with `score`), over plain causal rows or
+    rows packed with documents."""
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(B, h, T, d, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
-    k = torch.randn(B, kvh, T, d, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
-    v = torch.randn(B, kvh, T, d, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
-    pos = torch.arange(T, device=dev).expand(B, T)
-    cos = torch.ones(B, T, d, device=dev)
-    ctx = attention_context(pos, cos, cos, packed=False, window=window, force_mask=kernel == "flex")
+    q = torch.randn(B, T, h, d, device=dev, dtype=torch.bfloat16, generator=g).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, T, kvh, d, device=dev, dtype=torch.bfloat16, generator=g).transpose(1, 2).requires_grad_()
+    v = torch.randn(B, T, kvh, d, device=dev, dtype=torch.bfloat16, generator=g).transpose(1, 2).requires_grad_()
+    if packed:
+        pos, lengths = documents(B, T, 0)
+        pos = pos.to(dev)
+    else:
+        pos, lengths = torch.arange(T, device=dev).expand(B, T), [T] * B
+    cos = torch.ones(B, T, d, device=dev, dtype=torch.bfloat16)
+    # varlen over unpacked rows: one segment per row (positions 0..T-1 read as one document each); flash beside
+    # packed rows: the plain causal row of the same shape
+    ctx = attention_context(pos if kernel != "flash" else torch.arange(T, device=dev).expand(B, T), cos, cos,
+                            packed=(packed and kernel != "flash") or kernel == "varlen", window=window,
+                            force_mask=kernel == "flex")
+    if kernel == "varlen" and options:
+        ctx.with_attn_block(options["attn_block"])
+    assert (kernel == "varlen") == ctx.varlen and (kernel == "flex") == (ctx.block_mask is not None), kernel
     scale = d ** -0.5
     sinks = torch.randn(h, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
-    cap = 50.0
 
-    def softcap(score, b, hh, qi, ki):
-        return torch.tanh(score / cap) * cap
+    def softcap(sc, b, hh, qi, ki):
+        return torch.tanh(sc / CAP) * CAP
 
     def attend():
-        if fn_kind == "sinks":
+        if kernel == "flex" and options:
+            from megatrain.models.attention import flex_attention
+            return flex_attention()(q, k, v, score_mod=softcap if score == "softcap" else None,
+                                    block_mask=ctx.block_mask, scale=scale, enable_gqa=kvh != h,
+                                    kernel_options=options)
+        if kernel == "flex" and score == "sinks":
             return sink_attention(q, k, v, sinks, ctx, scale)
-        return causal_attention(q, k, v, ctx, scale, score_mod=softcap if fn_kind == "softcap" else None)
+        return causal_attention(q, k, v, ctx, scale, score_mod=softcap if kernel == "flex" and score == "softcap"
+                                else None)
 
     def fwd():
         with torch.no_grad():
@@ -88,46 +145,76 @@ def case(name, kernel, h, kvh, d, B, T, window, reps, fn_kind):
         attend().backward(dout)
 
     fwd_s, both_s = timed(fwd, reps), timed(fwd_bwd, reps)
-    flops = 2.0 * span(T, window) * h * d * B * T
+    flops = 2.0 * doc_span(lengths, window) * h * d * B * T
+    row = {"case": name, "rows_are": "packed" if packed else "one doc", "kernel": kernel + (
+        "" if kernel != "flex" or score == "plain" else f"+{score}"), "options": options, "heads": h,
+        "kv_heads": kvh, "head_dim": d, "rows": B, "tokens": T, "window": window, "documents": len(lengths),
+        "forward_ms": fwd_s * 1e3, "fwd_bwd_ms": both_s * 1e3, "forward_tflops": flops / fwd_s / 1e12,
+        "fwd_bwd_tflops": 3.5 * flops / both_s / 1e12, "backward_tflops": 2.5 * flops / (both_s - fwd_s) / 1e12}
+    if packed and kernel == "varlen":  # the output against FlexAttention's with the document mask
+        with torch.no_grad():
+            fctx = attention_context(pos, cos, cos, packed=True, window=window, force_mask=True)
+            ref = causal_attention(q, k, v, fctx, scale)
+            row["max_abs_vs_flex"] = float((attend().float() - ref.float()).abs().max())
+    del q, k, v, dout, ctx
     torch.cuda.synchronize()
-    return {"case": name, "kernel": kernel + ("" if fn_kind == "plain" else f"+{fn_kind}"), "heads": h,
-            "kv_heads": kvh, "head_dim": d, "rows": B, "tokens": T, "window": window,
-            "forward_ms": fwd_s * 1e3, "fwd_bwd_ms": both_s * 1e3, "forward_tflops": flops / fwd_s / 1e12,
-            "fwd_bwd_tflops": 3.5 * flops / both_s / 1e12, "backward_tflops": 2.5 * flops / (both_s - fwd_s) / 1e12}
+    return row
+
+
+def runs_for(name: str, T: int, window, score: str, quick: bool):
+    """(kernel, score, packed, options) timed for one shape."""
+    out = []
+    for packed in (False, True):
+        if window is None:
+            out.append(("flash", "plain", packed, None))  # packed: the plain row of the same shape, beside it
+        if score in ("plain", "softcap"):  # (Gemma 2 without its cap: what the cap costs)
+            out.append(("varlen", "plain", packed, None))
+        if T > 32768:  # long rows: the backward over blocks of 65,536 (memory.attn_block)
+            out.append(("varlen", "plain", packed, {"attn_block": 65536}))
+        if (not quick or packed) and (T <= 32768 or score != "plain" or packed):
+            out.append(("flex", "plain", packed, None))
+        if score != "plain" and (not quick or packed):
+            out.append(("flex", score, packed, None))
+        if score == "softcap" and packed and not quick:
+            out += [("flex", score, True, o) for o in FLEX_OPTIONS[1:]]
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--quick", action="store_true",
+                    help="no kernel_options sweep, FlexAttention on packed rows only (compiling it takes most time)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("attention_kernels: needs CUDA", file=sys.stderr)
         return 2
     rows = []
-    for name, h, kvh, d, B, T, window in SHAPES:
-        runs = []
-        if window is None:
-            runs.append(("flash", "plain"))
-        runs.append(("flex", "plain"))
-        if name.startswith("gemma"):
-            runs.append(("flex", "softcap"))
-        if name.startswith("gpt-oss"):
-            runs.append(("flex", "sinks"))
-        base = None
-        for kernel, kind in runs:
-            r = case(name, kernel, h, kvh, d, B, T, window, args.reps, kind)
-            if kernel == "flash":
+    for name, h, kvh, d, B, T, window, score in SHAPES:
+        base = {}
+        for kernel, kind, packed, options in runs_for(name, T, window, score, args.quick):
+            try:
+                r = case(name, kernel, h, kvh, d, B, T, window, args.reps, kind, packed, options)
+            except Exception as e:  # a kernel_options set the kernel refuses (shared memory), or an OOM
+                print(f"{name:<22} {kernel} {kind} packed={packed} {options}: {type(e).__name__}: {str(e)[:200]}",
+                      flush=True)
+                rows.append({"case": name, "kernel": kernel, "options": options, "error": str(e)[:300]})
+                torch.cuda.empty_cache()
+                continue
+            if kernel == "flash" and not packed:
                 base = r
             r["vs_flash_fwd"] = r["forward_ms"] / base["forward_ms"] if base else None
             r["vs_flash_fwd_bwd"] = r["fwd_bwd_ms"] / base["fwd_bwd_ms"] if base else None
             rows.append(r)
-            print(f"{name:<22} {r['kernel']:<14} fwd {r['forward_ms']:8.2f} ms {r['forward_tflops']:6.0f} TF/s  "
-                  f"fwd+bwd {r['fwd_bwd_ms']:8.2f} ms {r['fwd_bwd_tflops']:6.0f} TF/s", flush=True)
+            print(f"{name:<22} {r['rows_are']:<8} {r['kernel']:<14} {str(options or ''):<40} "
+                  f"fwd {r['forward_ms']:8.2f} ms {r['forward_tflops']:6.0f} TF/s  fwd+bwd {r['fwd_bwd_ms']:8.2f} ms {r['fwd_bwd_tflops']:6.0f} "
+                  f"TF/s" + (f"  vs flex {r['max_abs_vs_flex']:.3g}" if "max_abs_vs_flex" in r else ""), flush=True)
             torch.cuda.empty_cache()
     write_json(args.json, {"machine": machine(), "git": git_rev(), "command": " ".join(sys.argv), "results": rows})
-    print(table(rows, ["case", "kernel", "head_dim", "rows", "tokens", "window", "forward_ms", "fwd_bwd_ms",
-                       "forward_tflops", "backward_tflops", "vs_flash_fwd", "vs_flash_fwd_bwd"]))
+    print(table([r for r in rows if "error" not in r],
+                ["case", "rows_are", "kernel", "head_dim", "rows", "tokens", "window", "documents", "forward_ms",
+                 "fwd_bwd_ms", "forward_tflops", "fwd_bwd_tflops", "vs_flash_fwd_bwd"]))
     return 0
 
 

@@ -1,6 +1,7 @@
 """The planner times each layer's attention on the kernel it runs on CUDA: SDPA's causal flash kernel for plain rows,
-FlexAttention (measured extra time per FLOP, profile.FLEX_MEASURED) for packed rows, windows shorter than the row,
-Gemma 2's soft-capping and gpt-oss's sinks; and `megatrain train` without a probed profile plans with this
+the variable-length flash kernel (measured extra time per FLOP, calibration.VARLEN_MEASURED) for packed rows and
+windows shorter than the row where it runs them (models/base.prefers_flex), FlexAttention (FLEX_MEASURED) for
+the rest, Gemma 2's soft-capping and gpt-oss's sinks; and `megatrain train` without a probed profile plans with this
 machine's CPU AdamW rate."""
 
 from pathlib import Path
@@ -10,8 +11,9 @@ import pytest
 from megatrain.models import get_adapter
 from megatrain.planner import Workload
 from megatrain.planner.flops import kind_span
+from megatrain.planner.calibration import VARLEN_MEASURED
 from megatrain.planner.profile import DEFAULTS, FLEX_MEASURED, FLEX_SHAPE_FLOPS
-from megatrain.planner.timing import flex_extra, flex_seconds, step_time
+from megatrain.planner.timing import flex_extra, flex_seconds, step_time, varlen_extra
 
 CONFIGS = Path(__file__).resolve().parents[1] / "bench" / "model-configs"
 
@@ -28,13 +30,18 @@ def adapter_of(name: str, **overrides):
 def test_kernel_per_family_and_row():
     llama = adapter_of("llama-3.1-8b")
     assert llama.cuda_attention("full", 4096, packed=False) == ("flash", "plain")
-    assert llama.cuda_attention("full", 4096, packed=True) == ("flex", "plain")
+    assert llama.cuda_attention("full", 4096, packed=True) == ("flex", "plain")  # measured faster at head_dim 128
+    assert llama.cuda_attention("full", 32768, packed=True) == ("varlen", "plain")  # long rows: varlen
+    wide = adapter_of("llama-3.1-8b", head_dim=256)
+    assert wide.cuda_attention("full", 4096, packed=True) == ("varlen", "plain")
     gemma2 = adapter_of("gemma-2-9b")  # soft-capped scores: FlexAttention on every layer, packed or not
     assert {gemma2.cuda_attention(k, 4096, False) for k in gemma2.layer_kinds} == {("flex", "softcap")}
-    gemma3 = adapter_of("gemma-3-27b")  # no capping: sliding layers run FlexAttention only past their window
+    assert {gemma2.cuda_attention(k, 4096, True) for k in gemma2.layer_kinds} == {("flex", "softcap")}
+    gemma3 = adapter_of("gemma-3-27b")  # no capping: sliding layers run a masked kernel only past their window
     window = gemma3.sliding_window
     assert gemma3.cuda_attention("sliding", window, False) == ("flash", "plain")
     assert gemma3.cuda_attention("sliding", window + 1, False) == ("flex", "plain")
+    assert gemma3.cuda_attention("sliding", 65536, False) == ("varlen", "plain")
     assert gemma3.cuda_attention("full", 4 * window, False) == ("flash", "plain")
     gpt_oss = adapter_of("gpt-oss-120b")  # sinks need the kernel's log-sum-exp: FlexAttention everywhere
     assert {gpt_oss.cuda_attention(k, 4096, False) for k in gpt_oss.layer_kinds} == {("flex", "sinks")}
@@ -53,12 +60,29 @@ def test_flex_extra_is_the_measured_difference():
     assert flex_extra("plain", 96) == flex_extra("plain", 128)  # nearest measured head_dim (log scale)
 
 
+def test_varlen_extra_is_the_measured_difference():
+    for d, (flash_f, flash_fb, f, fb) in VARLEN_MEASURED.items():
+        assert varlen_extra(d) == pytest.approx(((f - flash_f) / 1e3 / FLEX_SHAPE_FLOPS,
+                                                  (fb - flash_fb) / 1e3 / FLEX_SHAPE_FLOPS), rel=1e-12)
+    assert varlen_extra(96) == varlen_extra(128)  # nearest measured head_dim (log scale)
+
+
 def test_flex_seconds_per_layer_and_token():
     llama = adapter_of("llama-3.1-8b")
     assert flex_seconds(llama, 4096, packed=False) == (0.0, 0.0)
     xf, xfb = flex_extra("plain", llama.head_dim)
     flops = 2.0 * 4096 * llama.num_heads * llama.head_dim
     assert flex_seconds(llama, 4096, packed=True) == pytest.approx((flops * xf, flops * xfb), rel=1e-12)
+    xf, xfb = varlen_extra(llama.head_dim)
+    flops = 2.0 * 65536 * llama.num_heads * llama.head_dim
+    assert flex_seconds(llama, 65536, packed=True) == pytest.approx((flops * xf, flops * xfb), rel=1e-12)
+    # gemma-3: its sliding layers on the varlen kernel past the window cost their exact span, the full ones nothing
+    gemma3 = adapter_of("gemma-3-27b")
+    T, kinds = 65536, gemma3.layer_kinds
+    xf, xfb = varlen_extra(gemma3.head_dim)
+    mean = kinds.count("sliding") * 2.0 * kind_span(gemma3, "sliding", T) * gemma3.num_heads * gemma3.head_dim \
+        / len(kinds)
+    assert flex_seconds(gemma3, T, packed=False) == pytest.approx((mean * xf, mean * xfb), rel=1e-12)
     # gpt-oss: half its layers slide over 128 keys: those cost the 128 x 128 blocks they touch (2 per query block)
     gpt_oss = adapter_of("gpt-oss-120b")
     kinds = gpt_oss.layer_kinds
@@ -71,7 +95,8 @@ def test_flex_seconds_per_layer_and_token():
 
 
 def test_step_time_adds_flex_per_layer_use():
-    """Packed rows of a dense model: each layer's forward use costs xf more per token, each backward use xfb."""
+    """Packed rows of a dense model: each layer's forward use costs xf more per token, each backward use xfb (the
+    measured difference per FLOP of its kernel: FlexAttention's at 4,096 tokens and head_dim 128)."""
     llama = adapter_of("llama-3.1-8b", num_hidden_layers=4)
     units = llama.units()
     plain = step_time(llama, units, Workload((2, 2), 4096, compile=True), DEFAULTS)
@@ -80,7 +105,7 @@ def test_step_time_adds_flex_per_layer_use():
     tokens = 4 * 4096
     assert packed["compute_s"] - plain["compute_s"] == pytest.approx(llama.num_layers * tokens * (xf + xfb),
                                                                      rel=1e-9)
-    assert "FlexAttention" in packed["rate_source"] and "FlexAttention" not in plain["rate_source"]
+    assert "FLEX_MEASURED" in packed["rate_source"] and "FLEX_MEASURED" not in plain["rate_source"]
     # a CPU run has no kernel choice: nothing added
     cpu_plain = step_time(llama, units, Workload((2, 2), 4096, device="cpu"), DEFAULTS)
     cpu_packed = step_time(llama, units, Workload((2, 2), 4096, device="cpu", packed=True), DEFAULTS)

@@ -1,8 +1,10 @@
 """Causal attention for the layer templates: the contexts (masks) a micro-batch's layers share, and one dispatch.
 
 Unpacked rows with full causal attention run SDPA's causal kernel (FlashAttention on CUDA). Packed documents and
-sliding windows need a mask: on CPU an explicit boolean [B, 1, T, T] (exact, small at test sizes); on CUDA a
-FlexAttention block mask, evaluated per 128 x 128 block, never a T x T tensor.
+sliding windows: on CPU an explicit boolean [B, 1, T, T] mask (exact, small at test sizes); on CUDA the
+variable-length flash kernel over the documents (models/varlen.py: segment offsets, no mask), or a FlexAttention
+block mask, evaluated per 128 x 128 block, never a T x T tensor, where the score is not plain (Gemma 2's
+soft-capping, gpt-oss's sinks) or where it measured faster (base.prefers_flex).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import MegatrainError
-from .base import AttnContext
+from .base import AttnContext, prefers_flex
+from .varlen import meta_segments, segments, varlen_attention
 
 _COMPILED = None
 # Distinct input shapes (and masks) FlexAttention is compiled for in one process. Past torch's recompile limit (8)
@@ -19,6 +22,9 @@ _COMPILED = None
 # 32k tokens and 64 heads: seen on the H200 after a test file's earlier shapes). Above this many,
 # the run stops with a clear error instead.
 FLEX_SHAPES = 256
+# Whether attention_context on the meta device stands in the CUDA path (the variable-length kernel's segments) or
+# the CPU's explicit mask (by default): the planner's memory simulation sets it to the device it plans for.
+META_AS_CUDA = [False]
 
 
 def _guarded(compiled):
@@ -54,7 +60,7 @@ def flex_attention():
 
 
 def attention_context(position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: bool,
-                      window: int | None, force_mask: bool = False) -> AttnContext:
+                      window: int | None, force_mask: bool = False, head_dim: int | None = None) -> AttnContext:
     """An AttnContext: causal attention, within documents when rows are packed, over the last `window` positions
     (the query's own included, as transformers' sliding_window_overlay: kv > q - window) when a window is given.
     Unpacked rows no longer than the window need no mask (plain causal SDPA) unless `force_mask` (attention that
@@ -64,6 +70,18 @@ def attention_context(position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.
         window = None  # the window reaches back further than the row: plain causal
     if not packed and window is None and not force_mask:
         return AttnContext(cos=cos, sin=sin, mask=None)
+    if not force_mask and cos.dtype in (torch.bfloat16, torch.float16) and \
+            (position_ids.is_meta and META_AS_CUDA[0] or position_ids.is_cuda and not prefers_flex(head_dim, T)):
+        # the variable-length kernel (bf16, fp16: fp32 runs keep FlexAttention): a segment per document (packed)
+        # or per row (a window only). The meta device stands it in for FlexAttention too: the same saved tensors,
+        # and an fp32 d(q) accumulator FlexAttention's backward does not allocate (an upper bound)
+        if position_ids.is_meta:
+            cu, longest = meta_segments(B, T, position_ids.device)
+        elif packed:
+            cu, longest = segments(position_ids)
+        else:
+            cu, longest = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=position_ids.device), T
+        return AttnContext(cos=cos, sin=sin, mask=None, window=window, cu_seqlens=cu, max_seqlen=longest)
     # A new document starts wherever the position restarts at 0: attend only within it, causally.
     doc = torch.cumsum((position_ids == 0).int(), dim=1) if packed else None
     if position_ids.is_cuda:
@@ -106,6 +124,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Att
     the d(output) its backward is given: the layer's backward (runtime/layer.py) hands it a buffer it does not read
     again, as autograd does its own."""
     gqa = k.shape[1] != q.shape[1]
+    if ctx.varlen and score_mod is None:
+        return _varlen(q, k, v, ctx, scale)
     if ctx.mask is None and ctx.block_mask is None and score_mod is None and 0 < ctx.attn_block < q.shape[2] \
             and not torch.compiler.is_compiling():
         return blockwise_causal(q, k, v, scale, ctx.attn_block, grad_in_place=True)
@@ -117,6 +137,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Att
     if ctx.mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, scale=scale, enable_gqa=gqa)
+
+
+@torch.compiler.disable
+def _varlen(q, k, v, ctx: AttnContext, scale: float) -> torch.Tensor:
+    """The variable-length kernel, outside a compiled layer's graph: the segments' count and the longest differ
+    from micro-batch to micro-batch, and a compiled graph would be rebuilt for each. Blocked for its backward
+    (ctx.attn_block) like plain rows, the d(q) written over d(output) as blockwise_causal's."""
+    return varlen_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, scale, ctx.window, block=ctx.attn_block,
+                            grad_in_place=True)
 
 
 # ---- plain causal attention whose backward runs over blocks (memory.attn_block) --------------------------------

@@ -95,6 +95,24 @@ class Unit:
         return sum(s.numel for s in self.specs if s.decay)
 
 
+# Packed rows (and windows shorter than the row) with a plain score run FlexAttention up to this head_dim over rows
+# shorter than FLEX_PACKED_TOKENS, the variable-length kernel otherwise (bench/attention_kernels.py, on the H100,
+# forward + backward over 8 x 4096 packed tokens: FlexAttention 7.04 ms at head_dim 128 against varlen 8.30, and
+# 15.3 at 256 against 9.83; a window of 1024 at 128: 6.35 against 7.59). From FLEX_PACKED_TOKENS on, the varlen
+# kernel at any head_dim: its backward runs over block pairs (memory.attn_block), a kept attention
+# (memory.reuse_attention) holds only its output, and the planner measures its memory as it allocates it; there
+# FlexAttention ran faster still (32,768 tokens of 2 documents: 45.6 ms against 55.3).
+FLEX_PACKED_HEAD_DIM = 128
+FLEX_PACKED_TOKENS = 32768
+
+
+def prefers_flex(head_dim: int | None, seq_len: int) -> bool:
+    """Whether packed rows or a window with a plain score run FlexAttention rather than the variable-length kernel
+    on CUDA: at head_dims up to FLEX_PACKED_HEAD_DIM over rows shorter than FLEX_PACKED_TOKENS, where it measured
+    faster (the constants' comment says by how much). None: the varlen kernel."""
+    return head_dim is not None and head_dim <= FLEX_PACKED_HEAD_DIM and seq_len < FLEX_PACKED_TOKENS
+
+
 @dataclass
 class AttnContext:
     """Per micro-batch inputs a layer needs besides hidden states; built once, reused by recompute."""
@@ -102,12 +120,20 @@ class AttnContext:
     cos: torch.Tensor  # [B, T, head_dim]
     sin: torch.Tensor
     mask: torch.Tensor | None  # CPU, packed documents or a window: bool [B, 1, T, T], True = may attend
-    block_mask: BlockMask | None = None  # CUDA, packed documents or a window: FlexAttention's (no T x T tensor)
+    block_mask: BlockMask | None = None  # CUDA, a mask for soft-capping or sinks: FlexAttention's (no T x T tensor)
     window: int | None = None  # sliding window (a query sees itself and the window - 1 keys before it), or None
     variants: dict[str, "AttnContext"] = field(default_factory=dict)  # other layer kinds' contexts (see below)
     token_mask: torch.Tensor | None = None  # bool [B, T]: real tokens (not padding), for MoE router statistics
     attn_block: int = 0  # plain causal rows longer than this: the attention's backward over blocks of this many
     #                      queries and keys (models/attention.blockwise_causal; Placement.attn_block; 0: whole)
+    # CUDA (and the planner's meta device), packed documents or a window with a plain score: the variable-length
+    # kernel's segments over the rows laid end to end (models/varlen.py): int32 offsets, the longest segment
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        return self.max_seqlen > 0
 
     def with_token_mask(self, mask: torch.Tensor | None) -> "AttnContext":
         """Sets the micro-batch's real-token mask on this context and its variants; returns self."""
@@ -157,11 +183,15 @@ class ModelAdapter:
 
     def cuda_attention(self, kind: str, seq_len: int, packed: bool) -> tuple[str, str]:
         """(kernel, score) a layer of `kind` runs on CUDA over rows of `seq_len` tokens, as its make_context and
-        models/attention.attention_context choose: ("flash", "plain") for SDPA's causal kernel; ("flex", score)
-        for FlexAttention: packed rows, a sliding window shorter than the row, or a score SDPA cannot run."""
+        models/attention.attention_context choose: ("flash", "plain") for SDPA's causal kernel; ("varlen", "plain")
+        for the variable-length flash kernel (packed rows, a sliding window shorter than the row); ("flex", score)
+        for FlexAttention: a score SDPA cannot run (soft-capping, sinks), or packed rows and windows where it
+        measured faster (prefers_flex)."""
         window = getattr(self, "sliding_window", None) if kind == "sliding" else None
-        if packed or (window is not None and seq_len > window) or self.attention_score != "plain":
+        if self.attention_score != "plain":
             return "flex", self.attention_score
+        if packed or (window is not None and seq_len > window):
+            return ("flex", "plain") if prefers_flex(getattr(self, "head_dim", None), seq_len) else ("varlen", "plain")
         return "flash", "plain"
 
     def packed_source(self, spec: TensorSpec, available: Container[str]) -> PackedTensor | None:

@@ -147,9 +147,10 @@ class DecoderAdapter(ModelAdapter):
         """cos/sin as transformers computes them (fp32, then cast), a document mask when rows are packed, and for
         sliding-window layers a variant whose mask also bounds how far back a query sees."""
         cos, sin = self.rope(position_ids, dtype)
-        ctx = attention_context(position_ids, cos, sin, packed, None)
+        ctx = attention_context(position_ids, cos, sin, packed, None, head_dim=self.head_dim)
         if "sliding" in self.layer_kinds:
-            ctx.variants["sliding"] = attention_context(position_ids, cos, sin, packed, self.sliding_window)
+            ctx.variants["sliding"] = attention_context(position_ids, cos, sin, packed, self.sliding_window,
+                                                        head_dim=self.head_dim)
         return ctx
 
     def layer_forward(self, w: dict[str, torch.Tensor], h: torch.Tensor, ctx: AttnContext):

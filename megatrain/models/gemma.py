@@ -126,7 +126,8 @@ class GemmaAdapter(DecoderAdapter):
             inv, scaling = self.ropes[kind]
             cos, sin = self.rope(position_ids, dtype, inv, scaling)
             window = self.sliding_window if kind == "sliding" else None
-            ctxs[kind] = attention_context(position_ids, cos, sin, packed, window, force_mask=need_mask)
+            ctxs[kind] = attention_context(position_ids, cos, sin, packed, window, force_mask=need_mask,
+                                           head_dim=self.head_dim)
         base = ctxs.pop("full", None)
         if base is None:  # every layer slides: a base context no layer uses, holding the sliding one
             base = dataclasses.replace(ctxs["sliding"], variants={})

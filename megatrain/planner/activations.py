@@ -10,8 +10,10 @@ Attention is the one part whose memory depends on the kernel CUDA picks, not on 
 device SDPA falls back to the math path, which materialises [B, heads, T, T] scores. On CUDA, a causal
 unmasked call runs flash (or cuDNN) attention, which keeps only q, k, v, the output and a [B, heads, T] fp32
 log-sum-exp for backward, and allocates an fp32 dq accumulator (plus expanded dk/dv with grouped KV heads) in
-backward. `FlashLike` reproduces exactly those allocations; a masked call (packed rows) runs the
-memory-efficient kernel, which in addition turns the bool mask into an additive [B, 1, T, T] bias it keeps.
+backward. `FlashLike` reproduces exactly those allocations; a masked call (the CPU path's packed rows) runs the
+memory-efficient kernel, which in addition turns the bool mask into an additive [B, 1, T, T] bias it keeps. Packed
+rows and windows on CUDA run the variable-length kernel (models/varlen.py), which allocates on the meta device what
+the CUDA kernel does.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..models import attention
 from ..runtime.layer import can_stash, layer_backward, layer_template
 from ..runtime.lmhead import HeadKernels, head_loss
+from .profile import FLEX_BLOCK
 
 
 class LiveBytes(TorchDispatchMode):
@@ -100,8 +104,16 @@ def fused_sdpa_meta(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
 @contextmanager
 def _cuda_attention(enabled: bool):
+    """The CUDA kernels' allocations (enabled), else the CPU path's; packed rows and windows: the variable-length
+    kernel's segments (models/varlen.py, which allocates on the meta device what the CUDA kernel does) or the CPU's
+    explicit mask (models/attention.META_AS_CUDA)."""
+    was = attention.META_AS_CUDA[0]
+    attention.META_AS_CUDA[0] = enabled
     if not enabled:
-        yield
+        try:
+            yield
+        finally:
+            attention.META_AS_CUDA[0] = was
         return
     orig = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = fused_sdpa_meta
@@ -109,6 +121,24 @@ def _cuda_attention(enabled: bool):
         yield
     finally:
         F.scaled_dot_product_attention = orig
+        attention.META_AS_CUDA[0] = was
+
+
+def mask_bytes(adapter, rows: int, seq: int, packed: bool, cuda: bool) -> float:
+    """Bytes a micro-batch's attention contexts keep for packed rows (models/attention.attention_context): the CPU
+    path's boolean [rows, 1, T, T] mask; on CUDA, for layer kinds on the variable-length kernel its int32 segment
+    offsets (at most one segment per token: models/varlen.segments), for kinds on FlexAttention (soft-capping,
+    sinks) the document ids (int64 per token) and the block mask (four int32 [rows, T/128, T/128] index tables and
+    their counts, for queries and keys)."""
+    if not packed:
+        return 0.0
+    if not cuda:
+        return float(rows * seq * seq)
+    kernels = {adapter.cuda_attention(k, seq, True)[0] for k in set(adapter.layer_kinds)}
+    n = -(-seq // FLEX_BLOCK)
+    flex = 8.0 * rows * seq + 4 * 4.0 * rows * n * (n + 1) if "flex" in kernels else 0.0
+    varlen = 4.0 * (rows * seq + 1) if "varlen" in kernels else 0.0
+    return flex + varlen
 
 
 def _meta_layer_inputs(adapter, batch: int, seq: int, dtype: torch.dtype, packed: bool):
@@ -140,7 +170,8 @@ def layer_memory(adapter, batch: int, seq: int, dtype: torch.dtype = torch.bfloa
     forward_stash_peak   the forward that keeps it, output and stash included
     backward_stash_peak  the backward that spends it, the stash included (freed as it goes)
     """
-    w, ctx, x = _meta_layer_inputs(adapter, batch, seq, dtype, packed)
+    with _cuda_attention(cuda_attention):
+        w, ctx, x = _meta_layer_inputs(adapter, batch, seq, dtype, packed)
     ctx.with_attn_block(attn_block)
     grad_acc = {k: torch.empty(v.shape, dtype=torch.float32, device="meta") for k, v in w.items()}
     dh = torch.empty_like(x)

@@ -200,6 +200,16 @@ FLEX_MEASURED = _fit(
     "packed rows, a sliding window shorter than the row, or a score SDPA cannot apply; the planner's attention rate is "
     "fitted to flash runs, so such a layer costs the measured difference per FLOP on top (timing.flex_extra)",
     "python3 bench/attention_kernels.py --json OUT.json")
+VARLEN_MEASURED = _fit(
+    "VARLEN_MEASURED", {128: (1.81, 8.07, 2.04, 8.30), 256: (1.67, 9.86, 2.06, 9.83)},
+    "ms: (flash fwd, flash fwd+bwd, varlen fwd, varlen fwd+bwd) by head_dim",
+    "FlashAttention-2's variable-length kernel (models/varlen.py) over rows packed with documents of 200-3,000 tokens "
+    "against SDPA's causal kernel over plain rows of the same shape (8 rows x 4096 tokens, heads x head_dim = 4096: "
+    "FLEX_SHAPE_FLOPS), on the H100. Per FLOP the varlen kernel runs at 0.55-0.6 of SDPA's (cuDNN's on Hopper: 330 "
+    "against 600 TFLOP/s forward over rows of one document), which packed rows' fewer FLOPs make up for; the planner, "
+    "not knowing the documents, charges a packed layer this difference per FLOP of a plain row (timing.varlen_extra). "
+    "Longer documents cost less than it says (131,072 tokens of 8 documents: 220 ms against SDPA's 916 for the row)",
+    "python3 bench/attention_kernels.py --quick --json OUT.json")
 FLEX_SHAPE_FLOPS = _fit(
     "FLEX_SHAPE_FLOPS", 2.0 * 4096 * 4096 * 8 * 4096, "FLOPs (the planner's count)",
     "forward FLOPs of the shape FLEX_MEASURED was timed at (8 rows x 4096 tokens, heads x head_dim = 4096): refitted "

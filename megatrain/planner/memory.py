@@ -200,7 +200,7 @@ def _activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | No
     tiled = False
     for b in sorted(set(w.micro_batches)):
         tile = w.placement.seq_tile if w.placement.seq_tile < b * w.seq_len else 0  # one tile: the whole layer
-        block = w.placement.attn_block if 0 < w.placement.attn_block < w.seq_len and not w.packed else 0
+        block = w.placement.attn_block if 0 < w.placement.attn_block < w.seq_len else 0
         tiled |= bool(tile or block)  # (rows longer than the attention's block run the split layer too)
         stash = w.placement.reuse_attention > 0
         key = (b, w.seq_len, dtype, w.packed, w.device, chunk, targets, w.head_kernels, tile, stash, block)
@@ -307,7 +307,8 @@ class _GpuBooks(ScheduleVisitor):
         self.tag = f", group {gi + 1}/{len(self.groups)}" if len(self.groups) > 1 else ""
         rows = sum(mbs)
         self.base = {"weight slots": self.slots, "rope tables, token ids, masks":
-                     float(rows * T * self.per_token_ctx + (rows * T * T if w.packed else 0)),
+                     float(rows * T * self.per_token_ctx) + actsim.mask_bytes(self.adapter, rows, T, w.packed,
+                                                                              self.cuda),
                      "workspace": float(GPU_WORKSPACE) if self.cuda else 0.0}
         pre = [sum(c[:m]) for m in range(len(c))]  # outputs (or d(hidden)) of the micro-batches before m
         self.fwd = _worst([(pre[m], act[b]["forward"]) for m, b in enumerate(mbs)])

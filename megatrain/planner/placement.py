@@ -68,14 +68,15 @@ def describe(pl: Placement, groups: int) -> str:
 
 
 def attn_block_for(adapter, w: Workload) -> int:
-    """The planner's attention backward block for this workload: ATTN_BLOCK when its rows are plain causal ones (not
-    packed, on a family whose attention splits and whose layers, some at least, run the flash kernel at this length)
-    of more than ATTN_BLOCK tokens, else 0 (nothing to block)."""
-    if w.packed or w.seq_len <= ATTN_BLOCK or not can_stash(adapter):
+    """The planner's attention backward block for this workload: ATTN_BLOCK when its rows are causal ones (plain, or
+    packed on the variable-length kernel, on a family whose attention splits and whose layers, some at least, run
+    the flash kernel at this length) of more than ATTN_BLOCK tokens, else 0 (nothing to block)."""
+    if w.seq_len <= ATTN_BLOCK or not can_stash(adapter):
         return 0
     if w.device == "cuda" and w.precision != "bf16":
         return 0  # the fused kernels take bf16 on CUDA: fp32 runs keep SDPA's own path
-    if all(adapter.cuda_attention(k, w.seq_len, False)[0] != "flash" for k in set(adapter.layer_kinds)):
+    if all(adapter.cuda_attention(k, w.seq_len, w.packed)[0] not in ("flash", "varlen")
+           for k in set(adapter.layer_kinds)):
         return 0  # (layers on FlexAttention keep it: its backward has no row-sized fp32 buffer)
     return ATTN_BLOCK
 

@@ -6,8 +6,8 @@
             forward wave: Placement.reuse_attention); 6 per LM-head parameter per target.
     rates   a layer rate the probe measured at this shape (profile.py), converted by COMPILED_SPEEDUP when it
             was probed only in the other compile mode; else the profile's matmul and attention rates (flash's),
-            plus for each layer that runs FlexAttention on CUDA (packed rows, a window shorter than the row, a
-            score SDPA cannot apply: ModelAdapter.cuda_attention) its measured extra time (`flex_seconds`), and for
+            plus for each layer on FlexAttention or the varlen kernel on CUDA (packed rows, a window shorter than
+            the row, a score SDPA cannot apply: ModelAdapter.cuda_attention) its extra time (`flex_seconds`), and for
             the layers whose attention runs blocked for its backward (Placement.attn_block: `blocked_share`) the
             attention at 1/BLOCKED_ATTENTION_SLOWDOWN of the rate. A probed layer rate is used only for rows near
             its own length (Profile.layer_rate) and not for blocked attention (the probe ran the fused kernel).
@@ -54,7 +54,7 @@ from ..runtime.adamw import landing_piece
 from ..runtime.optimizer_pipeline import DEVICE_GRADS, update_order
 from ..runtime.schedule import ScheduleVisitor, grads_to_host, kept, stashes, step_schedule, walk
 from .calibration import (ADAMW_IN_STEP, BLOCKED_ATTENTION_SLOWDOWN, COMPILED_SPEEDUP, FLEX_MEASURED, FLEX_SHAPE_FLOPS,
-                          FP32_SLOWDOWN, MOE_DEFAULT_SHARE, SATURATED)
+                          FP32_SLOWDOWN, MOE_DEFAULT_SHARE, SATURATED, VARLEN_MEASURED)
 from .flops import attention_span, flops_per_token, kind_span
 from .profile import FLEX_BLOCK, Profile
 from .workload import Workload
@@ -80,20 +80,27 @@ def flex_extra(score: str, head_dim: int) -> tuple[float, float]:
     return plain[0] * there[0] / base[0], plain[1] * there[1] / base[1]
 
 
+def varlen_extra(head_dim: int) -> tuple[float, float]:
+    """flex_extra for the variable-length kernel over packed rows against SDPA's over plain rows (VARLEN_MEASURED,
+    the nearest measured head_dim), per forward FLOP of a plain row (the planner does not know the documents)."""
+    flash_f, flash_fb, f, fb = VARLEN_MEASURED[min(VARLEN_MEASURED, key=lambda m: abs(math.log2(m / head_dim)))]
+    return (f - flash_f) / 1e3 / FLEX_SHAPE_FLOPS, (fb - flash_fb) / 1e3 / FLEX_SHAPE_FLOPS
+
+
 def flex_seconds(adapter, seq_len: int, packed: bool) -> tuple[float, float]:
-    """What the layers' FlexAttention adds per token and layer (averaged over the layers) to their attention at
-    flash's rate, in a forward and in a forward + backward (ModelAdapter.cuda_attention: 0 where every layer runs
-    SDPA's causal kernel; a sliding window costs the whole 128 x 128 blocks it touches)."""
+    """What the layers' FlexAttention or varlen kernel adds per token and layer (averaged over the layers) to their
+    attention at flash's rate, in a forward and in a forward + backward (ModelAdapter.cuda_attention: 0 where every
+    layer runs SDPA's causal kernel; FlexAttention's sliding window costs the whole 128 x 128 blocks it touches)."""
     window = getattr(adapter, "sliding_window", None)
     f = fb = 0.0
     for kind in adapter.layer_kinds:
         kernel, score = adapter.cuda_attention(kind, seq_len, packed)
         if kernel == "flash":
             continue
-        span = kind_span(adapter, kind, seq_len)
-        if kind == "sliding" and window is not None and seq_len > window:
+        span = kind_span(adapter, kind, seq_len)  # (the varlen kernel's window: its exact span)
+        if kernel == "flex" and kind == "sliding" and window is not None and seq_len > window:
             span = min(float(seq_len), 2.0 * FLEX_BLOCK * (math.ceil(window / FLEX_BLOCK) + 1))
-        xf, xfb = flex_extra(score, adapter.head_dim)
+        xf, xfb = varlen_extra(adapter.head_dim) if kernel == "varlen" else flex_extra(score, adapter.head_dim)
         flops = 2.0 * span * adapter.num_heads * adapter.head_dim
         f, fb = f + flops * xf, fb + flops * xfb
     n = len(adapter.layer_kinds)
@@ -103,10 +110,11 @@ def flex_seconds(adapter, seq_len: int, packed: bool) -> tuple[float, float]:
 def blocked_share(adapter, w: Workload) -> float:
     """The share of the layers whose attention runs blocked (Placement.attn_block: plain causal rows longer than the
     block, on the layers that run the flash kernel; models/attention.causal_attention): 0 when none does."""
-    if w.device != "cuda" or w.packed or not 0 < w.placement.attn_block < w.seq_len:
+    if w.device != "cuda" or not 0 < w.placement.attn_block < w.seq_len:
         return 0.0
-    kinds = adapter.layer_kinds
-    return sum(adapter.cuda_attention(k, w.seq_len, False)[0] == "flash" for k in kinds) / len(kinds)
+    kinds = adapter.layer_kinds  # (packed rows: the variable-length kernel's, windowed layers not blocked)
+    return sum(adapter.cuda_attention(k, w.seq_len, w.packed)[0] in ("flash", "varlen") and k != "sliding"
+               for k in kinds) / len(kinds)
 
 
 def _use_tokens(w: Workload) -> list[int]:
@@ -192,7 +200,7 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
             how += (f", the attention blocked for its backward (memory.attn_block) at 1/{BLOCKED_ATTENTION_SLOWDOWN}"
                     " of it (BLOCKED_ATTENTION_SLOWDOWN)")
         if xb:
-            how += ", FlexAttention's measured extra time over flash's (FLEX_MEASURED)"
+            how += ", FlexAttention's or varlen's measured extra time over flash's (FLEX_MEASURED, VARLEN_MEASURED)"
         if adapter.moe:
             r_mm, r_attn = r_mm * MOE_DEFAULT_SHARE, r_attn * MOE_DEFAULT_SHARE
             how += f", MoE layers at {MOE_DEFAULT_SHARE:.2f} of it (fitted to one run; probe the layer)"
