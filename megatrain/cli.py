@@ -105,8 +105,15 @@ def _run(args) -> int:
         from .planner.profile import default_profile_path
 
         check_paths(cfg, outputs=False, default_profile=default_profile_path())
+        from .run.bounds import check_run_batch
+        from .models import load_hf_config
         from .planner import World
+        from .planner.plan import target_device
+        from .planner.profile import load_profile
 
+        prof = load_profile(cfg.plan.profile)  # the batch bounded before the planner walks it
+        check_run_batch(cfg, load_hf_config(cfg.model.path).hidden_size, target_device(cfg, prof),
+                        args.nnodes * args.nproc_per_node, args.nproc_per_node, prof)
         return plan_command(cfg, as_json=args.json, world=World(args.nnodes, args.nproc_per_node))
     elif args.command == "data":
         from . import data as data_lib

@@ -120,3 +120,17 @@ def tokenizer_fingerprint(tokenizer) -> str:
     }
     h.update(json.dumps(extra, sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]
+
+
+
+MIN_ROW_TOKENS = 4096  # the least a row is tokenised to (rounded up to a power of two: see row_tokens)
+CHARS_PER_TOKEN_FIRST = 4  # the first prefix tried: this many characters a token; doubled until it is enough
+
+
+def row_tokens(max_seq_len: int) -> int:
+    """Tokens a row is tokenised to at most, before truncation: max_seq_len and a margin (so that where the text
+    was cut never reaches the kept tokens), rounded up to a power of two of at least MIN_ROW_TOKENS, so that a
+    change of data.max_seq_len within one power of two (every value up to 4,080) does not tokenise the data
+    again (the bound is part of the cache's fingerprint)."""
+    need = max(max_seq_len + 16, MIN_ROW_TOKENS)
+    return 1 << (need - 1).bit_length()
