@@ -40,9 +40,39 @@ def _render(tok, messages: list[dict], tools, generation_prompt: bool) -> str:
         raise RowError(f"the chat template rejected this conversation: {msg}") from None
 
 
+def check_tools_rendered(tok, messages: list[dict], tools=None) -> None:
+    """Tool definitions, an assistant's tool calls and tool turns must reach what the model sees: a template that
+    leaves them out (its render is the same without them) would drop them silently, and train an empty reply where
+    the assistant only called a tool. RowError naming the message."""
+    def render(msgs, t=tools):
+        return _render(tok, msgs, t, False)
+
+    if tools and render(messages) == render(messages, None):
+        raise RowError("the chat template does not render the tools column (the tool definitions); the model would "
+                       "not see them: use a template that renders tools (data.chat_template)")
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            without = dict(m)
+            del without["tool_calls"]
+            if render(messages[: i + 1]) == render(messages[:i] + [without]):
+                raise RowError(f"message {i + 1}: the chat template does not render the assistant's tool_calls; the "
+                               f"model would not see them and would learn "
+                               f"{'an empty reply' if not m['content'].strip() else 'the reply without them'}: use a "
+                               f"template that renders tool calls (data.chat_template)")
+        elif m["role"] == "tool":
+            changed = dict(m, content=m["content"] + " (changed)")
+            if render(messages[: i + 1]) == render(messages[:i] + [changed]):
+                raise RowError(f"message {i + 1}: the chat template does not render tool turns (role 'tool'); the "
+                               f"model would not see the tool's answer: use a template that renders them "
+                               f"(data.chat_template)")
+
+
 def chat_pieces(tok, messages: list[dict], tools=None, loss_from: int = 0,
                 mask_history: bool = False) -> list[tuple[str, bool]]:
-    """The rendered conversation as consecutive (text, trained) pieces; trained pieces are assistant replies."""
+    """The rendered conversation as consecutive (text, trained) pieces; trained pieces are assistant replies.
+    Tools, tool calls and tool turns are checked to be rendered first (check_tools_rendered)."""
+    if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        check_tools_rendered(tok, messages, tools)
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= loss_from]
     trained = set(replies[-1:] if mask_history else replies)
     pieces: list[tuple[str, bool]] = []
