@@ -151,8 +151,9 @@ def _run(args) -> int:
 
         check_paths(cfg, outputs=False)
         data_lib.validate_inputs(cfg.data)
-        print(data_lib.preview(cfg.data, data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path),
-                               args.preview))
+        tok = data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path,
+                                      "model.tokenizer" if cfg.model.tokenizer else "model.path")
+        print(data_lib.preview(cfg.data, tok, args.preview))
     return 0
 
 

@@ -17,15 +17,16 @@ JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 TEXT_FILES = ("chat_template.jinja", "merges.txt", "vocab.txt")
 
 
-def load_tokenizer(path: str | Path):
-    """AutoTokenizer from a local folder, with one-line errors that name the folder (and the file and line)."""
+def load_tokenizer(path: str | Path, key: str = "tokenizer"):
+    """AutoTokenizer from a local folder, with one-line errors that name the folder (and the file and line); key:
+    the config key that gave the folder, named when it is missing."""
     from transformers import AutoTokenizer
 
     p = Path(path).expanduser()
     if p.is_file():
-        raise MegatrainError(f"tokenizer: {p} is a file; expected a directory of tokenizer files")
+        raise MegatrainError(f"{key}: {p} is a file; expected a directory of tokenizer files")
     if not p.is_dir():
-        raise MegatrainError(f"tokenizer: directory {p} does not exist")
+        raise MegatrainError(f"{key}: directory {p} does not exist")
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                                            "vocab.json", "vocab.txt")):
         raise MegatrainError(f"tokenizer: {p} holds no tokenizer files (tokenizer.json, tokenizer_config.json, ...)")

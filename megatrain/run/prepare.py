@@ -161,7 +161,8 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
         from ..checkpoint.export import check_export_target
 
         check_export_target(Path(cfg.export.dir or out_dir / "export"), replace_export=True)
-    tokenizer = data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    tokenizer = data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path,
+                                        "model.tokenizer" if cfg.model.tokenizer else "model.path")
     if len(tokenizer) > adapter.vocab_size:
         raise MegatrainError(f"model.tokenizer: the tokenizer has {len(tokenizer)} tokens but config.json's "
                              f"vocab_size is {adapter.vocab_size}")
