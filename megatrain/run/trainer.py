@@ -71,8 +71,8 @@ def _train(run: Run, stop: StopOnSignal) -> dict:
                                     f"no step was trained") from None
         raise
     try:
-        if stop.requested:  # during the step-0 evaluation: nothing trained, nothing to save
-            return stopped(s, s.first_step, stop.requested)
+        if requested := run.agree_stop(stop.requested):  # during the step-0 evaluation: nothing to save
+            return stopped(s, s.first_step, requested)
         for step in range(s.first_step, cfg.train.steps):
             record = train_step(run, step, s.data.next(), s.stats)
             if step == s.first_step and run.startup_s:  # this process's start-up, with its first step
