@@ -11,6 +11,7 @@ from the schema's defaults (config.load_command_line).
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from .errors import ArgumentParser, MegatrainError, count, positive_int, positive_number, report
@@ -59,8 +60,38 @@ def _exit_status(e: SystemExit) -> int:
     return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
 
 
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT before a run installs its own handler (run/trainer.py): the imports and the checks."""
+
+
+_STOPPED_WHILE = {"train": "during start-up, before anything was written",
+                  "export": "during the export: its target was not written (the next export removes its partial "
+                            "folder)"}
+
+
+def _stop_early(signum, frame):
+    raise _Stopped(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    import threading
+
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {s: signal.signal(s, _stop_early) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _main(argv)
+    except _Stopped as e:
+        print(f"megatrain: stopped by {e} {_STOPPED_WHILE.get(argv[0] if argv else '', 'before it finished')}",
+              file=sys.stderr)
+        return 0
+    finally:
+        for s, old in handlers.items():
+            signal.signal(s, old)
+
+
+def _main(argv: list[str]) -> int:
     try:
         if argv[:1] == ["probe"]:  # its own options, no config: runs where only torch and transformers are installed
             from .planner.probe import main as probe_main
@@ -80,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         return _exit_status(e)
     except MegatrainError as e:
         return report(e)
-    except KeyboardInterrupt:
-        print("megatrain: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # a second signal (run/trainer.py says what it stopped), or one outside a run
+        print(f"megatrain: {e}" if str(e).startswith("stopped") else "megatrain: interrupted", file=sys.stderr)
         return 130
 
 
@@ -105,16 +136,24 @@ def _run(args) -> int:
         from .planner.profile import default_profile_path
 
         check_paths(cfg, outputs=False, default_profile=default_profile_path())
+        from .run.bounds import check_run_batch
+        from .models import load_hf_config
         from .planner import World
+        from .planner.plan import target_device
+        from .planner.profile import load_profile
 
+        prof = load_profile(cfg.plan.profile)  # the batch bounded before the planner walks it
+        check_run_batch(cfg, load_hf_config(cfg.model.path).hidden_size, target_device(cfg, prof),
+                        args.nnodes * args.nproc_per_node, args.nproc_per_node, prof)
         return plan_command(cfg, as_json=args.json, world=World(args.nnodes, args.nproc_per_node))
     elif args.command == "data":
         from . import data as data_lib
 
         check_paths(cfg, outputs=False)
         data_lib.validate_inputs(cfg.data)
-        print(data_lib.preview(cfg.data, data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path),
-                               args.preview))
+        tok = data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path,
+                                      "model.tokenizer" if cfg.model.tokenizer else "model.path")
+        print(data_lib.preview(cfg.data, tok, args.preview))
     return 0
 
 

@@ -237,9 +237,7 @@ def _key_lines(node, prefix=(), duplicates=None) -> dict[tuple, int]:
 
 def _problems(problems: list[str]) -> ConfigError:
     """One problem: its line; several: a count and one line each."""
-    if len(problems) == 1:
-        return ConfigError(problems[0])
-    return ConfigError(f"{len(problems)} problems in the config:\n  " + "\n  ".join(problems))
+    return ConfigError(*problems)
 
 
 def _parse_yaml(text: str, prefix: tuple = ()) -> tuple[Any, dict[tuple, int], list]:

@@ -1,7 +1,13 @@
 """User-facing errors: one line that names the key, file, tensor or layer at fault.
 
 Every subcommand reports a user error the same way: `megatrain: error: <message>` on stderr, exit status 2
-(argparse's own status for usage errors; `ArgumentParser` below gives its messages the same prefix).
+(argparse's own status for usage errors; `ArgumentParser` below gives its messages the same prefix, after
+argparse's usage line).
+
+One line per problem: a problem is one line naming its culprit (the key, file, line, tensor or layer). Several
+problems of one config (ConfigError.problems) are a first line counting them, `megatrain: error: N problems in the
+config:`, then one indented line each, each naming its key. A newline or carriage return inside a message (a key
+or a value the user wrote, a library's multi-line text) is shown escaped, so that no problem spans two lines.
 """
 
 import argparse
@@ -18,13 +24,23 @@ class MegatrainError(Exception):
     """A mistake in the user's input or environment. The CLI prints it without a traceback."""
 
 
+def one_line(text: str) -> str:
+    """`text` with its line breaks escaped (\\n, \\r): one line, whatever a user's key or value held."""
+    return str(text).replace("\r", "\\r").replace("\n", "\\n")
+
+
 class ConfigError(MegatrainError):
-    """One or more invalid configuration keys; the message lists every problem at once."""
+    """One or more invalid configuration keys; the message lists every problem at once (see the module's doc)."""
+
+    def __init__(self, *problems: str):
+        self.problems = [one_line(p) for p in problems]
+        super().__init__(self.problems[0] if len(self.problems) == 1 else
+                         f"{len(self.problems)} problems in the config:\n  " + "\n  ".join(self.problems))
 
 
 def report(e: BaseException) -> int:
     """Print a user error the one way every subcommand does; the exit status to return."""
-    print(f"{ERROR_PREFIX}{e}", file=sys.stderr)
+    print(f"{ERROR_PREFIX}{e if isinstance(e, ConfigError) else one_line(str(e))}", file=sys.stderr)
     return USER_ERROR_EXIT
 
 
@@ -33,7 +49,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.print_usage(sys.stderr)
-        self.exit(USER_ERROR_EXIT, f"{ERROR_PREFIX}{message}\n")
+        self.exit(USER_ERROR_EXIT, f"{ERROR_PREFIX}{one_line(message)}\n")
 
 
 def _whole(text: str, least: int) -> int:

@@ -113,3 +113,56 @@ def test_engine_compile_on_and_off_unquoted(tmp_path, text, override):
 def test_engine_compile_other_values_are_still_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"engine.compile: Input should be 'auto', 'on' or 'off' \(got 'fast'\)"):
         load_config(None, [f"model.path={tmp_path}", "engine.compile=fast"])
+
+
+# ---- one line per problem (errors.py's rule) ----------------------------------------------------------------------
+def _stderr_lines(capsys, *argv) -> list[str]:
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.rstrip("\n").split("\n")
+
+
+def test_one_problem_is_one_line(tmp_path, capsys):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  path: x\ntrain:\n  lr: fast\n")
+    assert _stderr_lines(capsys, "plan", str(p)) == [f"megatrain: error: {p}:4: train.lr: Input should be a valid "
+                                                     f"number, unable to parse string as a number (got 'fast')"]
+
+
+def test_several_problems_a_count_then_one_line_each_naming_its_key(tmp_path, capsys):
+    """A key or a value holding a line break broke its problem over two lines: it is shown escaped."""
+    p = tmp_path / "c.yaml"
+    p.write_text('model: {path: m}\ntrain:\n  lr_schedule: "exp\\nfoo"\n  "st\\neps": 3\n')
+    lines = _stderr_lines(capsys, "plan", str(p))
+    assert lines == ["megatrain: error: 2 problems in the config:",
+                     f"  {p}:3: train.lr_schedule: Input should be 'constant', 'linear' or 'cosine' (got 'exp\\nfoo')",
+                     f"  {p}:4: train.st\\neps: unknown key; did you mean 'train.steps'?"], lines
+
+
+def test_a_library_message_over_several_lines_is_one_line(tmp_path, capsys, monkeypatch):
+    """transformers' config errors span lines (a validator's name, then the reason): the problem stays one line,
+    naming the file."""
+    import transformers
+
+    from conftest import make_model_dir
+
+    model = tmp_path / "model"
+    make_model_dir(model, "llama")
+    capsys.readouterr()  # (the model's save progress)
+
+    def refuse(*a, **kw):
+        raise ValueError("Class validation error for validator 'validate_architecture':\n    ValueError: bad")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", refuse)
+    p = tmp_path / "c.yaml"
+    p.write_text(f"model:\n  path: {model}\n")
+    lines = _stderr_lines(capsys, "plan", str(p))
+    assert lines == [f"megatrain: error: {model / 'config.json'}: cannot be read as a llama config: Class validation "
+                     f"error for validator 'validate_architecture': ValueError: bad"], lines
+
+
+def test_an_argument_holding_a_line_break_is_one_error_line(capsys):
+    lines = _stderr_lines(capsys, "export", "a", "b", "--dtype", "fp\n8")
+    assert lines[0].startswith("usage: megatrain export") and lines[-1].startswith("megatrain: error: argument --dtype")
+    assert sum(line.startswith("megatrain: error: ") for line in lines) == 1 and "fp\\n8" in lines[-1], lines

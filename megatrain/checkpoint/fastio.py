@@ -1,7 +1,7 @@
 """Files moved at the disk's rate: many requests in flight from a pool of threads, an integrity check per chunk.
 
 Why: one thread writing and hashing a checkpoint moves at most what one core hashes (sha256 about 0.9 GB/s) and
-keeps one request in the disk's queue; a checkpoint of a 7B model (91 GB) took 202 s that way. Here a file is cut
+keeps one request in the disk's queue: a quarter of a fast disk's rate or less. Here a file is cut
 into CHUNK-byte chunks, and each chunk is one task of a pool of `threads` threads: gather its bytes (from the store's
 memory, no copy of the state), hash them (sha256 of the chunk: hashlib releases the GIL on large buffers, so the
 hashes of THREADS chunks are computed at once), write them at the chunk's offset. Reads are the same tasks
@@ -17,7 +17,7 @@ are dropped from the cache once hashed, POSIX_FADV_DONTNEED).
 Integrity: sha256 per chunk, not one per file, and not a CRC. One sha256 per file is a serial chain (one core,
 0.9 GB/s): a file of one unit can only be checked as fast as one core hashes it, so large units (an embedding, a
 layer of gpt-oss-120b: tens of GB) would pace the save. Per-chunk digests are independent, so the check scales with
-the threads (5 GB/s on 4 cores, 8.4 on 8 on an H100 host) and stays a cryptographic hash: a flipped or zeroed
+the threads (calibration.IO_HASH_BPS) and stays a cryptographic hash: a flipped or zeroed
 block is caught with certainty, and the error names the file and the byte range. zlib.crc32 (3.7 GB/s on one core)
 would be fast enough too, but is a 32-bit check; the manifest grows by 65 bytes per 16 MiB (about 0.4 MB for a 7B
 checkpoint), nothing beside the data. The files themselves are unchanged (standard safetensors, the same bytes as

@@ -20,10 +20,10 @@ from pathlib import Path
 from ..errors import MegatrainError
 from .formats import RowError, to_sample
 from .sources import ERR_COL, RAW_COL, ROW_COL, RawPart, check_strings_utf8
-from .template import IGNORE, EncodeOptions, encode
+from .template import IGNORE, EncodeOptions, encode_counted
 from .tokenizer import tokenizer_fingerprint
 
-ENCODER_VERSION = "1"  # bump when the encoding of a row changes
+ENCODER_VERSION = "2"  # bump when the encoding of a row changes
 
 
 def _features():
@@ -36,6 +36,7 @@ def _features():
         "error": datasets.Value("string"),
         "length": datasets.Value("int32"),
         "num_targets": datasets.Value("int32"),
+        "cut_chars": datasets.Value("int64"),  # characters left untokenised (EncodeOptions.max_tokens)
     })
 
 
@@ -55,18 +56,19 @@ def encode_row(raw: dict, index: int, *, tok, fmt: str, columns: dict, roles: di
     try:
         sample = to_sample(row, fmt, columns, roles, blank_ok)
         if sample is None:  # a blank line of a text file: not a row
-            return {"input_ids": [], "labels": [], "row": row_no, "error": "", "length": 0, "num_targets": 0}
-        ids, labels = encode(tok, sample, opts)
+            return {"input_ids": [], "labels": [], "row": row_no, "error": "", "length": 0, "num_targets": 0,
+                    "cut_chars": 0}
+        ids, labels, cut = encode_counted(tok, sample, opts)
     except RowError as e:
         return _bad(row_no, str(e))
     except Exception as e:  # anything else a strange row provokes (the template, the tokenizer): name it
         return _bad(row_no, f"{type(e).__name__}: {e}".splitlines()[0])
     return {"input_ids": ids, "labels": labels, "row": row_no, "error": "", "length": len(ids),
-            "num_targets": sum(1 for x in labels if x != IGNORE)}
+            "num_targets": sum(1 for x in labels if x != IGNORE), "cut_chars": cut}
 
 
 def _bad(row_no: int, msg: str) -> dict:
-    return {"input_ids": [], "labels": [], "row": row_no, "error": msg, "length": 0, "num_targets": 0}
+    return {"input_ids": [], "labels": [], "row": row_no, "error": msg, "length": 0, "num_targets": 0, "cut_chars": 0}
 
 
 def cache_root(cfg) -> str:

@@ -18,6 +18,7 @@ from .config import DataConfig
 from .encode import cache_root, tokenise
 from .sources import RawPart, Source, load_raw, resolve_sources, source_files
 from .template import IGNORE, EncodeOptions
+from .tokenizer import row_tokens
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -31,6 +32,8 @@ class Counts:
     bad: int = 0  # malformed rows skipped (data.skip_bad_rows)
     held_out: int = 0  # rows moved to the evaluation set (data.eval_fraction)
     truncated: int = 0
+    cut: int = 0  # rows tokenised only to cut_to tokens (tokenizer.row_tokens); truncated or dropped too
+    cut_to: int = 0
     dropped: int = 0  # over-long, data.overlong: drop
     split: int = 0  # over-long documents cut into pieces, data.overlong: split
     no_loss: int = 0  # examples without any token to learn (e.g. all replies cut off by truncation)
@@ -107,9 +110,10 @@ def build_examples(cfg: DataConfig, tok, side: str = "train") -> Examples:
     if not sources:
         raise MegatrainError("data.path: no training data given" if side == "train" else
                              "data: no evaluation data given")
-    opts = EncodeOptions(cfg.train_on_prompt, cfg.mask_history, cfg.add_eos)
+    cut_to = row_tokens(cfg.max_seq_len)
+    opts = EncodeOptions(cfg.train_on_prompt, cfg.mask_history, cfg.add_eos, cut_to, cfg.overlong == "split")
     root = cache_root(cfg)
-    counts = Counts()
+    counts = Counts(cut_to=cut_to)
     parts: list[Part] = []
     cols: dict[str, list] = {k: [] for k in ("part", "row", "start", "end", "source")}
     S = cfg.max_seq_len
@@ -122,6 +126,7 @@ def build_examples(cfg: DataConfig, tok, side: str = "train") -> Examples:
             table = tokens.data
             length = table.column("length").to_numpy().astype(np.int64)
             n_targets = table.column("num_targets").to_numpy().astype(np.int64)
+            counts.cut += int(pc.sum(pc.greater(table.column("cut_chars"), 0)).as_py() or 0)
             bad = pc.not_equal(table.column("error"), "").to_numpy(zero_copy_only=False)
             if bad.any():
                 first = np.flatnonzero(bad)

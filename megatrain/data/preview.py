@@ -24,7 +24,8 @@ def count_lines(ex: Examples, max_seq_len: int) -> list[str]:
              f"rows: {_n(c.rows)} read, {_n(c.bad)} bad rows skipped, {_n(c.held_out)} held out for evaluation"]
     lines += [f"  skipped: {b}" for b in c.bad_examples]
     lines.append(f"over-long (> max_seq_len={max_seq_len}): {_n(c.truncated)} truncated, {_n(c.dropped)} dropped, "
-                 f"{_n(c.split)} split into pieces; {_n(c.no_loss)} examples without any token to learn removed")
+                 f"{_n(c.split)} split into pieces; {_n(c.no_loss)} examples without any token to learn removed"
+                 + (f"; {_n(c.cut)} rows tokenised only to their first {_n(c.cut_to)} tokens" if c.cut else ""))
     lens = ex.lengths
     pct = 100.0 * c.targets / max(c.tokens, 1)
     lines.append(f"tokens: {_n(c.tokens)} ({_n(c.targets)} with loss, {pct:.1f}%); length min {lens.min()}, "

@@ -17,15 +17,16 @@ JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 TEXT_FILES = ("chat_template.jinja", "merges.txt", "vocab.txt")
 
 
-def load_tokenizer(path: str | Path):
-    """AutoTokenizer from a local folder, with one-line errors that name the folder (and the file and line)."""
+def load_tokenizer(path: str | Path, key: str = "tokenizer"):
+    """AutoTokenizer from a local folder, with one-line errors that name the folder (and the file and line); key:
+    the config key that gave the folder, named when it is missing."""
     from transformers import AutoTokenizer
 
     p = Path(path).expanduser()
     if p.is_file():
-        raise MegatrainError(f"tokenizer: {p} is a file; expected a directory of tokenizer files")
+        raise MegatrainError(f"{key}: {p} is a file; expected a directory of tokenizer files")
     if not p.is_dir():
-        raise MegatrainError(f"tokenizer: directory {p} does not exist")
+        raise MegatrainError(f"{key}: directory {p} does not exist")
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                                            "vocab.json", "vocab.txt")):
         raise MegatrainError(f"tokenizer: {p} holds no tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
@@ -120,3 +121,17 @@ def tokenizer_fingerprint(tokenizer) -> str:
     }
     h.update(json.dumps(extra, sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]
+
+
+
+MIN_ROW_TOKENS = 4096  # the least a row is tokenised to (rounded up to a power of two: see row_tokens)
+CHARS_PER_TOKEN_FIRST = 4  # the first prefix tried: this many characters a token; doubled until it is enough
+
+
+def row_tokens(max_seq_len: int) -> int:
+    """Tokens a row is tokenised to at most, before truncation: max_seq_len and a margin (so that where the text
+    was cut never reaches the kept tokens), rounded up to a power of two of at least MIN_ROW_TOKENS, so that a
+    change of data.max_seq_len within one power of two (every value up to 4,080) does not tokenise the data
+    again (the bound is part of the cache's fingerprint)."""
+    need = max(max_seq_len + 16, MIN_ROW_TOKENS)
+    return 1 << (need - 1).bit_length()

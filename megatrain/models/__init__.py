@@ -10,6 +10,7 @@ from .base import ModelAdapter, PackedTensor, TensorSpec, Unit
 from .decoder import DecoderAdapter
 from .gemma import GemmaAdapter
 from .gpt_oss import GptOssAdapter
+from .limits import check_model_config
 from .moe import MoEAdapter
 from .olmo2 import Olmo2Adapter
 from .phi3 import Phi3Adapter
@@ -54,10 +55,14 @@ def load_hf_config(model_path: str | Path) -> PretrainedConfig:
         raise MegatrainError(
             f"{cfg_file}: model_type '{raw['model_type']}' is not supported; supported: {', '.join(sorted(ADAPTERS))}"
         )
+    check_model_config(raw, cfg_file)  # sizes bounded and heads consistent before anything is built from them
     try:
-        return AutoConfig.from_pretrained(str(path), trust_remote_code=False)  # never the folder's code
-    except Exception as e:  # transformers raises many types for a bad config
-        raise MegatrainError(f"{cfg_file}: cannot be read as a {raw['model_type']} config: {e}") from None
+        hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)  # never the folder's code
+    except Exception as e:  # transformers raises many types for a bad config, some over several lines
+        raise MegatrainError(f"{cfg_file}: cannot be read as a {raw['model_type']} config: "
+                             f"{' '.join(str(e).split())}") from None
+    check_model_config(hf_config, cfg_file)  # with the defaults transformers fills in
+    return hf_config
 
 
 def get_adapter(hf_config: PretrainedConfig) -> ModelAdapter:

@@ -7,23 +7,31 @@ import torch
 from ..runtime import Engine, MicroBatch
 
 
-def evaluate(run, step: int, log) -> dict:
+def evaluate(run, step: int, log, stop=None) -> dict:
     """Held-out loss (data.eval_*) and exact match (train.exact_match_path) at `step`; logged when any. In a
-    distributed run each rank evaluates its share of the examples and the sums are all-reduced."""
+    distributed run each rank evaluates its share of the examples and the sums are all-reduced. stop: a
+    StopOnSignal; once it holds a request the evaluation ends between two batches (or two decoding steps), its
+    numbers are neither logged nor returned, and the record says `eval_stopped_by`."""
     record = {"step": step}
     rank, world = run.ranks.world.rank, run.ranks.world.size
+    stopping = (lambda: stop.requested is not None) if stop is not None else (lambda: False)
     if run.eval_batches:
         total, count = 0.0, 0
         for b in run.eval_batches[rank::world]:
+            if stopping():
+                break
             loss, n = run.engine.eval_loss([MicroBatch.from_labels(b["input_ids"], b["labels"],
                                                                    b.get("position_ids"))])
             total, count = total + loss * n, count + n
         total, count = run.ranks.all_sum([total, count])
         record["eval_loss"] = total / max(count, 1)
-    if run.exact_match:
-        hits = exact_match_hits(run.engine, run.tokenizer, run.exact_match[rank::world])
+    if run.exact_match:  # (cut short, it returns at once: every rank still takes part in the sums)
+        hits = exact_match_hits(run.engine, run.tokenizer, run.exact_match[rank::world], stopping=stopping)
         (hits,) = run.ranks.all_sum([hits])
         record["eval_exact_match"] = hits / len(run.exact_match)
+    if stopping():  # cut short: partial numbers would mislead
+        log.info(f"evaluation at step {step} cut short by {stop.requested}: not logged")
+        return {"step": step, "eval_stopped_by": stop.requested}
     if len(record) > 1:
         log.log(record)
     return record
@@ -31,14 +39,15 @@ def evaluate(run, step: int, log) -> dict:
 
 @torch.no_grad()
 def greedy_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
-                    pad_id: int) -> list[list[int]]:
-    """Greedy continuation of each prompt (no KV cache: meant for small held-out checks)."""
+                    pad_id: int, stopping=lambda: False) -> list[list[int]]:
+    """Greedy continuation of each prompt (no KV cache: meant for small held-out checks); stopping() true: the
+    continuations so far."""
     seqs = [list(p) for p in prompts]
     done = [False] * len(seqs)
     outs: list[list[int]] = [[] for _ in seqs]
     for _ in range(max_new_tokens):
         live = [i for i, d in enumerate(done) if not d]
-        if not live:
+        if not live or stopping():
             break
         T = max(len(seqs[i]) for i in live)
         ids = torch.full((len(live), T), pad_id, dtype=torch.long)
@@ -55,7 +64,8 @@ def greedy_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: in
     return outs
 
 
-def exact_match_hits(engine: Engine, tokenizer, examples: list[tuple[str, str]], max_new_tokens: int = 32) -> int:
+def exact_match_hits(engine: Engine, tokenizer, examples: list[tuple[str, str]], max_new_tokens: int = 32,
+                     stopping=lambda: False) -> int:
     """How many (prompt, expected answer) pairs' greedy answer equals the expected one, after strip()."""
     if not examples:
         return 0
@@ -65,7 +75,7 @@ def exact_match_hits(engine: Engine, tokenizer, examples: list[tuple[str, str]],
                                             add_generation_prompt=True)
         prompts.append(ids["input_ids"] if hasattr(ids, "keys") else ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    outs = greedy_generate(engine, prompts, max_new_tokens, tokenizer.eos_token_id, pad)
+    outs = greedy_generate(engine, prompts, max_new_tokens, tokenizer.eos_token_id, pad, stopping)
     return sum(tokenizer.decode(o, skip_special_tokens=True).strip() == want.strip()
                for o, (_, want) in zip(outs, examples))
 

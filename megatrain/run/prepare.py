@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import data as data_lib
+from .bounds import check_run_batch
 from ..checkpoint import resume as resume_lib
 from ..checkpoint.folder_lock import holder
 from ..config import Config, check_paths
@@ -135,6 +136,7 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
     check_tune_first(cfg, device, world.size)
     hf_config = load_hf_config(cfg.model.path)
     adapter = get_adapter(hf_config)
+    check_run_batch(cfg, adapter.hidden_size, device.type, world.size, world.local_size)  # before it is planned
     if (gen := Path(cfg.model.path) / "generation_config.json").is_file():
         load_json(gen)  # copied into every checkpoint and export unread: it must parse
     if cfg.data.max_seq_len > getattr(hf_config, "max_position_embeddings", cfg.data.max_seq_len):
@@ -159,7 +161,8 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
         from ..checkpoint.export import check_export_target
 
         check_export_target(Path(cfg.export.dir or out_dir / "export"), replace_export=True)
-    tokenizer = data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    tokenizer = data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path,
+                                        "model.tokenizer" if cfg.model.tokenizer else "model.path")
     if len(tokenizer) > adapter.vocab_size:
         raise MegatrainError(f"model.tokenizer: the tokenizer has {len(tokenizer)} tokens but config.json's "
                              f"vocab_size is {adapter.vocab_size}")

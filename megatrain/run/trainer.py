@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
+from contextlib import nullcontext
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..checkpoint import StopOnSignal
+from ..checkpoint.signals import Stopped, StopOnSignal
 from ..checkpoint import resume as resume_lib
 from ..checkpoint.folder_lock import FolderLock
 from ..checkpoint.state import model_files_writer, restore_rng, run_state
@@ -39,46 +41,67 @@ if TYPE_CHECKING:
 
 def train(cfg: Config, ranks: Ranks | None = None, since_process_start: bool = False) -> dict:
     """ranks: the run's processes (run/launch.py; default: one process). since_process_start: the start-up's timing
-    begins at the process's start (the command line)."""
-    run = prepare(cfg, ranks, since_process_start)  # every input checked, the store filled, the runtime built:
-    #                                                nothing written yet
+    begins at the process's start (the command line). SIGTERM and SIGINT stop it cleanly in every phase
+    (checkpoint/signals.py): each stop is said on one line."""
+    with StopOnSignal() as stop:
+        try:
+            with stop.interruptible("start-up"):
+                run = prepare(cfg, ranks, since_process_start)  # every input checked, the store filled, the
+                #                                                runtime built: nothing written yet
+        except Stopped as e:
+            print(f"megatrain: stopped by {e.name} during start-up, before anything was written", file=sys.stderr)
+            return {"stopped_at": 0, "stopped_during": "start-up"}
+        return _train(run, stop)
+
+
+def _train(run: Run, stop: StopOnSignal) -> dict:
+    cfg = run.cfg
     lock = None
     try:
         if run.writes:  # the run's first write: output.dir's lock, held until the run ends (two runs on one
             #            folder would replace each other's checkpoints and metrics)
             lock = FolderLock(run.out_dir, "output.dir").acquire()
-        s = start(run)
-    except BaseException:
+        s = start(run, stop)
+    except BaseException as e:
         if lock is not None:
             lock.release()
         run.runtime.close()
+        if stop.forced or isinstance(e, KeyboardInterrupt):
+            raise KeyboardInterrupt(f"stopped at once by a second {stop.requested or 'signal'} during start-up; "
+                                    f"no step was trained") from None
         raise
     try:
-        with StopOnSignal() as stop:
-            for step in range(s.first_step, cfg.train.steps):
-                record = train_step(run, step, s.data.next(), s.stats)
-                if step == s.first_step and run.startup_s:  # this process's start-up, with its first step
-                    record["startup_s"] = run.startup_s
-                s.log.log(record)
-                s.summary.setdefault("first_loss", record["loss"])
-                s.summary["last_loss"] = record["loss"]
-                done = step + 1
-                if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
-                    evaluate(run, done, s.log)
-                requested = run.agree_stop(stop.requested)  # distributed: any rank's signal stops every rank
-                s.saver.step_done(done, lambda: state_at(run, s, done, record["lr"]), s.model_files,
-                                  stopping=requested is not None)
-                if requested:
-                    return stopped(s, done, requested)
-            return finish(run, s)
+        if requested := run.agree_stop(stop.requested):  # during the step-0 evaluation: nothing to save
+            return stopped(s, s.first_step, requested)
+        for step in range(s.first_step, cfg.train.steps):
+            record = train_step(run, step, s.data.next(), s.stats)
+            if step == s.first_step and run.startup_s:  # this process's start-up, with its first step
+                record["startup_s"] = run.startup_s
+            s.log.log(record)
+            s.summary.setdefault("first_loss", record["loss"])
+            s.summary["last_loss"] = record["loss"]
+            done = step + 1
+            if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
+                evaluate(run, done, s.log, stop)
+            requested = run.agree_stop(stop.requested)  # distributed: any rank's signal stops every rank
+            s.saver.step_done(done, lambda: state_at(run, s, done, record["lr"]), s.model_files,
+                              stopping=requested is not None)
+            if requested:
+                return stopped(s, done, requested)
+        return finish(run, s, stop)
     except BaseException as e:
         run.failing(e)  # distributed: the other ranks stop now, not after this one's cleanup
-        if isinstance(e, KeyboardInterrupt):
-            s.saver.abandon()  # a second signal: leave at once; the partial save never becomes a checkpoint
+        if isinstance(e, KeyboardInterrupt) or stop.forced:  # a second signal, whatever it interrupted
+            s.saver.abandon()  # leave at once; the partial save never becomes a checkpoint
+            last = s.saver.last or (run.resumed.path if run.resumed else None)
+            raise KeyboardInterrupt(f"stopped at once by a second {stop.requested or 'signal'}: a save in progress "
+                                    f"was abandoned; " + (f"the last checkpoint, {last}, stays (resume=auto "
+                                                          f"continues from it)" if last else "no checkpoint yet")) \
+                from None
         raise
     finally:
         try:
-            close(run, s)
+            close(run, s, quiet=stop.forced)
         finally:
             if lock is not None:
                 lock.release()
@@ -97,8 +120,9 @@ class Session:
     summary: dict = field(default_factory=dict)
 
 
-def start(run: Run) -> Session:
-    """Open output.dir (the first write of the run), the metrics and the saver; resume, or evaluate step 0."""
+def start(run: Run, stop: StopOnSignal | None = None) -> Session:
+    """Open output.dir (the first write of the run), the metrics and the saver; resume, or evaluate step 0 (cut
+    short by a signal: see evaluate)."""
     cfg, t = run.cfg, run.cfg.train
     first = run.resumed.step if run.resumed else 0
     if run.writes:  # one process, or rank 0 of several
@@ -132,7 +156,7 @@ def start(run: Run) -> Session:
             log.info(f"resume=auto: no checkpoint in {run.out_dir / 'checkpoints'} yet; starting from step 0")
         if removed := saver.clear():  # an earlier run's checkpoints (output.overwrite): resume=auto must not pick them
             log.info(f"removed {removed} checkpoint(s) of an earlier run from {saver.root}")
-        s.summary["first_eval"] = evaluate(run, 0, log)
+        s.summary["first_eval"] = evaluate(run, 0, log, stop)
     return s
 
 
@@ -194,16 +218,22 @@ def state_at(run: Run, s: Session, step: int, lr: float) -> dict:
 
 def stopped(s: Session, step: int, signal_name: str) -> dict:
     path = s.saver.wait()
-    s.log.info(f"stopped by {signal_name} after step {step}: checkpoint saved to {path}; continue with resume=auto")
-    s.summary.update(stopped_at=step, checkpoint=str(path))
+    if step == s.first_step:  # during the first evaluation, before a step: nothing new to save
+        s.log.info(f"stopped by {signal_name} before step {step + 1}: no step trained, nothing saved"
+                   + (f"; {path} stays the last checkpoint" if path else ""))
+    else:
+        s.log.info(f"stopped by {signal_name} after step {step}: checkpoint saved to {path}; continue with "
+                   f"resume=auto")
+    s.summary.update(stopped_at=step, checkpoint=str(path) if path else None)
     return s.summary
 
 
-def finish(run: Run, s: Session) -> dict:
-    """After the last step: the last evaluation (overlapping the final save), the checkpoint, the export."""
+def finish(run: Run, s: Session, stop: StopOnSignal | None = None) -> dict:
+    """After the last step: the last evaluation (overlapping the final save), the checkpoint, the export. A signal
+    cuts the evaluation short and stops the export (the checkpoint is complete: nothing is lost)."""
     cfg = run.cfg
     if s.first_step < cfg.train.steps:
-        s.summary["last_eval"] = evaluate(run, cfg.train.steps, s.log)
+        s.summary["last_eval"] = evaluate(run, cfg.train.steps, s.log, stop)
     if (final := s.saver.wait()) is not None:
         s.log.info(f"checkpoint: {final} (saved in {s.saver.last_seconds:.1f}s)")
         s.summary["checkpoint"] = str(final)
@@ -212,9 +242,18 @@ def finish(run: Run, s: Session) -> dict:
     if cfg.export.at_end and run.writes:
         from ..checkpoint.export import export_store
 
-        # the store holds the final checkpoint's state: its weights are exported from RAM, its files from `final`
-        res = export_store(run.store, final, cfg.export.dir or run.out_dir / "export", dtype=cfg.export.dtype,
-                           max_shard_mb=cfg.export.max_shard_mb, replace_export=True)
+        target = cfg.export.dir or run.out_dir / "export"
+        try:
+            with stop.interruptible("the export") if stop is not None else nullcontext():
+                # the store holds the final checkpoint's state: its weights are exported from RAM, its files from
+                # `final`
+                res = export_store(run.store, final, target, dtype=cfg.export.dtype,
+                                   max_shard_mb=cfg.export.max_shard_mb, replace_export=True)
+        except Stopped as e:
+            s.log.info(f"export stopped by {e.name}: the checkpoint {final} is complete; `megatrain export {final} "
+                       f"{target}` writes the model")
+            s.summary.update(stopped_during="export", checkpoint=str(final))
+            return s.summary
         s.log.info(f"exported a Hugging Face model to {res['path']} ({res['seconds']:.1f}s, "
                    f"{res['bytes'] / max(res['seconds'], 1e-9) / 1e9:.2f} GB/s)")
         s.summary["export"] = str(res["path"])
@@ -227,14 +266,21 @@ def finish(run: Run, s: Session) -> dict:
     return s.summary
 
 
-def close(run: Run, s: Session) -> None:
-    """Whatever happened: a save in progress completes (it is a good step's state), then everything stops."""
+def close(run: Run, s: Session, quiet: bool = False) -> None:
+    """Whatever happened: a save in progress completes (it is a good step's state), then everything stops.
+    quiet: a second signal stopped the run: what the interrupted threads raise is that stop, not a failure."""
     try:
         s.saver.wait()
     except MegatrainError as e:
         s.log.info(str(e))
+    except BaseException:
+        if not quiet:
+            raise
     s.data.close()
     try:
         run.runtime.close()  # may raise again what stopped the run (the SSD tier's disk failed)
+    except BaseException:
+        if not quiet:
+            raise
     finally:
         s.log.close()
