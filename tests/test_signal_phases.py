@@ -100,14 +100,14 @@ def test_sigterm_during_the_export_keeps_the_checkpoint(tmp_path, monkeypatch, c
     import megatrain.checkpoint.export as export_mod
 
     cfg = setup_run(tmp_path, train={"steps": 2})
-    real = export_mod.export_checkpoint
+    real = export_mod.export_store
 
     def interrupted(*a, **kw):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # (the handler raises before this ends)
         return real(*a, **kw)
 
-    monkeypatch.setattr(export_mod, "export_checkpoint", interrupted)
+    monkeypatch.setattr(export_mod, "export_store", interrupted)
     summary = run(cfg, "export.at_end=true")
     ckpt = tmp_path / "run" / "checkpoints" / "step-2"
     assert summary["stopped_during"] == "export" and summary["checkpoint"] == str(ckpt)

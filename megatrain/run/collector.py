@@ -16,9 +16,9 @@ import time
 
 
 class StepCollector:
-    """`between_steps()` after each step (outside its time); `close()` at the end restores the interpreter's
-    automatic collection. `enabled=False` leaves the interpreter's collector alone (a CPU run: its steps are not
-    scheduled against a device)."""
+    """`between_steps()` after each step (outside its time); `close()` at the end unfreezes what was frozen (a
+    process that trains again, or a test suite, collects it as usual) and restores automatic collection.
+    `enabled=False` leaves the interpreter's collector alone."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
@@ -40,6 +40,9 @@ class StepCollector:
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        if self.enabled and self._was_enabled:
-            gc.enable()
+        if self.enabled:
+            if self.frozen:
+                gc.unfreeze()
+            if self._was_enabled:
+                gc.enable()
         self.enabled = False

@@ -25,6 +25,7 @@ from ..errors import MegatrainError
 from ..runtime.adamw import clip_coefficient, lr_at
 from ..runtime.pinned import release_torch_pinned_cache
 from ..runtime.router_loss import expert_load
+from .collector import StepCollector
 from .evaluate import evaluate
 from .metrics import MetricsLogger
 from .oom import raise_if_out_of_memory
@@ -70,11 +71,13 @@ def _train(run: Run, stop: StopOnSignal) -> dict:
             raise KeyboardInterrupt(f"stopped at once by a second {stop.requested or 'signal'} during start-up; "
                                     f"no step was trained") from None
         raise
+    collector = StepCollector()  # Python's cyclic garbage collected between steps, never inside one
     try:
         if requested := run.agree_stop(stop.requested):  # during the step-0 evaluation: nothing to save
             return stopped(s, s.first_step, requested)
         for step in range(s.first_step, cfg.train.steps):
             record = train_step(run, step, s.data.next(), s.stats)
+            record["gc_s"] = collector.between_steps()
             if step == s.first_step and run.startup_s:  # this process's start-up, with its first step
                 record["startup_s"] = run.startup_s
             s.log.log(record)
@@ -100,6 +103,7 @@ def _train(run: Run, stop: StopOnSignal) -> dict:
                 from None
         raise
     finally:
+        collector.close()
         try:
             close(run, s, quiet=stop.forced)
         finally:
