@@ -123,7 +123,8 @@ class DataConfig(BaseModel):
     # --- caching -----------------------------------------------------------------------------------------------
     cache_dir: str | None = Field(None, description="datasets cache folder (default: the datasets library's "
                                                     "cache, e.g. ~/.cache/huggingface/datasets)")
-    num_proc: int | None = Field(None, ge=1, description="processes used for tokenisation")
+    num_proc: int | None = Field(None, ge=1, le=1024, description="processes that tokenise; default: one per 4,096 rows, up "
+                                     "to the cores this process may use")
 
     @field_validator("columns")
     @classmethod

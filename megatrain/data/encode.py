@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -77,6 +78,17 @@ def cache_root(cfg) -> str:
     return str(Path(cfg.cache_dir).expanduser()) if cfg.cache_dir else str(datasets.config.HF_DATASETS_CACHE)
 
 
+ROWS_PER_PROCESS = 4096  # a process of its own costs about a second to start: worth it from this many rows on
+
+
+def processes(num_proc: int | None, rows: int) -> int | None:
+    """Processes that tokenise `rows` rows (None: this one). data.num_proc as given; unset, one per
+    ROWS_PER_PROCESS rows up to the cores this process may use. Either way at least two rows each."""
+    if num_proc is None:
+        num_proc = min(len(os.sched_getaffinity(0)), rows // ROWS_PER_PROCESS)
+    return num_proc if num_proc > 1 and rows >= 2 * num_proc else None
+
+
 def tokenise(part: RawPart, tok, opts: EncodeOptions, root: str, num_proc: int | None, fail_fast: bool):
     """The tokenised dataset of one raw part (from the cache when it is there)."""
     src = part.source
@@ -99,7 +111,7 @@ def tokenise(part: RawPart, tok, opts: EncodeOptions, root: str, num_proc: int |
             raise MegatrainError(f"{part.where(first['row'])}: {first['error']} "
                                  f"(set data.skip_bad_rows: true to skip and count such rows)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    nproc = num_proc if num_proc and num_proc > 1 and len(ds) >= 2 * num_proc else None
+    nproc = processes(num_proc, len(ds))
     return ds.map(encode_row, with_indices=True, fn_kwargs=kwargs, remove_columns=ds.column_names,
                   features=_features(), cache_file_name=str(out), load_from_cache_file=True, new_fingerprint=fp,
                   num_proc=nproc, desc=f"Tokenising {part.file.name}")
