@@ -52,7 +52,7 @@ from ..runtime.knobs import settings
 from ..runtime.layer import can_stash
 from ..runtime.schedule import Placement, group_sizes
 from .calibration import ATTN_BLOCK, HOST_HEADROOM, NEAR_FASTEST, REUSE_FROM, SEQ_TILE
-from .memory import gpu_needed, gpu_phases, host_memory
+from .memory import gpu_needed, gpu_peak, host_memory, sized
 from .profile import GiB, Profile
 from .timing import step_time
 from .workload import PLACEMENT_KEYS, Workload
@@ -108,7 +108,7 @@ class _Search:
         if pl not in self._mem:
             w = replace(self.w, placement=pl)
             host = self._host_bytes(pl)
-            peak = max(sum(c.values()) for _, c in gpu_phases(self.adapter, self.units, w, [], self.prof))
+            peak = gpu_peak(self.adapter, self.units, w, self.prof)
             self._mem[pl] = (host, gpu_needed(peak, w))
             self.tried += 1
         return self._mem[pl]
@@ -226,6 +226,7 @@ def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None,
     """The workload with its placement chosen (the keys in `free`; the others as given), and why. disk: the SSD
     tier may take states (memory.disk_path set, memory.disk_states not): tried, in DISK_SETS order, when no
     placement fits host RAM. Then, with the rest settled, the layers that keep their attention (`with_reuse`)."""
+    units = sized(units)
     w, why = _choose_states(adapter, units, w, prof, host_limit, gpu_limit, free - {"reuse_attention"}, disk)
     if "reuse_attention" in free and w.device == "cuda":
         w, more = with_reuse(adapter, units, w, prof, host_limit, gpu_limit, free)
@@ -317,7 +318,7 @@ def _host_total(adapter, units, w: Workload, prof: Profile) -> float:
     """Host RAM of a workload as planned as is (a CPU run's device work included: the device is the host)."""
     host = sum(host_memory(units, w, adapter.tied).values())
     if w.device != "cuda":
-        host += max(sum(c.values()) for _, c in gpu_phases(adapter, units, w, [], prof))
+        host += gpu_peak(adapter, units, w, prof)
     return host
 
 

@@ -255,6 +255,8 @@ def _schedule(num_units: int, tied: bool, placement: Placement, groups: int) -> 
     L = num_units - 2
     to_host = set(grads_to_host(num_units, placement))
     bl = blocks(L, placement)
+    keeps = [kept(l, placement, L) for l in range(L)]  # (the planner builds hundreds of schedules: each once)
+    stash = [stashes(l, placement, L) for l in range(L)]
     uses: list[Use] = []
     for g in range(groups):
         last = g == groups - 1
@@ -265,19 +267,18 @@ def _schedule(num_units: int, tied: bool, placement: Placement, groups: int) -> 
             return "host" if unit in to_host else "gpu"
 
         uses.append(Use((0,), "embed", group=g))
-        uses += [Use((1 + l,), "forward", l, g, keep=kept(l, placement, L), stash=stashes(l, placement, L))
-                 for l in range(L)]
+        uses += [Use((1 + l,), "forward", l, g, keep=keeps[l], stash=stash[l]) for l in range(L)]
         head = head_units(num_units, tied)
         uses.append(Use(head, "head", group=g, grad=grad(head[0]), accumulators=(head[0], 0)))
         for b in reversed(range(len(bl))):
             s, e = bl[b]
             # the next block's kept input comes back from host during this block, one block ahead of its use
             below = bl[b - 1][0] if b > 0 else None
-            fetch = below if below is not None and kept(below, placement, L) == "host" else None
-            block = [Use((1 + l,), "rebuild", l, g) for l in range(s, e - 1)]
-            block += [Use((1 + l,), "backward", l, g, grad=grad(1 + l), accumulators=(1 + l,))
-                      for l in reversed(range(s, e))]
-            block[0] = replace(block[0], fetch=fetch)
+            fetch = below if below is not None and keeps[below] == "host" else None
+            # the block's first use (its bottom layer's rebuild, or its backward when it has one layer) fetches
+            block = [Use((1 + l,), "rebuild", l, g, fetch=fetch if l == s else None) for l in range(s, e - 1)]
+            block += [Use((1 + l,), "backward", l, g, grad=grad(1 + l), accumulators=(1 + l,),
+                          fetch=fetch if l == e - 1 and e - s == 1 else None) for l in reversed(range(s, e))]
             uses += block
         uses.append(Use((), "embed_backward", group=g, grad=grad(0), accumulators=(TIED_INPUT,) if tied else ()))
     return tuple(uses)
