@@ -287,10 +287,16 @@ def gpu_phases(adapter, units, w: Workload, notes: list[str], prof: Profile | No
     return books.phases
 
 
-def gpu_peak(adapter, units, w: Workload, prof: Profile | None = None) -> float:
+class Over(Exception):
+    """gpu_peak's walk stopped: `over` held for a phase's total."""
+
+
+def gpu_peak(adapter, units, w: Workload, prof: Profile | None = None, over=None) -> float:
     """max(sum(c.values()) for _, c in gpu_phases(...)): the same walk, each phase's total summed in the same order,
-    without keeping the phases (the placement search plans hundreds of placements)."""
+    without keeping the phases (the placement search plans hundreds of placements). over(total): raise Over at the
+    first phase total, above those before it, for which it holds (when the search asks only whether a peak fits)."""
     books = _GpuBooks(adapter, units, w, [], prof, peak_only=True)
+    books.over = over
     walk(books.uses, books)
     return books.peak
 
@@ -327,7 +333,7 @@ class _GpuBooks(ScheduleVisitor):
 
     def __init__(self, adapter, units, w: Workload, notes: list[str], prof: Profile | None, peak_only: bool = False):
         e, n, pl = w.elem, len(units), w.placement
-        self.peak_only, self.peak = peak_only, 0.0
+        self.peak_only, self.peak, self.over = peak_only, 0.0, None
         self.adapter, self.w, self.groups = adapter, w, w.groups
         self.grad = grad = [4.0 * u.numel for u in units]  # fp32, by unit index (forward order: embed, layers, head)
         self.cuda = cuda = w.device == "cuda"
@@ -398,7 +404,10 @@ class _GpuBooks(ScheduleVisitor):
                 if k != STASHED:
                     total += v
             total = total + self.active.total + self.finished + self.parked.total
-            self.peak = total if total > self.peak else self.peak
+            if total > self.peak:
+                self.peak = total
+                if self.over is not None and self.over(total):
+                    raise Over
             return
         where = f", micro-batch {self.groups[self.gi][m] + 1}/{len(self.w.micro_batches)}" if m is not None else ""
         self.phases.append((name + self.tag + where, {**self.base, STASHED: self.stashed.total, **comps,

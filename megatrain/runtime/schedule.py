@@ -250,6 +250,11 @@ def step_schedule(num_units: int, tied: bool, placement: Placement = Placement()
     return list(_schedule(num_units, tied, placement, placement.wave_groups if groups is None else groups))
 
 
+# the uses the schedules share, built once (a Use is immutable): the planner builds hundreds of schedules that differ
+# in a few uses
+_use = lru_cache(maxsize=1 << 16)(Use)
+
+
 @lru_cache(maxsize=64)
 def _schedule(num_units: int, tied: bool, placement: Placement, groups: int) -> tuple[Use, ...]:
     L = num_units - 2
@@ -266,21 +271,21 @@ def _schedule(num_units: int, tied: bool, placement: Placement, groups: int) -> 
                 return "group-" + placement.group_grads
             return "host" if unit in to_host else "gpu"
 
-        uses.append(Use((0,), "embed", group=g))
-        uses += [Use((1 + l,), "forward", l, g, keep=keeps[l], stash=stash[l]) for l in range(L)]
+        uses.append(_use((0,), "embed", None, g))
+        uses += [_use((1 + l,), "forward", l, g, keeps[l], None, stash[l]) for l in range(L)]
         head = head_units(num_units, tied)
-        uses.append(Use(head, "head", group=g, grad=grad(head[0]), accumulators=(head[0], 0)))
+        uses.append(_use(head, "head", None, g, "", None, False, grad(head[0]), (head[0], 0)))
         for b in reversed(range(len(bl))):
             s, e = bl[b]
             # the next block's kept input comes back from host during this block, one block ahead of its use
             below = bl[b - 1][0] if b > 0 else None
             fetch = below if below is not None and keeps[below] == "host" else None
             # the block's first use (its bottom layer's rebuild, or its backward when it has one layer) fetches
-            block = [Use((1 + l,), "rebuild", l, g, fetch=fetch if l == s else None) for l in range(s, e - 1)]
-            block += [Use((1 + l,), "backward", l, g, grad=grad(1 + l), accumulators=(1 + l,),
-                          fetch=fetch if l == e - 1 and e - s == 1 else None) for l in reversed(range(s, e))]
+            block = [_use((1 + l,), "rebuild", l, g, "", fetch if l == s else None) for l in range(s, e - 1)]
+            block += [_use((1 + l,), "backward", l, g, "", fetch if l == e - 1 and e - s == 1 else None, False,
+                           grad(1 + l), (1 + l,)) for l in reversed(range(s, e))]
             uses += block
-        uses.append(Use((), "embed_backward", group=g, grad=grad(0), accumulators=(TIED_INPUT,) if tied else ()))
+        uses.append(_use((), "embed_backward", None, g, "", None, False, grad(0), (TIED_INPUT,) if tied else ()))
     return tuple(uses)
 
 
