@@ -2,6 +2,7 @@
 the time goes: a cProfile summary per case.
 
     python bench/plan_speed.py [--repeat 3] [--top 15] [--no-profile] [--json OUT.json] [--only SUBSTRING]
+                               [--root CHECKOUT] [--timeout S]
 
 Every case plans for CUDA (train.device=cuda) from config.json alone (bench/model-configs) with a GPU profile (the
 H100 probe, bench/results/probe-h100; the 70B and 405B rows the H200 probe, as bench/plan_choices.py plans them),
@@ -10,7 +11,8 @@ the plan is about). The 405B row plans the SSD tier (memory.disk_path) with a 12
 copy of the profile (as bench/plan_choices.py --ssd). Each case runs `python -m megatrain plan` in a fresh process
 `--repeat` times (the fastest and the median printed), then once under cProfile: the functions with the most
 cumulative time, and the most time of their own. On a machine with a GPU the plan takes that GPU's free memory as
-its limit (as `megatrain plan` does there); elsewhere the profile's.
+its limit (as `megatrain plan` does there); elsewhere the profile's. --root times another checkout's megatrain (the
+same cases, this script's configs and profiles: before and after a change); --timeout ends a run after S seconds.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ def ssd_profile(src: Path, folder: Path) -> Path:
 
 def command(case, folder: Path) -> list[str]:
     label, model, micro, n, seq, host, prof, clip, ssd = case
-    args = [f"model.path={HERE / 'model-configs' / model}", f"data.path={ROOT / 'megatrain/defaults/reverse-train.jsonl'}",
-            "data.format=alpaca", "train.device=cuda", f"train.micro_batch_size={micro}", f"train.grad_accum_steps={n}",
+    data = ROOT / "megatrain" / "defaults" / "reverse-train.jsonl"
+    args = [f"model.path={HERE / 'model-configs' / model}", f"data.path={data}", "data.format=alpaca",
+            "train.device=cuda", f"train.micro_batch_size={micro}", f"train.grad_accum_steps={n}",
             f"data.max_seq_len={seq}", f"memory.host_budget_gb={host}", f"output.dir={folder / 'out'}",
             "checkpoint.at_end=false", f"train.max_grad_norm={1.0 if clip else 'null'}"]
     if ssd:
@@ -65,12 +68,20 @@ def command(case, folder: Path) -> list[str]:
     return ["plan", *args]
 
 
-def run(argv: list[str], profile_to: Path | None = None) -> tuple[float, subprocess.CompletedProcess]:
+def run(argv: list[str], profile_to: Path | None = None, root: Path = ROOT, timeout: float | None = None) \
+        -> tuple[float, subprocess.CompletedProcess | None]:
+    """Seconds of `python -m megatrain ARGV` in a fresh process with `root`'s megatrain, and the process (None: it
+    ran past `timeout`)."""
     pre = ["-m", "cProfile", "-o", str(profile_to)] if profile_to else []
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if root != ROOT:  # another checkout: read, not written to
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, *pre, "-m", "megatrain", *argv], capture_output=True, text=True, env=env,
-                       cwd=ROOT)
+    try:
+        p = subprocess.run([sys.executable, *pre, "-m", "megatrain", *argv], capture_output=True, text=True, env=env,
+                           cwd=root, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p = None
     return time.perf_counter() - t0, p
 
 
@@ -110,12 +121,15 @@ def main() -> int:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--only", default="")
     ap.add_argument("--json")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the checkout whose megatrain is timed")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds a run may take")
     args = ap.parse_args()
+    root = args.root.resolve()
     rows = []
     with tempfile.TemporaryDirectory(prefix="plan-speed-") as tmp:
         folder = Path(tmp)
-        t, p = run(["plan", "--help"])  # the interpreter's and torch's start, with nothing planned
-        base = min([t] + [run(["plan", "--help"])[0] for _ in range(max(0, args.repeat - 1))])
+        base = min(run(["plan", "--help"], root=root)[0] for _ in range(args.repeat))  # the interpreter's start
+        print(f"megatrain of {root}")
         print(f"process start + `megatrain plan --help`: {base:.2f} s", flush=True)
         for case in CASES:
             if args.only and args.only not in case[0]:
@@ -123,8 +137,15 @@ def main() -> int:
             argv = command(case, folder)
             times, last = [], None
             for _ in range(args.repeat):
-                t, last = run(argv)
+                t, last = run(argv, root=root, timeout=args.timeout)
                 times.append(t)
+                if last is None:
+                    break
+            if last is None:
+                print(f"\n{case[0]}: more than {args.timeout:.0f} s", flush=True)
+                rows.append({"case": case[0], "wall_s": times, "fastest_s": None, "median_s": None, "fits": None,
+                             "placement": f"> {args.timeout:.0f} s"})
+                continue
             if last.returncode not in (0, 1):
                 print(f"{case[0]}: megatrain plan failed ({last.returncode}):\n{last.stderr[-2000:]}")
                 return 1
@@ -134,16 +155,19 @@ def main() -> int:
                   f"{'fits' if row['fits'] else 'does not fit'}; {row['placement']}", flush=True)
             if not args.no_profile:
                 prof_file = folder / "plan.prof"
-                t, _ = run(argv, prof_file)
+                t, _ = run(argv, prof_file, root=root, timeout=args.timeout)
                 row["profiled_s"] = t
                 print(summary(prof_file, args.top), flush=True)
             rows.append(row)
     print(f"\n{'case':<42}{'fastest s':>10}{'median s':>10}  fits")
     for r in rows:
-        print(f"{r['case']:<42}{r['fastest_s']:>10.2f}{r['median_s']:>10.2f}  {r['fits']}")
+        if r["fastest_s"] is None:
+            print(f"{r['case']:<42}{r['placement']:>20}")
+        else:
+            print(f"{r['case']:<42}{r['fastest_s']:>10.2f}{r['median_s']:>10.2f}  {r['fits']}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"python": sys.version.split()[0], "start_s": base, "cases": rows},
-                                              indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"python": sys.version.split()[0], "root": str(root), "start_s": base,
+                                               "cases": rows}, indent=1) + "\n")
     return 0
 
 
