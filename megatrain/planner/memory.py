@@ -40,7 +40,8 @@ from ..runtime.engine import STAGE_ELEMS
 from ..runtime.lmhead import default_chunk
 from ..runtime.optimizer_pipeline import DEVICE_GRADS, NUM_LANDING, update_order
 from ..runtime.adamw import landing_piece as _landing_piece
-from ..runtime.schedule import TIED_INPUT, ScheduleVisitor, grads_to_host, spilled_layers, step_schedule, walk
+from ..runtime.schedule import (TIED_INPUT, ScheduleVisitor, grads_to_host, iter_schedule, spilled_layers, stashes,
+                                step_schedule, walk)
 from ..runtime.schedule import slot_numel as _slot_numel
 from ..runtime.store import padded_numel
 from ..models.base import Unit
@@ -297,7 +298,7 @@ def gpu_peak(adapter, units, w: Workload, prof: Profile | None = None, over=None
     first phase total, above those before it, for which it holds (when the search asks only whether a peak fits)."""
     books = _GpuBooks(adapter, units, w, [], prof, peak_only=True)
     books.over = over
-    walk(books.uses, books)
+    walk(iter_schedule(len(units), adapter.tied, w.placement, len(w.groups)), books)  # built as far as walked
     return books.peak
 
 
@@ -355,7 +356,8 @@ class _GpuBooks(ScheduleVisitor):
         self.phases = []
         self.finished = 0.0  # this step's complete gradients waiting on the GPU
         self.parked = _Tally()  # unit -> accumulator waiting on the GPU for the next group (TIED_INPUT)
-        self.uses = step_schedule(n, adapter.tied, pl, len(self.groups))
+        self.uses = [] if peak_only else step_schedule(n, adapter.tied, pl, len(self.groups))  # (gpu_peak: its own)
+        self.stashing = any(stashes(l, pl, n - 2) for l in range(n - 2))  # every group's forwards keep the same
         self.gi = None  # the wave group of the use being visited
 
     def _begin_group(self, gi: int) -> None:
@@ -375,7 +377,7 @@ class _GpuBooks(ScheduleVisitor):
         pre = [sum(c[:m]) for m in range(len(c))]  # outputs (or d(hidden)) of the micro-batches before m
         self.fwd = _worst([(pre[m], act[b]["forward"]) for m, b in enumerate(mbs)])
         self.st = st = [float(act[b].get("stash", 0.0)) for b in mbs]  # each micro-batch's kept attention
-        if any(use.stash for use in self.uses if use.group == gi) and not all("stash" in act[b] for b in mbs):
+        if self.stashing and not all("stash" in act[b] for b in mbs):
             raise ValueError("reuse_attention: this model's layers cannot keep their attention (runtime.layer."
                              "can_stash)")
         # a layer that keeps its attention: the earlier micro-batches' stashes of it are alive in its forward; in
