@@ -167,7 +167,8 @@ def host_memory(units, w: Workload, tied: bool = False) -> dict[str, float]:
         out[SPILLED] = float(spill_numel(len(spilled), shapes) * w.elem)
     if len(w.groups) > 1 and pl.group_grads == "host":  # GroupAccumulators: the units without a gradient buffer
         #                                                 on the host already, and a tied embedding's input side
-        own = [i for i in range(n) if i not in set(to_host)] + ([TIED_INPUT] if tied else [])
+        sent = set(to_host)
+        own = [i for i in range(n) if i not in sent] + ([TIED_INPUT] if tied else [])
         out[PARKED] = 4.0 * sum(units[max(i, 0)].numel for i in own)
     # one step's rows as int64 (input ids, labels, positions), the pinned copies sent to the device, the
     # tokenizer and sampler index; the tokenised data itself stays in memory-mapped Arrow files (page cache)

@@ -233,6 +233,11 @@ def spilled_layers(num_layers: int, placement: Placement) -> list[int]:
 
 def group_sizes(num_micro: int, groups: int) -> list[range]:
     """The micro-batches of each wave group: consecutive, as even as can be, every group non-empty."""
+    return list(_group_sizes(num_micro, groups))
+
+
+@lru_cache(maxsize=1024)
+def _group_sizes(num_micro: int, groups: int) -> tuple[range, ...]:
     groups = min(groups, num_micro)
     base, extra = divmod(num_micro, groups)
     out, start = [], 0
@@ -240,7 +245,7 @@ def group_sizes(num_micro: int, groups: int) -> list[range]:
         n = base + (1 if g < extra else 0)
         out.append(range(start, start + n))
         start += n
-    return out
+    return tuple(out)
 
 
 def step_schedule(num_units: int, tied: bool, placement: Placement = Placement(), groups: int | None = None) \
