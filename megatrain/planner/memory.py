@@ -29,7 +29,6 @@ the runtime does not size itself (the runtime's own RSS, allocator reserve, CUDA
 from __future__ import annotations
 
 import weakref
-from functools import cached_property
 
 import torch
 
@@ -44,13 +43,13 @@ from ..runtime.schedule import (TIED_INPUT, ScheduleVisitor, grads_to_host, iter
                                 step_schedule, walk)
 from ..runtime.schedule import slot_numel as _slot_numel
 from ..runtime.store import padded_numel
-from ..models.base import Unit
 from . import activations as actsim
 from .calibration import (CHECKPOINT_EXTRA, COMPILED_ACTIVATIONS, COMPILED_HOST_BASE_GIB, COMPILED_HOST_FROM_TOKENS,
                           COMPILED_HOST_FULL_TOKENS, COMPILED_HOST_RISE_GIB, CUDA_CONTEXT, DATA_BYTES_PER_TOKEN,
                           DATA_FIXED_GIB, GPU_RESERVE, GPU_RESERVE_COMPILED, GPU_RESERVE_LONG_ROW,
                           GPU_RESERVE_LONG_ROW_STREAMS, GPU_RESERVE_STREAMS, GPU_WORKSPACE, LONG_ROW, RUNTIME_HOST)
 from .profile import GiB, Profile, layer_shape
+from .tally import Tally
 from .workload import Workload
 
 # host components with a name other modules look for
@@ -69,19 +68,6 @@ DEVICE_WORK = "device work (activations, gradients; peak)"  # a CPU run: the dev
 
 
 # ---- sizes of what the runtime allocates: its own functions, over the adapter's units --------------------------
-class _Sized(Unit):
-    """A Unit whose size is summed once: the placement search sizes every unit for each placement it plans."""
-
-    @cached_property
-    def numel(self) -> int:
-        return sum(s.numel for s in self.specs)
-
-
-def sized(units) -> list:
-    """`units` as units whose `numel` is computed once (the same units otherwise)."""
-    return [u if isinstance(u, _Sized) else _Sized(u.kind, u.index, u.specs) for u in units]
-
-
 def padded_elems(numels) -> int:
     """HostStore.total_elems: each unit's tile padded to the store's alignment."""
     return sum(padded_numel(n) for n in numels)
@@ -303,31 +289,6 @@ def gpu_peak(adapter, units, w: Workload, prof: Profile | None = None, over=None
     return books.peak
 
 
-class _Tally(dict):
-    """Bytes by key, with their total kept as entries change: every value is a whole number of bytes (a float below
-    2**53), so the running total equals sum(values()) whatever the order."""
-
-    total = 0.0
-
-    def __setitem__(self, key, value) -> None:
-        self.total += value - self.get(key, 0.0)
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key) -> None:
-        self.total -= self[key]
-        super().__delitem__(key)
-
-    def setdefault(self, key, value):
-        if key not in self:
-            self[key] = value
-        return self[key]
-
-    def pop(self, key, *default):
-        if key in self:
-            self.total -= self[key]
-        return super().pop(key, *default)
-
-
 class _GpuBooks(ScheduleVisitor):
     """gpu_phases' walk of the schedule: the engine's books as attributes (the step's; the wave group's, set anew
     when a group begins), one phase appended per use, its method named after its kind (peak_only: only the largest
@@ -356,7 +317,7 @@ class _GpuBooks(ScheduleVisitor):
         self.handed = []  # without clipping: the gradients handed to the optimizer, the latest of which may wait
         self.phases = []
         self.finished = 0.0  # this step's complete gradients waiting on the GPU
-        self.parked = _Tally()  # unit -> accumulator waiting on the GPU for the next group (TIED_INPUT)
+        self.parked = Tally()  # unit -> accumulator waiting on the GPU for the next group (TIED_INPUT)
         self.uses = [] if peak_only else step_schedule(n, adapter.tied, pl, len(self.groups))  # (gpu_peak: its own)
         self.stashing = any(stashes(l, pl, n - 2) for l in range(n - 2))  # every group's forwards keep the same
         self.gi = None  # the wave group of the use being visited
@@ -390,9 +351,9 @@ class _GpuBooks(ScheduleVisitor):
         self.lm = _worst([(pre[m], act[b]["head"]) for m, b in enumerate(mbs)])
         self.bwd = _worst([(C - pre[m], act[b]["backward"]) for m, b in enumerate(mbs)])  # own inputs not yet spent
         self.emb = _worst([(0.0, 2.0 * c[m] if e == 2 else 0.0) for m in range(len(mbs))])  # d(hidden) as fp32
-        self.kept = _Tally()  # layer -> its inputs of this group on the GPU (kept, fetched, or rebuilt)
-        self.stashed = _Tally()  # layer -> its kept attention of this group's micro-batches
-        self.active = _Tally()  # unit -> accumulator in use
+        self.kept = Tally()  # layer -> its inputs of this group on the GPU (kept, fetched, or rebuilt)
+        self.stashed = Tally()  # layer -> its kept attention of this group's micro-batches
+        self.active = Tally()  # unit -> accumulator in use
         self.dh = self.hidden = self.last_out = self.prev_out = 0.0
 
     def enter(self, use) -> None:

@@ -52,7 +52,8 @@ from ..runtime.knobs import settings
 from ..runtime.layer import can_stash
 from ..runtime.schedule import Placement, group_sizes
 from .calibration import ATTN_BLOCK, HOST_HEADROOM, NEAR_FASTEST, REUSE_FROM, SEQ_TILE
-from .memory import Over, gpu_needed, gpu_peak, host_memory, sized
+from .memory import Over, gpu_needed, gpu_peak, host_memory
+from .tally import sized
 from .profile import GiB, Profile
 from .timing import step_time
 from .workload import PLACEMENT_KEYS, Workload
