@@ -23,7 +23,9 @@ In --workdir (default: a temporary folder, removed afterwards) it writes
 then runs `python3 -m megatrain.cli train run.yaml` and reads metrics.jsonl. Per step: `step_time_s` (the trainer's
 step: engine.train_step to the optimizer's hand-off) and the wall time per step, the difference of consecutive
 `elapsed_s` (wall time since the metrics logger opened: data, logging and the saver's turn included). Reports their
-means over the steps after --warmup (`step_s`, `wall_step_s`), prints a table last and writes JSON (--json).
+means over the steps after --warmup (`step_s`, `wall_step_s`), and the stall check: every measured step's time,
+their median, the slowest step over it with its GPU idle time and idle stretches (the records' `idle_gaps`); prints
+those, a table last, and writes JSON (--json).
 `--device cpu` sets train.device=cpu (a check of the script, with a tiny config.json).
 
 `--nproc-per-node N` runs it as N ranks of one node (`torchrun --standalone --nproc-per-node N -m megatrain train`):
@@ -53,7 +55,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from common import table, write_json  # noqa: E402
+from common import spread_lines, step_spread, table, write_json  # noqa: E402
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 MAX_WORDS = 4096
@@ -366,6 +368,7 @@ def summarise(args, steps: list[dict], params: int) -> dict:
         "host_bytes_per_param": child_rss / params,
         "steps": [{k: r.get(k) for k in ["step", "loss", "grad_norm", "tokens", *STEP_FIELDS, "elapsed_s"]}
                   for r in steps],
+        **step_spread(measured, "step_time_s"),  # every measured step, the slowest over the median, its idle
     }
 
 
@@ -464,10 +467,12 @@ def main() -> int:
         print("host RSS at its peak (GiB):", {k: round(v, 2) for k, v in res["host_rss_parts_gib"].items()},
               f"descendants {res['host_children_rss_gib']:.2f}; largest mappings:",
               ", ".join(f"{m['mapping']} {m['rss_gib']:.2f}" for m in res["host_rss_top"][:8]))
+        print(spread_lines(res))
         print(table([res], ["label", "params", "tokens_per_step", "step_s", "wall_step_s", "tokens_per_s",
                             "tflops_6n", "tflops_6n_active", "mfu", "gpu_idle", "busy_h2d", "busy_d2h", "gpu_peak_gib",
                             "host_peak_rss_gib", "host_node_pss_gib", "host_node_used_gib",
-                            "host_bytes_per_param"]))
+                            "host_bytes_per_param", "step_median_s", "slowest_step", "slowest_over_median",
+                            "slowest_idle_s"]))
         if not ok:
             print(f"bench_cli: {res['error']}", file=sys.stderr)
         return 0 if ok else 1

@@ -8,7 +8,8 @@ pinned, the engine with the optimizer pipeline as its gradient sink and the stre
 weights, random tokens (full-length rows, every token a target). The first --warmup steps are not measured.
 Per step: `step_s`, from the start of `engine.train_step` to the loss and norm read back (the GPU work of the step),
 and `wall_s`, from the end of the previous step's `finish_step` to the end of this one's (what a training loop
-sees per step; compare bench_cli.py's wall time per step). Prints a table last and writes JSON (--json).
+sees per step; compare bench_cli.py's wall time per step). Prints every measured step, the slowest over their median
+with its GPU idle time and idle stretches (--gaps: the stall check), a table last, and writes JSON (--json).
 `--device cpu` runs the same code on the CPU (a check of the script, with a tiny config.json).
 """
 
@@ -25,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import H200_BF16_PEAK, hf_config, peak_rss_bytes, rss_bytes, table, write_json  # noqa: E402
+from common import (H200_BF16_PEAK, hf_config, peak_rss_bytes, rss_bytes, spread_lines, step_spread,  # noqa: E402
+                    table, write_json)
 from megatrain.models import get_adapter  # noqa: E402
 from megatrain.planner.flops import flops_per_token  # noqa: E402
 from megatrain.runtime import (CpuAdamW, EngineOptions, HostStore, MicroBatch, Placement, RuntimeOptions,  # noqa: E402
@@ -169,6 +171,7 @@ def run(args) -> dict:
         "gpu_budget_gib": args.gpu_budget,
         "host_peak_rss_gib": peak_rss_bytes() / 2**30, "host_rss_gib": rss_bytes() / 2**30,
         "host_bytes_per_param": peak_rss_bytes() / n_params, "init_s": init_s, "steps": records,
+        **step_spread(measured, "step_s"),  # every measured step, the slowest over the median and its idle stretches
     }
 
 
@@ -209,8 +212,8 @@ def main():
                    "--offload, --checkpoint-every, --keep-top, --wave-groups, --group-grads, --stream-dtype)")
     p.add_argument("--profile", default=None, help="machine profile for --auto (default: as megatrain plan)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--gaps", type=int, default=0, help="record and print each step's N longest idle stretches of "
-                   "the compute stream, with the uses before and after them (CUDA)")
+    p.add_argument("--gaps", type=int, default=3, help="record and print each step's N longest idle stretches of "
+                   "the compute stream, with the uses before and after them (CUDA; the slowest step's are reported)")
     p.add_argument("--stream-dtype", default="bf16", choices=["bf16", "fp32"],
                    help="bf16 runs: stream a host bf16 copy, or the fp32 master cast on the GPU (memory.stream_dtype)")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark), or cpu to check the script")
@@ -233,7 +236,9 @@ def main():
     res["attn"] = args.attn
     write_json(args.json, {"command": " ".join(sys.argv), "result": res})
     cols = ["label", "params", "tokens_per_step", "step_s", "wall_step_s", "tokens_per_s", "tflops_6n", "mfu",
-            "gpu_idle", "busy_h2d", "busy_d2h", "gpu_peak_gib", "host_peak_rss_gib", "host_bytes_per_param"]
+            "gpu_idle", "busy_h2d", "busy_d2h", "gpu_peak_gib", "host_peak_rss_gib", "host_bytes_per_param",
+            "step_median_s", "slowest_step", "slowest_over_median", "slowest_idle_s"]
+    print(spread_lines(res))
     print(table([res], cols))
 
 

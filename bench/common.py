@@ -72,3 +72,34 @@ def _f(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
     return "-" if v is None else str(v)
+
+
+def step_spread(steps: list[dict], key: str) -> dict:
+    """The stall check over the measured steps (issue 36: every step after the first within 1.05x of the median):
+    each step's seconds (`key`), their median, the slowest step, its ratio to the median, its GPU idle seconds and
+    its longest idle stretches of the compute stream (the records' `busy_compute` and `idle_gaps`, when measured)."""
+    import statistics
+
+    timed = [r for r in steps if r.get(key) is not None]
+    if not timed:
+        return {}
+    median = statistics.median(r[key] for r in timed)
+    slow = max(timed, key=lambda r: r[key])
+    busy = slow.get("busy_compute")
+    return {"step_times_s": [round(r[key], 3) for r in timed], "step_median_s": median, "slowest_step": slow["step"],
+            "slowest_step_s": slow[key], "slowest_over_median": slow[key] / median if median else None,
+            "slowest_idle_s": (1 - busy) * slow[key] if busy is not None else None,
+            "slowest_idle_gaps": slow.get("idle_gaps") or []}
+
+
+def spread_lines(res: dict) -> str:
+    """step_spread's figures as text: every step, the median, the slowest step and its idle stretches."""
+    if not res.get("step_times_s"):
+        return "steps: none measured"
+    lines = [f"steps (s): {' '.join(f'{t:.2f}' for t in res['step_times_s'])}; median {res['step_median_s']:.2f}; "
+             f"slowest: step {res['slowest_step']}, {res['slowest_step_s']:.2f} s, {res['slowest_over_median']:.2f}x "
+             f"the median" + (f", GPU idle {res['slowest_idle_s']:.2f} s" if res.get("slowest_idle_s") is not None
+                               else "")]
+    lines += [f"  idle {g['ms']:8.1f} ms after [{g.get('after', '')}] before [{g.get('before', '')}]"
+              for g in res.get("slowest_idle_gaps") or []]
+    return "\n".join(lines)

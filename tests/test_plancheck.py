@@ -11,7 +11,7 @@ from megatrain.models import get_adapter
 from megatrain.planner import Workload, make_plan
 from megatrain.planner.profile import DEFAULTS, GiB
 from megatrain.run.metrics import MetricsLogger
-from megatrain.run.plancheck import PlanCheck
+from megatrain.run.plancheck import MEDIAN_OF, SLOW_STEP, STEADY_AFTER, PlanCheck
 
 QWEN14 = Path(__file__).resolve().parent.parent / "bench" / "model-configs" / "qwen2.5-14b"
 
@@ -45,7 +45,7 @@ def test_silent_until_steady_then_once_and_only_when_off_the_plan():
     assert (f"the SSD tier's disk did 1.53 GB/s while busy (96% of the step) where the plan used read "
             f"{ssd['read_bps'] / 1e9:.2f}, write {ssd['write_bps'] / 1e9:.2f} GB/s") in line
     assert line.count("megatrain probe --disk") == 1 and "built-in H200 rates" in line
-    assert check(record(9, pred * 3)) is None
+    assert check(record(9, pred * 3)) is None  # (two steady steps: too few for a median to name a stall)
 
     short = PlanCheck(plan, first_step=0)(record(3, pred * 1.5))
     assert "33% short" in short and "disk did" not in short  # no disk fields in the record: not claimed
@@ -66,3 +66,34 @@ def test_the_logger_shows_the_line_once(tmp_path):
         log.log(record(step, plan.time["step_s"] * 2, tokens=161792, tokens_per_s=1.0, grad_norm=1.0, lr=1e-5))
     log.close()
     assert out.getvalue().count("plan check: step 3 took") == 1 and "(50% short;" in out.getvalue()
+
+
+def test_a_stalled_step_is_named_once_with_its_idle_stretches():
+    """Issue 36's run: steps of about 15 s and one of 26.2 s in which the GPU idled 11.7 s; it is named once the
+    steady steps give a median, even when it was the first steady one, with its idle stretches; never twice."""
+    gaps = [{"ms": 1900.0, "after": "forward layer 3", "before": "forward layer 4"},
+            {"ms": 650.0, "after": "", "before": "embed"}]
+    for plan in (None, ssd_plan(), ssd_plan("cpu")):
+        check = PlanCheck(plan, first_step=0)
+        first = STEADY_AFTER + 1
+        times = [14.8, 16.1, 26.2, 15.1, 15.3, 40.0]
+        said = []
+        for i, t in enumerate(times):
+            extra = dict(busy_compute=1 - 11.7 / 26.2, idle_gaps=gaps) if t == 26.2 else dict(busy_compute=0.97)
+            line = check(record(first + i, t, **extra))
+            said += [x for x in (line or "").splitlines() if x.startswith("slow step")]
+        assert len(said) == 1, said  # once: the 40 s step later is not named
+        median = sorted(times[:MEDIAN_OF])[MEDIAN_OF // 2]
+        assert said[0].startswith(f"slow step: step {first + 2} took 26.20 s, {26.2 / median:.2f}x the median "
+                                  f"{median:.2f} s of {MEDIAN_OF} steady steps; GPU idle 11.70 s")
+        assert "longest idle stretches: 1.90 s (after forward layer 3 before forward layer 4), 0.65 s (before embed)" \
+            in said[0]
+
+
+def test_steps_within_the_tolerance_or_before_steady_are_not_stalls():
+    check = PlanCheck(None, first_step=0)
+    assert all(check(record(s, 50.0 if s <= STEADY_AFTER else 10.0)) is None for s in range(1, 10))  # warm-up slow
+    t = 10.0 * (1 + SLOW_STEP) * 0.99
+    assert check(record(10, t)) is None and check(record(11, 10.0)) is None
+    line = check(record(12, 10.0 * (1 + SLOW_STEP) * 1.01))  # just past: named, without stats it names no idle
+    assert line.startswith("slow step: step 12 took") and "idle" not in line

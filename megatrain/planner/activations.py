@@ -152,7 +152,7 @@ def _meta_layer_inputs(adapter, batch: int, seq: int, dtype: torch.dtype, packed
 
 def layer_memory(adapter, batch: int, seq: int, dtype: torch.dtype = torch.bfloat16, packed: bool = False,
                  cuda_attention: bool = True, seq_tile: int = 0, stash: bool = False,
-                 attn_block: int = 0) -> dict[str, int]:
+                 attn_block: int = 0, plain: bool = True) -> dict[str, int]:
     """Bytes of one layer for one micro-batch of `batch` x `seq` tokens, its MLP part over tiles of `seq_tile`
     tokens (0: whole), its attention's backward over blocks of `attn_block` tokens on plain causal rows longer than
     that (Placement.attn_block; models/attention.blockwise_causal: on the meta device it allocates what the CUDA
@@ -169,6 +169,8 @@ def layer_memory(adapter, batch: int, seq: int, dtype: torch.dtype = torch.bfloa
                          and what the kernel saves)
     forward_stash_peak   the forward that keeps it, output and stash included
     backward_stash_peak  the backward that spends it, the stash included (freed as it goes)
+
+    plain=False: the stash's three only (the planner measures the plain template's apart).
     """
     with _cuda_attention(cuda_attention):
         w, ctx, x = _meta_layer_inputs(adapter, batch, seq, dtype, packed)
@@ -178,19 +180,20 @@ def layer_memory(adapter, batch: int, seq: int, dtype: torch.dtype = torch.bfloa
     layer = layer_template(adapter, seq_tile, attn_block=attn_block)
     out = {}
     with _cuda_attention(cuda_attention):
-        mode = LiveBytes()
-        mode.ignore(*w.values(), x, dh, ctx.cos, ctx.sin, ctx.mask)
-        with mode, torch.no_grad():
-            y = layer(w, x, ctx)
-            del y
-        out["forward_peak"] = mode.peak
+        if plain:
+            mode = LiveBytes()
+            mode.ignore(*w.values(), x, dh, ctx.cos, ctx.sin, ctx.mask)
+            with mode, torch.no_grad():
+                y = layer(w, x, ctx)
+                del y
+            out["forward_peak"] = mode.peak
 
-        mode = LiveBytes()
-        mode.ignore(*w.values(), x, dh, ctx.cos, ctx.sin, ctx.mask, *grad_acc.values())
-        with mode:
-            dx = layer_backward(layer, w, x, ctx, dh, list(grad_acc.values()))
-            del dx
-        out["backward_peak"] = mode.peak
+            mode = LiveBytes()
+            mode.ignore(*w.values(), x, dh, ctx.cos, ctx.sin, ctx.mask, *grad_acc.values())
+            with mode:
+                dx = layer_backward(layer, w, x, ctx, dh, list(grad_acc.values()))
+                del dx
+            out["backward_peak"] = mode.peak
         if stash and can_stash(adapter):
             layer = layer_template(adapter, seq_tile, stash=True, attn_block=attn_block)
             mode = LiveBytes()

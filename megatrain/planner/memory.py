@@ -39,7 +39,8 @@ from ..runtime.engine import STAGE_ELEMS
 from ..runtime.lmhead import default_chunk
 from ..runtime.optimizer_pipeline import DEVICE_GRADS, NUM_LANDING, update_order
 from ..runtime.adamw import landing_piece as _landing_piece
-from ..runtime.schedule import TIED_INPUT, ScheduleVisitor, grads_to_host, spilled_layers, step_schedule, walk
+from ..runtime.schedule import (TIED_INPUT, ScheduleVisitor, grads_to_host, iter_schedule, spilled_layers, stashes,
+                                step_schedule, walk)
 from ..runtime.schedule import slot_numel as _slot_numel
 from ..runtime.store import padded_numel
 from . import activations as actsim
@@ -48,6 +49,7 @@ from .calibration import (CHECKPOINT_EXTRA, COMPILED_ACTIVATIONS, COMPILED_HOST_
                           DATA_FIXED_GIB, GPU_RESERVE, GPU_RESERVE_COMPILED, GPU_RESERVE_LONG_ROW,
                           GPU_RESERVE_LONG_ROW_STREAMS, GPU_RESERVE_STREAMS, GPU_WORKSPACE, LONG_ROW, RUNTIME_HOST)
 from .profile import GiB, Profile, layer_shape
+from .tally import Tally
 from .workload import Workload
 
 # host components with a name other modules look for
@@ -151,7 +153,8 @@ def host_memory(units, w: Workload, tied: bool = False) -> dict[str, float]:
         out[SPILLED] = float(spill_numel(len(spilled), shapes) * w.elem)
     if len(w.groups) > 1 and pl.group_grads == "host":  # GroupAccumulators: the units without a gradient buffer
         #                                                 on the host already, and a tied embedding's input side
-        own = [i for i in range(n) if i not in set(to_host)] + ([TIED_INPUT] if tied else [])
+        sent = set(to_host)
+        own = [i for i in range(n) if i not in sent] + ([TIED_INPUT] if tied else [])
         out[PARKED] = 4.0 * sum(units[max(i, 0)].numel for i in own)
     # one step's rows as int64 (input ids, labels, positions), the pinned copies sent to the device, the
     # tokenizer and sampler index; the tokenised data itself stays in memory-mapped Arrow files (page cache)
@@ -203,17 +206,23 @@ def _activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | No
         block = w.placement.attn_block if 0 < w.placement.attn_block < w.seq_len else 0
         tiled |= bool(tile or block)  # (rows longer than the attention's block run the split layer too)
         stash = w.placement.reuse_attention > 0
-        key = (b, w.seq_len, dtype, w.packed, w.device, chunk, targets, w.head_kernels, tile, stash, block)
+        # measured once each (the search plans many placements of one shape): the layer's peaks, the kept
+        # attention's (the split template's: not shrunk by compiling, full-length kernel buffers), the LM head's
+        key = (b, w.seq_len, dtype, w.packed, w.device, tile, block)
         if key not in cache:
             layer = actsim.layer_memory(adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda",
-                                        seq_tile=tile, stash=stash, attn_block=block)
-            cache[key] = {"forward": layer["forward_peak"], "backward": layer["backward_peak"],
-                          "head": actsim.head_memory(adapter, b, w.seq_len, b * targets, chunk, dtype,
-                                                     cuda=w.device == "cuda" and w.head_kernels)}
-            if "stash" in layer:  # the split template's: not shrunk by compiling (full-length kernel buffers)
-                cache[key].update(stash=layer["stash"], forward_stash=layer["forward_stash_peak"],
-                                  backward_stash=layer["backward_stash_peak"])
-        out[b] = dict(cache[key])
+                                        seq_tile=tile, attn_block=block)
+            cache[key] = {"forward": layer["forward_peak"], "backward": layer["backward_peak"]}
+        if stash and ("stash",) + key not in cache:
+            layer = actsim.layer_memory(adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda",
+                                        seq_tile=tile, stash=True, attn_block=block, plain=False)
+            cache[("stash",) + key] = {"stash": layer["stash"], "forward_stash": layer["forward_stash_peak"],
+                                       "backward_stash": layer["backward_stash_peak"]} if "stash" in layer else {}
+        head = ("head", b, w.seq_len, dtype, w.device, chunk, targets, w.head_kernels)
+        if head not in cache:
+            cache[head] = actsim.head_memory(adapter, b, w.seq_len, b * targets, chunk, dtype,
+                                             cuda=w.device == "cuda" and w.head_kernels)
+        out[b] = {**cache[key], "head": cache[head], **(cache[("stash",) + key] if stash else {})}
         # compiling fuses a whole layer's elementwise work; a tiled layer's peak is its full-length buffers (q, k, v,
         # the attention's output and gradients), which compiling does not shrink: no discount
         out[b]["backward"] *= COMPILED_ACTIVATIONS if w.compile and not (tile or block) else 1.0
@@ -266,12 +275,28 @@ def gpu_phases(adapter, units, w: Workload, notes: list[str], prof: Profile | No
     return books.phases
 
 
+class Over(Exception):
+    """gpu_peak's walk stopped: `over` held for a phase's total."""
+
+
+def gpu_peak(adapter, units, w: Workload, prof: Profile | None = None, over=None) -> float:
+    """max(sum(c.values()) for _, c in gpu_phases(...)): the same walk, each phase's total summed in the same order,
+    without keeping the phases (the placement search plans hundreds of placements). over(total): raise Over at the
+    first phase total, above those before it, for which it holds (when the search asks only whether a peak fits)."""
+    books = _GpuBooks(adapter, units, w, [], prof, peak_only=True)
+    books.over = over
+    walk(iter_schedule(len(units), adapter.tied, w.placement, len(w.groups)), books)  # built as far as walked
+    return books.peak
+
+
 class _GpuBooks(ScheduleVisitor):
     """gpu_phases' walk of the schedule: the engine's books as attributes (the step's; the wave group's, set anew
-    when a group begins), one phase appended per use, its method named after its kind."""
+    when a group begins), one phase appended per use, its method named after its kind (peak_only: only the largest
+    phase total kept)."""
 
-    def __init__(self, adapter, units, w: Workload, notes: list[str], prof: Profile | None):
+    def __init__(self, adapter, units, w: Workload, notes: list[str], prof: Profile | None, peak_only: bool = False):
         e, n, pl = w.elem, len(units), w.placement
+        self.peak_only, self.peak, self.over = peak_only, 0.0, None
         self.adapter, self.w, self.groups = adapter, w, w.groups
         self.grad = grad = [4.0 * u.numel for u in units]  # fp32, by unit index (forward order: embed, layers, head)
         self.cuda = cuda = w.device == "cuda"
@@ -292,8 +317,9 @@ class _GpuBooks(ScheduleVisitor):
         self.handed = []  # without clipping: the gradients handed to the optimizer, the latest of which may wait
         self.phases = []
         self.finished = 0.0  # this step's complete gradients waiting on the GPU
-        self.parked: dict[int, float] = {}  # unit -> accumulator waiting on the GPU for the next group (TIED_INPUT)
-        self.uses = step_schedule(n, adapter.tied, pl, len(self.groups))
+        self.parked = Tally()  # unit -> accumulator waiting on the GPU for the next group (TIED_INPUT)
+        self.uses = [] if peak_only else step_schedule(n, adapter.tied, pl, len(self.groups))  # (gpu_peak: its own)
+        self.stashing = any(stashes(l, pl, n - 2) for l in range(n - 2))  # every group's forwards keep the same
         self.gi = None  # the wave group of the use being visited
 
     def _begin_group(self, gi: int) -> None:
@@ -310,10 +336,11 @@ class _GpuBooks(ScheduleVisitor):
                      float(rows * T * self.per_token_ctx) + actsim.mask_bytes(self.adapter, rows, T, w.packed,
                                                                               self.cuda),
                      "workspace": float(GPU_WORKSPACE) if self.cuda else 0.0}
+        self.base_total = sum(self.base.values())
         pre = [sum(c[:m]) for m in range(len(c))]  # outputs (or d(hidden)) of the micro-batches before m
         self.fwd = _worst([(pre[m], act[b]["forward"]) for m, b in enumerate(mbs)])
         self.st = st = [float(act[b].get("stash", 0.0)) for b in mbs]  # each micro-batch's kept attention
-        if any(use.stash for use in self.uses if use.group == gi) and not all("stash" in act[b] for b in mbs):
+        if self.stashing and not all("stash" in act[b] for b in mbs):
             raise ValueError("reuse_attention: this model's layers cannot keep their attention (runtime.layer."
                              "can_stash)")
         # a layer that keeps its attention: the earlier micro-batches' stashes of it are alive in its forward; in
@@ -325,9 +352,9 @@ class _GpuBooks(ScheduleVisitor):
         self.lm = _worst([(pre[m], act[b]["head"]) for m, b in enumerate(mbs)])
         self.bwd = _worst([(C - pre[m], act[b]["backward"]) for m, b in enumerate(mbs)])  # own inputs not yet spent
         self.emb = _worst([(0.0, 2.0 * c[m] if e == 2 else 0.0) for m in range(len(mbs))])  # d(hidden) as fp32
-        self.kept: dict[int, float] = {}  # layer -> its inputs of this group on the GPU (kept, fetched, or rebuilt)
-        self.stashed: dict[int, float] = {}  # layer -> its kept attention of this group's micro-batches
-        self.active: dict[int, float] = {}  # unit -> accumulator in use
+        self.kept = Tally()  # layer -> its inputs of this group on the GPU (kept, fetched, or rebuilt)
+        self.stashed = Tally()  # layer -> its kept attention of this group's micro-batches
+        self.active = Tally()  # unit -> accumulator in use
         self.dh = self.hidden = self.last_out = self.prev_out = 0.0
 
     def enter(self, use) -> None:
@@ -336,10 +363,21 @@ class _GpuBooks(ScheduleVisitor):
         self.prev_out, self.last_out = self.last_out, 0.0  # an accumulator copied to host by the use before
 
     def _phase(self, name: str, m: int | None, comps: dict) -> None:
+        if self.peak_only:  # the phase's dict below, summed in its order (base, STASHED, comps, the last three)
+            total = self.base_total + comps.get(STASHED, self.stashed.total)
+            for k, v in comps.items():
+                if k != STASHED:
+                    total += v
+            total = total + self.active.total + self.finished + self.parked.total
+            if total > self.peak:
+                self.peak = total
+                if self.over is not None and self.over(total):
+                    raise Over
+            return
         where = f", micro-batch {self.groups[self.gi][m] + 1}/{len(self.w.micro_batches)}" if m is not None else ""
-        self.phases.append((name + self.tag + where, {**self.base, STASHED: sum(self.stashed.values()), **comps,
-                                                      ACTIVE: sum(self.active.values()), FINISHED: self.finished,
-                                                      PARKED_GPU: sum(self.parked.values())}))
+        self.phases.append((name + self.tag + where, {**self.base, STASHED: self.stashed.total, **comps,
+                                                      ACTIVE: self.active.total, FINISHED: self.finished,
+                                                      PARKED_GPU: self.parked.total}))
 
     def _take(self, unit: int) -> None:  # Engine._grad_buffer: continued from the GPU, back from host, or new
         b = self.parked.pop(unit, None)
@@ -347,7 +385,7 @@ class _GpuBooks(ScheduleVisitor):
             b = self.grad[max(unit, 0)]
             if self.gi > 0 and self.w.placement.group_grads == "host":  # prefetched at the end of the use before,
                 #                                   while that use's own accumulator was still on the device
-                self._phase("accumulator back from host", None, {CHECKPOINTS: sum(self.kept.values()),
+                self._phase("accumulator back from host", None, {CHECKPOINTS: self.kept.total,
                                                                   HIDDEN: self.hidden, DHIDDEN: self.dh,
                                                                   ARRIVING: b + self.prev_out})
         self.active[unit] = b
@@ -384,7 +422,7 @@ class _GpuBooks(ScheduleVisitor):
         sm = sum(self.st[:m]) if use.stash else 0.0  # `state` holds this layer's earlier micro-batches' stashes:
         state -= sm  #                                  counted apart, as STASHED
         self._phase(f"forward, layer {use.layer}", m, {
-            STASHED: sum(self.stashed.values()) + sm, CHECKPOINTS: sum(self.kept.values()),
+            STASHED: self.stashed.total + sm, CHECKPOINTS: self.kept.total,
             HIDDEN: (0.0 if use.keep == "gpu" else self.C) + state, "layer activations (1 micro-batch)": transient,
             LAST_STEP: self._last_step(use.grad_unit)})
         if use.stash:
@@ -394,7 +432,7 @@ class _GpuBooks(ScheduleVisitor):
         self._take(0)
         self._take(use.grad_unit)
         m, state, transient = self.lm
-        self._phase("LM head", m, {CHECKPOINTS: sum(self.kept.values()), HIDDEN: self.C, DHIDDEN: state,
+        self._phase("LM head", m, {CHECKPOINTS: self.kept.total, HIDDEN: self.C, DHIDDEN: state,
                                    "LM head chunk + loss (1 micro-batch)": transient})
         self.dh, self.hidden = self.C, 0.0
         self._done(use.grad_unit, use.grad)
@@ -402,7 +440,7 @@ class _GpuBooks(ScheduleVisitor):
     def rebuild(self, use) -> None:
         self._bring_back(use)
         m, state, transient = self.fwd
-        self._phase(f"rebuild, layer {use.layer}", m, {CHECKPOINTS: sum(self.kept.values()), HIDDEN: state, DHIDDEN:
+        self._phase(f"rebuild, layer {use.layer}", m, {CHECKPOINTS: self.kept.total, HIDDEN: state, DHIDDEN:
                                                        self.dh, "layer activations (1 micro-batch)": transient})
         self.kept[use.layer + 1] = self.C
 
@@ -416,8 +454,8 @@ class _GpuBooks(ScheduleVisitor):
             left = sum(self.st[m + 1:])
             state -= left
         self._phase(f"backward, layer {use.layer}", m, {
-            STASHED: sum(self.stashed.values()) + left,
-            CHECKPOINTS: sum(self.kept.values()) - self.kept[use.layer] + state, DHIDDEN: self.dh,
+            STASHED: self.stashed.total + left,
+            CHECKPOINTS: self.kept.total - self.kept[use.layer] + state, DHIDDEN: self.dh,
             "layer activations (1 micro-batch)": transient})
         del self.kept[use.layer]
         self._done(use.grad_unit, use.grad)

@@ -52,7 +52,8 @@ from ..runtime.knobs import settings
 from ..runtime.layer import can_stash
 from ..runtime.schedule import Placement, group_sizes
 from .calibration import ATTN_BLOCK, HOST_HEADROOM, NEAR_FASTEST, REUSE_FROM, SEQ_TILE
-from .memory import gpu_needed, gpu_phases, host_memory
+from .memory import Over, gpu_needed, gpu_peak, host_memory
+from .tally import sized
 from .profile import GiB, Profile
 from .timing import step_time
 from .workload import PLACEMENT_KEYS, Workload
@@ -93,6 +94,7 @@ class _Search:
         self.host_limit, self.gpu_limit, self.free = host_limit, gpu_limit, free
         self._mem: dict[Placement, tuple[float, float]] = {}
         self._host: dict[Placement, float] = {}
+        self._over: set[Placement] = set()  # placements whose GPU need was found above the limit, no more
         self.tried = 0
         self.short: tuple[float, Placement] | None = None  # the least host RAM of a structure refused for it
 
@@ -109,9 +111,9 @@ class _Search:
         if pl not in self._mem:
             w = replace(self.w, placement=pl)
             host = self._host_bytes(pl)
-            peak = max(sum(c.values()) for _, c in gpu_phases(self.adapter, self.units, w, [], self.prof))
+            peak = gpu_peak(self.adapter, self.units, w, self.prof)
             self._mem[pl] = (host, gpu_needed(peak, w))
-            self.tried += 1
+            self.tried += pl not in self._over
         return self._mem[pl]
 
     def host(self, pl: Placement) -> float:
@@ -124,7 +126,23 @@ class _Search:
         return self._host[pl]
 
     def gpu_ok(self, pl: Placement) -> bool:
-        return self.gpu_limit is None or self.memory(pl)[1] <= self.gpu_limit
+        """Whether `pl`'s GPU need fits: its walk stops at the first phase that does not (gpu_needed grows with the
+        peak, so that phase decides), counted as planned as `memory` counts it."""
+        if self.gpu_limit is None or pl in self._mem:
+            return self.gpu_limit is None or self._mem[pl][1] <= self.gpu_limit
+        if pl in self._over:
+            return False
+        w = replace(self.w, placement=pl)
+        try:
+            peak = gpu_peak(self.adapter, self.units, w, self.prof,
+                            over=lambda p: gpu_needed(p, w) > self.gpu_limit)
+        except Over:
+            self._over.add(pl)
+            self.tried += 1
+            return False
+        self._mem[pl] = (self._host_bytes(pl), gpu_needed(peak, w))
+        self.tried += 1
+        return self._mem[pl][1] <= self.gpu_limit
 
     def host_ok(self, pl: Placement) -> bool:
         return self.host_limit is None or self.memory(pl)[0] <= self.host_limit
@@ -227,6 +245,7 @@ def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None,
     """The workload with its placement chosen (the keys in `free`; the others as given), and why. disk: the SSD
     tier may take states (memory.disk_path set, memory.disk_states not): tried, in DISK_SETS order, when no
     placement fits host RAM. Then, with the rest settled, the layers that keep their attention (`with_reuse`)."""
+    units = sized(units)
     w, why = _choose_states(adapter, units, w, prof, host_limit, gpu_limit, free - {"reuse_attention"}, disk)
     if "reuse_attention" in free and w.device == "cuda":
         w, more = with_reuse(adapter, units, w, prof, host_limit, gpu_limit, free)
@@ -318,7 +337,7 @@ def _host_total(adapter, units, w: Workload, prof: Profile) -> float:
     """Host RAM of a workload as planned as is (a CPU run's device work included: the device is the host)."""
     host = sum(host_memory(units, w, adapter.tied).values())
     if w.device != "cuda":
-        host += max(sum(c.values()) for _, c in gpu_phases(adapter, units, w, [], prof))
+        host += gpu_peak(adapter, units, w, prof)
     return host
 
 

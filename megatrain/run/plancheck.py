@@ -7,24 +7,58 @@ step's GPU idle time against the plan's, the rate the SSD tier's disk gave while
 used (and where those came from), and, when the plan ran on built-in rates, `megatrain probe`, which measures the
 machine's own. Issue 16's runs are why: the disk measured at one run's start read 1.38 / 1.17 GB/s where its steps
 then got about 1.5, and the plan was 36% long with nothing in the run to say so.
+
+Stalls, also said once (any device, with a plan or without): the slowest steady step when it is more than SLOW_STEP
+behind the median of the steady steps so far (the latest WINDOW), once there are MEDIAN_OF of them, so that a step
+that stalls early is named when later ones show the median; with its GPU idle time and its longest idle stretches
+(the record's `busy_compute` and `idle_gaps`: run/stepstats.py). Issue 36's runs are why: one step of 26.2 s among
+steps of 15 s, the GPU idle 11.7 s in it.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 TOLERANCE = 0.15  # the planner's stated accuracy for step time (bench/plan_vs_measured.py)
 STEADY_AFTER = 2
+SLOW_STEP = 0.15  # a steady step this far behind the median of the steady steps is a stall
+MEDIAN_OF = 3  # steady steps the median needs before a stall is named
+WINDOW = 100  # the median of the latest this many steady steps
 
 
 class PlanCheck:
     def __init__(self, plan, first_step: int):
-        """plan: the run's planner.Plan (None: nothing to check); first_step: the step this process started after."""
+        """plan: the run's planner.Plan (None: nothing to check against a plan); first_step: the step this process
+        started after."""
         self.plan = plan if plan is not None and plan.workload.device == "cuda" else None
         self.first_step = first_step
         self.done = self.plan is None
+        self.steady: deque = deque(maxlen=WINDOW)  # the latest steady steps' records, until a stall is named
+        self.slow_said = False
 
     def __call__(self, record: dict) -> str | None:
-        """The notice for this step's record (the logger's, with the stats and disk fields), or None."""
-        if self.done or record.get("step", 0) <= self.first_step + STEADY_AFTER or not record.get("step_time_s"):
+        """The notices for this step's record (the logger's, with the stats and disk fields), or None."""
+        if record.get("step", 0) <= self.first_step + STEADY_AFTER or not record.get("step_time_s"):
+            return None
+        if not self.slow_said:
+            self.steady.append(record)
+        lines = [line for line in (self._plan_line(record), self._slow_line()) if line]
+        return "\n".join(lines) or None
+
+    def _slow_line(self) -> str | None:
+        """Once: the slowest steady step so far, when it is more than SLOW_STEP behind their median."""
+        if self.slow_said or len(self.steady) < MEDIAN_OF:
+            return None
+        median = statistics.median(r["step_time_s"] for r in self.steady)
+        slow = max(self.steady, key=lambda r: r["step_time_s"])
+        if slow["step_time_s"] <= median * (1 + SLOW_STEP):
+            return None
+        self.slow_said = True
+        return slow_step_line(slow, median, len(self.steady))
+
+    def _plan_line(self, record: dict) -> str | None:
+        if self.done:
             return None
         self.done = True
         t = self.plan.time
@@ -49,3 +83,24 @@ class PlanCheck:
         if not self.plan.profile.measured:
             hints.append("the plan used the built-in H200 rates: `megatrain probe` on this machine writes its own")
         return "; ".join(parts) + (". " + "; ".join(hints) if hints else "")
+
+
+def slow_step_line(record: dict, median: float, steps: int) -> str:
+    """A step well behind the median of `steps` steady steps: its time, the ratio, its GPU idle time and its longest
+    idle stretches of the compute stream (each with the work it followed and the work it waited for)."""
+    t = record["step_time_s"]
+    line = (f"slow step: step {record['step']} took {t:.2f} s, {t / median:.2f}x the median {median:.2f} s of "
+            f"{steps} steady steps")
+    if "busy_compute" in record:
+        line += f"; GPU idle {(1 - record['busy_compute']) * t:.2f} s"
+    gaps = record.get("idle_gaps") or []
+    if gaps:
+        line += "; longest idle stretches: " + ", ".join(idle_stretch(g) for g in gaps)
+    return line
+
+
+def idle_stretch(g: dict) -> str:
+    """One idle stretch of the compute stream, as stepstats records it ({"ms", "after", "before"})."""
+    where = " ".join(x for x in (f"after {g['after']}" if g.get("after") else "",
+                                 f"before {g['before']}" if g.get("before") else "") if x)
+    return f"{g['ms'] / 1e3:.2f} s" + (f" ({where})" if where else "")

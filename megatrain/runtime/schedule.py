@@ -49,8 +49,8 @@ is the one place that branches on a use's kind; a model that lacks a kind's meth
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal, get_args
 
@@ -172,7 +172,7 @@ class ScheduleVisitor(ABC):
         """The scatter-add of the group's input gradient into the embedding's gradient (no weights)."""
 
 
-def walk(uses: Sequence[Use], visitor: ScheduleVisitor) -> None:
+def walk(uses: Iterable[Use], visitor: ScheduleVisitor) -> None:
     """Visit the uses in order: `enter`, the method of the use's kind, `leave`. The only place that branches on a
     use's kind: a kind without a method fails here."""
     enter, leave = visitor.enter, visitor.leave
@@ -233,6 +233,11 @@ def spilled_layers(num_layers: int, placement: Placement) -> list[int]:
 
 def group_sizes(num_micro: int, groups: int) -> list[range]:
     """The micro-batches of each wave group: consecutive, as even as can be, every group non-empty."""
+    return list(_group_sizes(num_micro, groups))
+
+
+@lru_cache(maxsize=1024)
+def _group_sizes(num_micro: int, groups: int) -> tuple[range, ...]:
     groups = min(groups, num_micro)
     base, extra = divmod(num_micro, groups)
     out, start = [], 0
@@ -240,7 +245,7 @@ def group_sizes(num_micro: int, groups: int) -> list[range]:
         n = base + (1 if g < extra else 0)
         out.append(range(start, start + n))
         start += n
-    return out
+    return tuple(out)
 
 
 def step_schedule(num_units: int, tied: bool, placement: Placement = Placement(), groups: int | None = None) \
@@ -250,12 +255,24 @@ def step_schedule(num_units: int, tied: bool, placement: Placement = Placement()
     return list(_schedule(num_units, tied, placement, placement.wave_groups if groups is None else groups))
 
 
+# the uses the schedules share, built once (a Use is immutable): the planner builds hundreds of schedules that differ
+# in a few uses
+_use = lru_cache(maxsize=1 << 16)(Use)
+
+
 @lru_cache(maxsize=64)
 def _schedule(num_units: int, tied: bool, placement: Placement, groups: int) -> tuple[Use, ...]:
+    return tuple(iter_schedule(num_units, tied, placement, groups))
+
+
+def iter_schedule(num_units: int, tied: bool, placement: Placement, groups: int) -> Iterator[Use]:
+    """step_schedule's uses, each built as it is taken (the planner's walks that stop early build no more)."""
     L = num_units - 2
     to_host = set(grads_to_host(num_units, placement))
     bl = blocks(L, placement)
-    uses: list[Use] = []
+    keeps = [kept(l, placement, L) for l in range(L)]
+    stash = [stashes(l, placement, L) for l in range(L)]
+    head = head_units(num_units, tied)
     for g in range(groups):
         last = g == groups - 1
 
@@ -264,23 +281,22 @@ def _schedule(num_units: int, tied: bool, placement: Placement, groups: int) -> 
                 return "group-" + placement.group_grads
             return "host" if unit in to_host else "gpu"
 
-        uses.append(Use((0,), "embed", group=g))
-        uses += [Use((1 + l,), "forward", l, g, keep=kept(l, placement, L), stash=stashes(l, placement, L))
-                 for l in range(L)]
-        head = head_units(num_units, tied)
-        uses.append(Use(head, "head", group=g, grad=grad(head[0]), accumulators=(head[0], 0)))
+        yield _use((0,), "embed", None, g)
+        for l in range(L):
+            yield _use((1 + l,), "forward", l, g, keeps[l], None, stash[l])
+        yield _use(head, "head", None, g, "", None, False, grad(head[0]), (head[0], 0))
         for b in reversed(range(len(bl))):
             s, e = bl[b]
             # the next block's kept input comes back from host during this block, one block ahead of its use
             below = bl[b - 1][0] if b > 0 else None
-            fetch = below if below is not None and kept(below, placement, L) == "host" else None
-            block = [Use((1 + l,), "rebuild", l, g) for l in range(s, e - 1)]
-            block += [Use((1 + l,), "backward", l, g, grad=grad(1 + l), accumulators=(1 + l,))
-                      for l in reversed(range(s, e))]
-            block[0] = replace(block[0], fetch=fetch)
-            uses += block
-        uses.append(Use((), "embed_backward", group=g, grad=grad(0), accumulators=(TIED_INPUT,) if tied else ()))
-    return tuple(uses)
+            fetch = below if below is not None and keeps[below] == "host" else None
+            # the block's first use (its bottom layer's rebuild, or its backward when it has one layer) fetches
+            for l in range(s, e - 1):
+                yield _use((1 + l,), "rebuild", l, g, "", fetch if l == s else None)
+            for l in reversed(range(s, e)):
+                yield _use((1 + l,), "backward", l, g, "", fetch if l == e - 1 and e - s == 1 else None, False,
+                           grad(1 + l), (1 + l,))
+        yield _use((), "embed_backward", None, g, "", None, False, grad(0), (TIED_INPUT,) if tied else ())
 
 
 def slot_numel(unit_numels: list[int], tied: bool) -> int:

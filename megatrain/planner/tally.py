@@ -1,0 +1,46 @@
+"""Small aids of the placement search, which plans hundreds of placements of one model: units that size themselves
+once, and byte tallies that keep their total as entries change (memory.py's books)."""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from ..models.base import Unit
+
+
+class _Sized(Unit):
+    """A Unit whose size is summed once: the placement search sizes every unit for each placement it plans."""
+
+    @cached_property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.specs)
+
+
+def sized(units) -> list:
+    """`units` as units whose `numel` is computed once (the same units otherwise)."""
+    return [u if isinstance(u, _Sized) else _Sized(u.kind, u.index, u.specs) for u in units]
+
+
+class Tally(dict):
+    """Bytes by key, with their total kept as entries change: every value is a whole number of bytes (a float below
+    2**53), so the running total equals sum(values()) whatever the order."""
+
+    total = 0.0
+
+    def __setitem__(self, key, value) -> None:
+        self.total += value - self.get(key, 0.0)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key) -> None:
+        self.total -= self[key]
+        super().__delitem__(key)
+
+    def setdefault(self, key, value):
+        if key not in self:
+            self[key] = value
+        return self[key]
+
+    def pop(self, key, *default):
+        if key in self:
+            self.total -= self[key]
+        return super().pop(key, *default)
