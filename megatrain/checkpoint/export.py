@@ -144,11 +144,14 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "
         raise MegatrainError(f"{ckpt}: holds {len(manifest['units'])} units, its config.json implies {len(units)}")
 
     def masters(pool: Pool):  # one unit's fp32 master at a time, read in parallel chunks and verified
+        # into one buffer, reused unit after unit (each unit's writes end before the next is read): a buffer
+        # allocated and freed per unit would leave the allocator's freed memory behind, above one unit's
+        buf = torch.empty(max(u.numel for u in units), dtype=torch.float32)
         for unit, u in zip(units, manifest["units"]):
             info = manifest["files"].get(u["file"])
             if info is None:
                 raise MegatrainError(f"{ckpt / 'manifest.json'}: does not list {u['file']}")
-            yield unit, _read_master(ckpt / u["file"], info, unit, pool)
+            yield unit, _read_master(ckpt / u["file"], info, unit, pool, buf[:unit.numel])
 
     return _export(masters, out, shards, torch_dtype, dtype_name, ckpt, manifest, adapter, specs, t0, threads, True)
 
@@ -198,8 +201,8 @@ def export_store(store, ckpt: str | Path, out_dir: str | Path, *, dtype: str = "
     return _export(masters, out, shards, torch_dtype, dtype_name, ckpt, manifest, adapter, specs, t0, threads, False)
 
 
-def _read_master(path: Path, info: dict, unit, pool: Pool) -> torch.Tensor:
-    m = torch.empty(unit.numel, dtype=torch.float32)
+def _read_master(path: Path, info: dict, unit, pool: Pool, m: torch.Tensor) -> torch.Tensor:
+    """The unit's fp32 master from its checkpoint file into `m` (unit.numel elements)."""
     dest = {f"master/{sp.hf_name}": v for sp, v in zip(unit.specs, unit.views(m).values())}
     if "sha256_chunks" in info:  # only the chunks holding masters are read (each verified); Adam states are not
         kinds = {f"{k}/{sp.hf_name}": None for k in ("exp_avg", "exp_avg_sq") for sp in unit.specs}
