@@ -76,18 +76,33 @@ def test_a_step_of_token_ids_larger_than_host_ram(setup):
     check_batch(cfg, 16, 0, "", 2 * 2**20)  # within: no error
 
 
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_num_hidden_layers_of_ten_million(setup, command):
+    """num_hidden_layers of 10^7 built objects for every layer (memory growing, no output): refused as config.json
+    is read, before a layer is listed, naming the file and the key; through the command line, in a child."""
+    tmp_path, model_dir, data = setup
+    cfg_file = _edit_config(model_dir, num_hidden_layers=10**7)
+    msg = _one_line(_cli_in_a_box([command, write_config(tmp_path, model_dir, data)]))
+    assert msg.startswith(f"{cfg_file}: num_hidden_layers: 10,000,000 is more than megatrain handles "
+                          f"(at most 4,096"), msg
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("key,value,bound", [("num_hidden_layers", 10**7, "4,096"), ("vocab_size", 10**12, "16,777,216"),
                                              ("hidden_size", 10**9, "16,777,216"),
-                                             ("intermediate_size", 10**12, "16,777,216")])
-@pytest.mark.parametrize("command", ["train", "plan"])
-def test_model_dimension_beyond_the_bound(setup, command, key, value, bound):
-    """num_hidden_layers of 10^7 (and its class: any size of config.json) is refused as config.json is read, before
-    a layer is listed, naming the file and the key."""
+                                             ("intermediate_size", 10**12, "16,777,216"),
+                                             ("num_attention_heads", 10**8, "16,777,216")])
+def test_model_dimension_beyond_the_bound(setup, key, value, bound):
+    """The class: any size of config.json beyond its bound is refused as the file is read (what every command
+    does first, before transformers builds the config or a layer is listed), naming the file and the key."""
+    from megatrain.models import load_hf_config
+
     tmp_path, model_dir, data = setup
     cfg_file = _edit_config(model_dir, **{key: value})
-    msg = _one_line(_cli_in_a_box([command, write_config(tmp_path, model_dir, data)]))
+    with pytest.raises(MegatrainError) as e:
+        load_hf_config(model_dir)
+    msg = str(e.value)
     assert msg.startswith(f"{cfg_file}: {key}: {value:,} is more than megatrain handles (at most {bound}"), msg
-    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("key,value", [("num_hidden_layers", 0), ("hidden_size", -4), ("vocab_size", 12.5),
