@@ -12,7 +12,9 @@ In --workdir (default: a temporary folder, removed afterwards) it writes
               class (Qwen2Tokenizer for qwen2), which does not tokenise these words;
   data.jsonl  synthetic text rows of --seq + 16 words, one token each, so every row is truncated to exactly
               data.max_seq_len tokens (no padding, no packing: every row is full, as bench_megatrain.py's random
-              full-length rows; every token but the last predicts one, as there);
+              full-length rows; every token but the last predicts one, as there); with --docs LOW:HIGH instead
+              documents of LOW..HIGH tokens packed into the rows (data.packing: true; the result's
+              packing_efficiency is the share of the rows' positions they fill);
   run.yaml    train.steps = --warmup + --steps, micro_batch_size --micro, grad_accum_steps --seqs / --micro,
               precision bf16, lr 1e-5 constant, weight decay 0.1, clipping 1.0 (bench_megatrain.py's optimizer),
               engine.compile on with --compile (off without, as bench_megatrain.py), no evaluation,
@@ -134,12 +136,25 @@ def write_data(path: Path, rows: int, words_per_row: int, n_words: int, seed: in
             f.write(json.dumps({"text": " ".join(f"w{rng.randrange(n_words)}" for _ in range(words_per_row))}) + "\n")
 
 
+def write_documents(path: Path, tokens: int, low: int, high: int, n_words: int, seed: int = 0) -> int:
+    """Documents of low..high words (uniform, seeded; each one token a word, plus the EOS the run appends) until
+    `tokens` tokens are written, for packing into rows (--docs); returns how many."""
+    rng = random.Random(seed)
+    n = total = 0
+    with path.open("w") as f:
+        while total < tokens:
+            k = rng.randint(low, high)
+            f.write(json.dumps({"text": " ".join(f"w{rng.randrange(n_words)}" for _ in range(k))}) + "\n")
+            n, total = n + 1, total + k + 1
+    return n
+
+
 def write_config(path: Path, args, model_dir: Path, tokenizer: Path, data: Path, out_dir: Path) -> dict:
     import yaml
 
     cfg = {
         "model": {"path": str(model_dir), "init": "random", "tokenizer": str(tokenizer)},
-        "data": {"path": str(data), "format": "text", "max_seq_len": args.seq, "packing": False,
+        "data": {"path": str(data), "format": "text", "max_seq_len": args.seq, "packing": bool(args.docs),
                  "overlong": "truncate", "cache_dir": str(path.parent / "data-cache")},
         "train": {"steps": args.warmup + args.steps, "micro_batch_size": args.micro,
                   "grad_accum_steps": args.seqs // args.micro, "lr": 1e-5, "lr_schedule": "constant",
@@ -406,8 +421,15 @@ def main() -> int:
                    help="ranks on this node, under torchrun (--seqs and --micro are per rank)")
     p.add_argument("--workdir", default=None, help="where the model dir, data, config and run go (kept); "
                                                    "default a temporary folder, removed afterwards")
+    p.add_argument("--docs", default=None, metavar="LOW:HIGH",
+                   help="packed rows (data.packing): documents of LOW..HIGH tokens, uniform, packed into --seq rows")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.docs:
+        low, high = (int(x) for x in args.docs.split(":"))
+        if not 1 <= low <= high < args.seq:
+            p.error(f"--docs {args.docs}: need 1 <= LOW <= HIGH < --seq")
+        args.docs = (low, high)
     if args.steps < 1:
         p.error("--steps must be at least 1")
     if args.seqs % args.micro:
@@ -434,9 +456,11 @@ def main() -> int:
         t0 = time.perf_counter()
         write_model_dir(work / "model", cfg)
         n_words = write_tokenizer(work / "tokenizer", cfg)
-        write_data(work / "data.jsonl", rows=args.seqs * args.nproc_per_node * (args.warmup + args.steps),
-                   words_per_row=args.seq + 16,
-                   n_words=n_words)
+        rows = args.seqs * args.nproc_per_node * (args.warmup + args.steps)
+        if args.docs:  # a quarter more than the steps need: the packer's last rows of an epoch are the emptiest
+            write_documents(work / "data.jsonl", rows * args.seq * 5 // 4, *args.docs, n_words=n_words)
+        else:
+            write_data(work / "data.jsonl", rows=rows, words_per_row=args.seq + 16, n_words=n_words)
         out_dir = work / "run"
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -455,7 +479,9 @@ def main() -> int:
             res["startup_s"] = steps[0]["startup_s"]
         res.update(planned(out_dir / "plan.json"))
         full = args.seqs * args.seq * args.nproc_per_node
-        short = [r["step"] for r in steps if r.get("tokens") != full]
+        short = [] if args.docs else [r["step"] for r in steps if r.get("tokens") != full]
+        if args.docs:  # packed rows: the share of the rows' positions that hold a document's token
+            res["packing_efficiency"] = min((r["tokens"] for r in steps), default=0) / full
         ok = rc == 0 and res["steps_measured"] == args.steps and not short
         if rc:
             res["error"] = f"megatrain train exited with {rc}"
