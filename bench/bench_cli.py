@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 from common import spread_lines, step_spread, table, write_json  # noqa: E402
+from host_trace import HostTrace, trace_lines  # noqa: E402
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 MAX_WORDS = 4096
@@ -285,9 +286,10 @@ def node_host_per_param(res: dict, nproc: int) -> dict:
 
 
 def run_cli(config: Path, overrides: list[str], log: Path, nproc: int = 1,
-            memory: NodeMemory | None = None) -> tuple[int, float, list[str]]:
+            memory: NodeMemory | None = None, started=None) -> tuple[int, float, list[str]]:
     """`python3 -m megatrain.cli train CONFIG [overrides]` from the repository root (under torchrun with nproc > 1),
-    its output shown and logged. Returns (exit status, wall seconds, the command)."""
+    its output shown and logged; `started(pid)` is called once it runs. Returns (exit status, wall seconds, the
+    command)."""
     cmd = [sys.executable, "-m", "megatrain.cli", "train", str(config), *overrides]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
@@ -304,6 +306,8 @@ def run_cli(config: Path, overrides: list[str], log: Path, nproc: int = 1,
         try:
             if memory is not None:
                 memory.start(proc.pid)
+            if started is not None:
+                started(proc.pid)
             for line in proc.stdout:
                 sys.stdout.write(line)
                 sys.stdout.flush()
@@ -421,6 +425,8 @@ def main() -> int:
                    help="ranks on this node, under torchrun (--seqs and --micro are per rank)")
     p.add_argument("--workdir", default=None, help="where the model dir, data, config and run go (kept); "
                                                    "default a temporary folder, removed afterwards")
+    p.add_argument("--trace-host", action="store_true",
+                   help="sample /proc during the run: each step's CPU, busiest threads and memory events (host_trace.py)")
     p.add_argument("--docs", default=None, metavar="LOW:HIGH",
                    help="packed rows (data.packing): documents of LOW..HIGH tokens, uniform, packed into --seq rows")
     p.add_argument("--json", default=None)
@@ -468,7 +474,12 @@ def main() -> int:
         write_config(work / "run.yaml", args, work / "model", work / "tokenizer", work / "data.jsonl", out_dir)
         prep_s = time.perf_counter() - t0
         memory = NodeMemory()
-        rc, total_s, cmd = run_cli(work / "run.yaml", args.set, work / "cli.log", args.nproc_per_node, memory)
+        traces = []
+        start_trace = (lambda pid: traces.append(HostTrace(pid, out_dir / "metrics.jsonl"))) if args.trace_host else None
+        rc, total_s, cmd = run_cli(work / "run.yaml", args.set, work / "cli.log", args.nproc_per_node, memory,
+                                   start_trace)
+        for t in traces:
+            t.stop()
         metrics = out_dir / "metrics.jsonl"
         steps = step_records(metrics) if metrics.is_file() else []
         res = summarise(args, steps, num_params(work / "model"))
@@ -478,6 +489,8 @@ def main() -> int:
         if steps and steps[0].get("startup_s"):  # where the time before the first step went (rank 0's)
             res["startup_s"] = steps[0]["startup_s"]
         res.update(planned(out_dir / "plan.json"))
+        if traces:
+            res["host_trace"] = traces[0].per_step()
         full = args.seqs * args.seq * args.nproc_per_node
         short = [] if args.docs else [r["step"] for r in steps if r.get("tokens") != full]
         if args.docs:  # packed rows: the share of the rows' positions that hold a document's token
@@ -494,6 +507,8 @@ def main() -> int:
               f"descendants {res['host_children_rss_gib']:.2f}; largest mappings:",
               ", ".join(f"{m['mapping']} {m['rss_gib']:.2f}" for m in res["host_rss_top"][:8]))
         print(spread_lines(res))
+        if res.get("host_trace"):
+            print("\n".join(trace_lines(res["host_trace"])))
         print(table([res], ["label", "params", "tokens_per_step", "step_s", "wall_step_s", "tokens_per_s",
                             "tflops_6n", "tflops_6n_active", "mfu", "gpu_idle", "busy_h2d", "busy_d2h", "gpu_peak_gib",
                             "host_peak_rss_gib", "host_node_pss_gib", "host_node_used_gib",
