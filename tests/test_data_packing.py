@@ -50,6 +50,9 @@ def test_collate_restarts_positions_and_masks_document_starts_and_padding():
                                         [IGNORE, 30, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE]]
     assert batch["num_real_tokens"].item() == 9 and batch["num_real_tokens"].dim() == 0
     assert all(t.dtype == torch.int64 for t in batch.values())
+    padded = collate([[a, b], [c]], pad_id=0, length=9)  # packed rows: padded to max_seq_len, whatever they hold
+    assert padded["input_ids"][:, :7].tolist() == batch["input_ids"].tolist() and padded["input_ids"].shape[1] == 9
+    assert padded["labels"][:, 7:].eq(IGNORE).all() and padded["num_real_tokens"].item() == 9
 
 
 def test_packed_loader_rows_hold_several_documents_within_max_seq_len(tmp_path):
@@ -60,7 +63,7 @@ def test_packed_loader_rows_hold_several_documents_within_max_seq_len(tmp_path):
     loader = build_train_loader(cfg, tok, seed=0, micro_batch_size=2, grad_accum_steps=3)
     docs = 0
     for mb in loader.next_step():
-        assert mb["input_ids"].shape[1] <= 256
+        assert mb["input_ids"].shape[1] == 256  # packed rows have one length: one compiled shape
         real = mb["labels"].ne(IGNORE) | (mb["position_ids"] == 0)
         docs += int((mb["position_ids"] == 0).sum())
         for b in range(mb["input_ids"].shape[0]):  # every document starts with BOS and an unlabelled position
@@ -105,14 +108,15 @@ def test_packed_row_loss_and_grads_equal_the_sum_over_its_documents(tmp_path, fa
     batch = build_train_loader(cfg, tok, seed=0, micro_batch_size=1, grad_accum_steps=1).next_step()[0]
     ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
     starts = torch.nonzero(pos[0] == 0).flatten().tolist()
-    assert len(starts) == 3 and batch["num_real_tokens"].item() == ids.shape[1]  # one row, three documents
+    real = batch["num_real_tokens"].item()
+    assert len(starts) == 3 and ids.shape[1] == 512 and real < 512  # one row, three documents, then padding
 
     d = tmp_path / "model"
     make_model_dir(d, family, layers=2, vocab=len(tok))
     engine, sink = _engine(d)
     packed_loss, packed_grads, packed_n = _run(engine, sink, ids, labels, pos)
 
-    bounds = starts + [ids.shape[1]]
+    bounds = starts + [real]  # the padding after the last document takes no loss and no real token sees it
     loss_sum, grads_sum, n_sum = 0.0, None, 0
     for s, e in zip(bounds[:-1], bounds[1:]):
         loss, grads, n = _run(engine, sink, ids[:, s:e], labels[:, s:e], pos[:, s:e])

@@ -25,6 +25,11 @@ def validate_inputs(cfg: DataConfig) -> None:
         read_chat_template(cfg.chat_template)  # a file that exists, is a file, and is UTF-8
 
 
+def _row_length(cfg: DataConfig) -> int | None:
+    """Packed rows are max_seq_len long, however full (packing.collate says why); other rows the longest's length."""
+    return cfg.max_seq_len if cfg.packing else None
+
+
 def _shape(cfg: DataConfig, micro_batch_size: int) -> BatchShape:
     return BatchShape(micro_batch_size, cfg.max_seq_len, cfg.packing, cfg.packing_strategy, cfg.group_by_length)
 
@@ -44,7 +49,7 @@ class StepLoader:
         return self.sampler.epoch
 
     def _batch(self, rows: list[list[int]]) -> Batch:
-        return collate([[self.examples.get(k) for k in row] for row in rows], self.pad_id)
+        return collate([[self.examples.get(k) for k in row] for row in rows], self.pad_id, _row_length(self.cfg))
 
     def next_step(self) -> list[Batch]:
         drawn = [self.sampler.next() for _ in range(self.grad_accum_steps * self.world)]  # index lists: cheap
@@ -58,7 +63,8 @@ class StepLoader:
 
     def summary(self) -> str:
         lines = count_lines(self.examples, self.cfg.max_seq_len)
-        lines.append(efficiency_line(self.sampler.plan, self.examples.lengths, self.cfg.packing))
+        lines.append(efficiency_line(self.sampler.plan, self.examples.lengths, self.cfg.packing,
+                                     self.cfg.max_seq_len))
         return "\n".join(lines)
 
 
@@ -79,7 +85,7 @@ def build_eval_batches(cfg: DataConfig, tokenizer, *, micro_batch_size: int) -> 
     once = [int((ex.source == i).sum()) for i in range(len(ex.sources))]
     plan = EpochPlanner(ex.lengths, ex.source, once, 0, _shape(cfg, micro_batch_size)).plan(0)
     pad = pad_id(tokenizer)
-    return [collate([[ex.get(k) for k in row] for row in mb], pad) for mb in plan]
+    return [collate([[ex.get(k) for k in row] for row in mb], pad, _row_length(cfg)) for mb in plan]
 
 
 def preview(cfg: DataConfig, tokenizer, n: int) -> str:

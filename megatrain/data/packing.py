@@ -62,9 +62,11 @@ def pack_best_fit(order: np.ndarray, lengths: np.ndarray, capacity: int) -> list
     return rows
 
 
-def collate(rows: list[list[tuple[np.ndarray, np.ndarray]]], pad_id: int) -> dict:
-    """Rows (each a list of (input_ids, labels) documents) -> a Batch of int64 tensors [B, T], T the longest row."""
-    T = max(sum(len(ids) for ids, _ in docs) for docs in rows)
+def collate(rows: list[list[tuple[np.ndarray, np.ndarray]]], pad_id: int, length: int | None = None) -> dict:
+    """Rows (each a list of (input_ids, labels) documents) -> a Batch of int64 tensors [B, T], T the longest row, or
+    `length` when given (packed rows: always max_seq_len, so every micro-batch has one shape - a row a token short
+    would make a compiled layer compile and tune again mid-run, and the caching allocator see new sizes)."""
+    T = max(max(sum(len(ids) for ids, _ in docs) for docs in rows), length or 0)
     B = len(rows)
     input_ids = np.full((B, T), pad_id, dtype=np.int64)
     labels = np.full((B, T), IGNORE, dtype=np.int64)

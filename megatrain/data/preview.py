@@ -34,8 +34,9 @@ def count_lines(ex: Examples, max_seq_len: int) -> list[str]:
     return lines
 
 
-def efficiency_line(plan, lengths: np.ndarray, packing: bool) -> str:
-    real, padded = plan_efficiency(plan, lengths)
+def efficiency_line(plan, lengths: np.ndarray, packing: bool, row_length: int | None = None) -> str:
+    """row_length: the length packed rows are padded to (data.max_seq_len)."""
+    real, padded = plan_efficiency(plan, lengths, row_length if packing else None)
     rows = sum(len(mb) for mb in plan)
     what = "packing" if packing else "padding"
     return (f"{what} efficiency: {100.0 * real / max(padded, 1):.1f}% real tokens "

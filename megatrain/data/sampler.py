@@ -92,13 +92,13 @@ class EpochPlanner:
         return [[[k] for k in mb.tolist()] for mb in mbs + short]
 
 
-def plan_efficiency(plan: Plan, lengths: np.ndarray) -> tuple[int, int]:
-    """(real tokens, tokens in the padded micro-batches) of a plan."""
+def plan_efficiency(plan: Plan, lengths: np.ndarray, row_length: int | None = None) -> tuple[int, int]:
+    """(real tokens, tokens in the padded micro-batches) of a plan; row_length: rows padded to it (packed rows)."""
     real = padded = 0
     for mb in plan:
         row_lens = [int(lengths[row].sum()) for row in mb]
         real += sum(row_lens)
-        padded += len(row_lens) * max(row_lens)
+        padded += len(row_lens) * max(max(row_lens), row_length or 0)
     return real, padded
 
 
