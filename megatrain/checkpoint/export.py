@@ -321,7 +321,8 @@ def _write_from_ram(tmp: Path, tiles, shards, torch_dtype, specs, threads) -> di
                     raise MegatrainError(f"export: tensor '{missing}' of the model was not found in the store")
                 head = header_bytes([(nm, torch_dtype, shape) for nm, shape in shard], {"format": "pt"})
                 parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8)]
-                writers.append(ChunkWriter(tmp / name, parts + [(src[nm], torch_dtype) for nm, _ in shard], direct))
+                writers.append(ChunkWriter(tmp / name, parts + [(src[nm], torch_dtype) for nm, _ in shard], direct,
+                                           checksums=False))  # no manifest lists an export's files
                 futures += writers[-1].submit(pool)
             wait_all(pool, futures)
     finally:

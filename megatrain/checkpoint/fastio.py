@@ -41,7 +41,8 @@ from ..runtime.pinned import PAGE, aligned_empty
 
 CHUNK = 16 << 20  # bytes hashed as one sha256 and moved as one request (the SSD tier's request size)
 SCRATCH = 1 << 20  # bytes a reader hashes but keeps nowhere (headers, states an export skips) pass through this
-THREADS = 8  # requests in flight at most (the disk probe's and the SSD tier's number)
+THREADS = 16  # I/O threads by default (at most the cores): twice the disk probe's and the SSD tier's requests in
+#               flight, since a thread hashing, copying or casting its chunk has no request in flight meanwhile
 
 
 def io_threads(threads: int | None = None) -> int:
@@ -120,10 +121,12 @@ def direct_ok(folder: Path) -> bool:
 class ChunkWriter:
     """One file made of `parts` (uint8 tensors, in order), written chunk by chunk on a Pool. `tasks()` are its
     chunks; when the last one is written the file is truncated to size, fsynced and closed, `info` holds its
-    manifest entry and `on_done()` runs (on that pool thread)."""
+    manifest entry and `on_done()` runs (on that pool thread). checksums=False: no sha256 (an export, whose files
+    no manifest lists: the time goes to the disk)."""
 
-    def __init__(self, path: Path, parts: list, direct: bool, on_done: Callable | None = None):
-        self.path, self.parts, self.on_done = Path(path), parts, on_done
+    def __init__(self, path: Path, parts: list, direct: bool, on_done: Callable | None = None,
+                 checksums: bool = True):
+        self.path, self.parts, self.on_done, self.checksums = Path(path), parts, on_done, checksums
         self.size = sum(part_bytes(p) for p in parts)
         self.n = max(1, -(-self.size // CHUNK))
         self.hashes: list[str | None] = [None] * self.n
@@ -139,7 +142,8 @@ class ChunkWriter:
         a, b = k * CHUNK, min(self.size, (k + 1) * CHUNK)
         buf = pool.bounce()
         gather(self.parts, a, b, buf)
-        self.hashes[k] = hashlib.sha256(_mv(buf[:b - a])).hexdigest()
+        if self.checksums:
+            self.hashes[k] = hashlib.sha256(_mv(buf[:b - a])).hexdigest()
         n = b - a
         if self.direct and n % PAGE:
             m = -(-n // PAGE) * PAGE
@@ -154,7 +158,9 @@ class ChunkWriter:
                 os.ftruncate(self.fd, self.size)
             os.fsync(self.fd)
             self.close()
-            self.info = {"bytes": self.size, "chunk_bytes": CHUNK, "sha256_chunks": list(self.hashes)}
+            self.info = {"bytes": self.size, "chunk_bytes": CHUNK}
+            if self.checksums:
+                self.info["sha256_chunks"] = list(self.hashes)
             if self.on_done is not None:
                 self.on_done()
 
