@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..errors import MegatrainError
@@ -58,6 +59,12 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 def _mv(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy())
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[:] = src for uint8 tensors, on the calling I/O thread alone (numpy's copy, the GIL released): torch's
+    copy_ would start a parallel region over every core from each of the pool's threads at once."""
+    np.copyto(dst.numpy(), src.numpy())
 
 
 class Pool:
@@ -183,7 +190,7 @@ def gather(parts: list, a: int, b: int, out: torch.Tensor) -> None:
                 e = dtype.itemsize
                 out[lo - a: hi - a].view(dtype).copy_(src[(lo - pos) // e: (hi - pos) // e])
             else:
-                out[lo - a: hi - a].copy_(p[lo - pos: hi - pos])
+                copy_bytes(out[lo - a: hi - a], p[lo - pos: hi - pos])
         pos += n
         if pos >= b:
             break
@@ -265,7 +272,7 @@ class ChunkReader:
         for off, t, n in self.dest:
             lo, hi = max(a, off), min(b, off + n)
             if lo < hi and t is not None:
-                t[lo - off: hi - off].copy_(buf[lo - a: hi - a])
+                copy_bytes(t[lo - off: hi - off], buf[lo - a: hi - a])
 
     def _check(self, k: int, a: int, b: int, views) -> None:
         h = hashlib.sha256()
