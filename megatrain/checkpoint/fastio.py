@@ -11,8 +11,9 @@ Writes go through O_DIRECT where the filesystem accepts it (as the SSD tier's do
 cache, so a 91 GB save neither evicts the page cache nor leaves the kernel 91 GB of dirty pages to flush at
 fsync; each thread then owns one page-aligned buffer of CHUNK bytes (THREADS x 16 MiB of RAM during a save), the
 last chunk is padded to a page and the file truncated to its size. A filesystem that refuses O_DIRECT gets the same
-writes buffered. Reads are buffered `preadv` straight into the destination tensors (no bounce buffer; the pages
-are dropped from the cache once hashed, POSIX_FADV_DONTNEED).
+writes buffered. A resume's reads are O_DIRECT too, into the thread's buffer, hashed, then copied to the tensors;
+buffered reads (`direct` off, or refused) go straight into the destination tensors, their pages dropped from the
+cache once hashed (POSIX_FADV_DONTNEED).
 
 Integrity: sha256 per chunk, not one per file, and not a CRC. One sha256 per file is a serial chain (one core,
 0.9 GB/s): a file of one unit can only be checked as fast as one core hashes it, so large units (an embedding, a
