@@ -28,9 +28,6 @@ def dtype_bytes(name: str) -> int:
     return 4 if "32" in name else 2
 
 
-MXFP4_BYTES = 17 / 32  # bytes per value: 16 bytes of 4-bit values and one 8-bit scale per 32 values
-
-
 class _Quantized:
     """The tensor names of a checkpoint that stores every quantizable tensor as `*_blocks` and `*_scales`."""
 
@@ -46,11 +43,14 @@ def load_bytes(adapter, file_dtype: str | None) -> int:
         return 0
     q = getattr(adapter.hf_config, "quantization_config", None) or {}
     mxfp4 = (q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)) == "mxfp4"
+    from ..models.gpt_oss import MXFP4_GROUP
+
+    mx = (MXFP4_GROUP // 2 + 1) / MXFP4_GROUP  # bytes a value: two 4-bit values a byte, an 8-bit scale a group
     per, total = dtype_bytes(str(file_dtype)), 0.0
     for u in adapter.units():
         for s in u.specs:
             packed = mxfp4 and adapter.packed_source(s, _Quantized()) is not None
-            total += s.numel * (MXFP4_BYTES if packed else per)
+            total += s.numel * (mx if packed else per)
     return int(total)
 
 
