@@ -10,10 +10,13 @@ In order, on one host store of the model (random weights, bf16 streaming copy as
   save          CheckpointSaver: fp32 master, Adam m and v, 12 B/param (start to the renamed folder, fsynced)
   files_read    that checkpoint's files read back with O_DIRECT on the I/O threads, nothing checked or kept: the
                 disk's read rate on these very files (what resume is at most; beside the probe's 8 GiB)
+  (files_write, after the exports: the checkpoint's size of random bytes written the same way, nothing hashed:
+                the disk's write rate over that size, what a save is at most)
   resume        checkpoint.resume.load_store of that checkpoint into the store (its pages evicted first)
   export_ckpt   `megatrain export CHECKPOINT` to bf16 (the checkpoint evicted first): reads the masters (4 B/param)
-                and writes the bf16 (2 B/param); its rate is the bytes read and written over its seconds, against
-                min(read, write); `written_gb_per_s` is the bf16 alone
+                and writes the bf16 (2 B/param); its GB/s are those written (as before), `moved_gb_per_s` the bytes
+                read and written, `fraction_of_read_then_write` the time its reads then its writes would take at
+                the disk's rates over its time
   export_store  the end of a run's export: bf16 from the store (writes 2 B/param)
   load_cold     pretrained bf16 safetensors (that export) into the store, its pages evicted (POSIX_FADV_DONTNEED)
   load_cached   the same files again, now in the page cache
@@ -112,6 +115,36 @@ def files_read(folder: Path, threads: int | None) -> tuple[int, float]:
         for fd in fds:
             os.close(fd)
     return total, time.perf_counter() - t0
+
+
+def files_write(folder: Path, nbytes: int, threads: int | None) -> tuple[int, float]:
+    """`nbytes` of random bytes written with O_DIRECT in CHUNK requests on the checkpoint's I/O pool, fsynced, into
+    one file of `folder` (removed after): the disk's write rate over a checkpoint's size. (bytes, seconds)."""
+    import threading
+
+    from megatrain.checkpoint.fastio import CHUNK, Pool, wait_all
+
+    filled = threading.local()
+
+    def write(pool, fd: int, a: int) -> None:
+        buf = pool.bounce()
+        if not getattr(filled, "done", False):  # random, not zeros: a compressing disk would store zeros for nothing
+            buf.random_(0, 256)
+            filled.done = True
+        os.pwritev(fd, [memoryview(buf.numpy())], a)
+    n = max(1, nbytes // CHUNK)
+    path = Path(folder) / "raw-write.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    t0 = time.perf_counter()
+    try:
+        with Pool(threads) as pool:
+            wait_all(pool, [pool.submit(write, pool, fd, k * CHUNK) for k in range(n)])
+        os.fsync(fd)
+        seconds = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        path.unlink()
+    return n * CHUNK, seconds
 
 
 def periodic(a, root: Path, write_bps: float, log) -> dict:
@@ -228,20 +261,24 @@ def main() -> int:
 
     evict(ckpt)
     res = export_checkpoint(ckpt, root / "export-ckpt", dtype="bf16", threads=a.threads)
+    record("export_ckpt", res["bytes"], res["seconds"], min(rd, wr), "min(read, write)")
     moved = 4 * store.num_params + res["bytes"]  # the masters read, the bf16 written
-    record("export_ckpt", moved, res["seconds"], min(rd, wr), "min(read, write)")
-    out["results"]["export_ckpt"].update(
-        read_bytes=4 * store.num_params, written_bytes=res["bytes"], written_gb_per_s=res["bytes"] / res["seconds"] / 1e9,
-        written_fraction_of_disk=res["bytes"] / res["seconds"] / min(rd, wr),
-        fraction_of_read_then_write=(4 * store.num_params / rd + res["bytes"] / wr) / res["seconds"])
-    log(f"{'':13s} written {res['bytes'] / 1e9:.2f} GB: {res['bytes'] / res['seconds'] / 1e9:.2f} GB/s; its reads and "
-        f"writes one after the other at the disk's rates would take "
-        f"{out['results']['export_ckpt']['fraction_of_read_then_write']:.0%} of its time")
+    x = out["results"]["export_ckpt"]
+    x.update(read_bytes=4 * store.num_params, moved_gb_per_s=moved / res["seconds"] / 1e9,
+             moved_fraction_of_disk=moved / res["seconds"] / min(rd, wr),
+             fraction_of_read_then_write=(4 * store.num_params / rd + res["bytes"] / wr) / res["seconds"])
+    log(f"{'':13s} read and written {moved / 1e9:.2f} GB: {x['moved_gb_per_s']:.2f} GB/s, "
+        f"{x['moved_fraction_of_disk']:.0%} of min(read, write); its reads then its writes at the disk's rates would "
+        f"take {x['fraction_of_read_then_write']:.0%} of its time")
     shutil.rmtree(root / "export-ckpt")
 
     res = export_store(store, ckpt, root / "export", dtype="bf16", threads=a.threads)
     record("export_store", res["bytes"], res["seconds"], wr, "write")
+    ckpt_bytes = size(ckpt)
     shutil.rmtree(ckroot)  # room for nothing else: the disk holds the export only from here
+    record("files_write", *files_write(root, ckpt_bytes, a.threads), wr, "write")
+    out["results"]["save"]["fraction_of_files_write"] = \
+        out["results"]["save"]["gb_per_s"] / out["results"]["files_write"]["gb_per_s"]
 
     model = root / "export"
     evict(model)
