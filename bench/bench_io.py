@@ -289,15 +289,22 @@ def main() -> int:
     shutil.rmtree(root, ignore_errors=True)
     del store, saver, r  # the runs below need the host memory
     gc.collect()
-    if not a.no_train:
-        root.mkdir(parents=True)
-        out["periodic"] = periodic(a, root, wr, log)
-        shutil.rmtree(root, ignore_errors=True)
     out["command"] = "python3 bench/bench_io.py " + " ".join(sys.argv[1:])
     if os.environ.get("BENCH_REV"):  # a copy without .git: the revision it was copied from
         out["git"] = os.environ["BENCH_REV"]
+    write_json(a.json, out)  # the I/O results kept whatever happens to the runs below
+    if a.no_train:
+        return 0
+    root.mkdir(parents=True)
+    try:
+        out["periodic"] = periodic(a, root, wr, log)
+    except (SystemExit, OSError, KeyError, ValueError) as e:
+        out["periodic"] = {"error": str(e)}
+        log(f"bench_io: periodic saves: {e}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     write_json(a.json, out)
-    return 0
+    return 1 if "error" in out["periodic"] else 0
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import torch
 from ..errors import MegatrainError
 from ..runtime.disk_files import probe_direct, transfer
 from ..runtime.pinned import PAGE, aligned_empty
+from ..runtime.weights_load import serial_torch
 
 CHUNK = 16 << 20  # bytes hashed as one sha256 and moved as one request (the SSD tier's request size)
 SCRATCH = 1 << 20  # bytes a reader hashes but keeps nowhere (headers, states an export skips) pass through this
@@ -74,7 +75,7 @@ class Pool:
 
     def __init__(self, threads: int | None = None):
         self.threads = io_threads(threads)
-        self._ex = ThreadPoolExecutor(self.threads, thread_name_prefix="megatrain-io")
+        self._ex = ThreadPoolExecutor(self.threads, thread_name_prefix="megatrain-io", initializer=serial_torch)
         self._local = threading.local()
         self.error: BaseException | None = None
         self.cancelled = False
