@@ -8,9 +8,9 @@ buffer of one unit and one kind first and written by this thread (the same bytes
 the files hold exactly step N's state. The units are written in the order the optimizer updated them in the last
 step (`before_update` records it): forward order with clipping (all updates after backward), head first without
 (each update as its gradient is complete, during backward). So step N+1's first update waits only for its own
-unit's bytes, and each later one for the bytes not yet written before it: never for the whole save. The save is started at a step boundary
-after `pipeline.drain()` (every update of step N written), with the run state (data position, RNG, ...) captured
-at that same boundary.
+unit's bytes, and each later one for the bytes not yet written before it: never for the whole save. The save is
+started at a step boundary after `pipeline.drain()` (every update of step N written), with the run state (data
+position, RNG, ...) captured at that same boundary.
 
 Crash safety: everything goes into `.step-N.tmp/`; each file is fsynced, the manifest (sha256 and size of every
 file) is written last, the directory is fsynced and then atomically renamed to `step-N/`. A killed save leaves
