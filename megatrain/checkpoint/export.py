@@ -149,7 +149,7 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "
         return _export(None, out, shards, torch_dtype, dtype_name, ckpt, manifest, adapter, specs, t0, threads,
                        units, ckpt_units=True)
 
-    def masters(pool: Pool):  # a checkpoint with one sha256 per file: one unit's fp32 master at a time, read in parallel chunks and verified
+    def masters(pool: Pool):  # one sha256 per file: one unit's fp32 master at a time, read and verified
         # into one buffer, reused unit after unit (each unit's writes end before the next is read): a buffer
         # allocated and freed per unit would leave the allocator's freed memory behind, above one unit's
         buf = torch.empty(max(u.numel for u in units), dtype=torch.float32)
