@@ -30,3 +30,24 @@ def test_pool_threads_run_torch_on_themselves_and_others_keep_their_threads():
         assert ex.submit(torch.get_num_threads).result() == before
     with ThreadPoolExecutor(1, initializer=serial_torch) as ex:  # the pretrained load's pool
         assert ex.submit(torch.get_num_threads).result() == 1
+
+
+def test_resume_casts_the_streaming_copy_in_pieces_on_the_pool(tmp_path, monkeypatch):
+    """A resume's bf16 streaming copies, cast piece by piece on the pool as each unit is read, equal the whole
+    units' casts."""
+    from conftest import make_model_dir
+    from megatrain.checkpoint import resume
+    from megatrain.checkpoint.resume import load_store, open_checkpoint
+    from megatrain.runtime.store import HostStore
+    from test_checkpoint_io import random_store, save
+
+    make_model_dir(tmp_path / "model", "llama", seed=31)
+    store = random_store(tmp_path / "model", seed=32)
+    ckpt = save(store, tmp_path / "ckpt")
+    monkeypatch.setattr(resume, "CHUNK", 4 * 1000)  # pieces of 1000 values: many per unit, one ending mid-unit
+    assert max(t.numel for t in store.tiles) > 3000
+    fresh = HostStore(store.adapter, torch.bfloat16)
+    load_store(open_checkpoint(ckpt), fresh, threads=4)
+    assert torch.equal(fresh.master, store.master)
+    for t in fresh.tiles:
+        assert torch.equal(t.stream, t.master.to(torch.bfloat16))
