@@ -34,6 +34,7 @@ import torch
 from .folder_lock import LOCK_FILE, FolderLock, holder
 from .layout import locate, read_manifest, small_files, verify_file
 from .fastio import CHUNK, ChunkReader, ChunkWriter, Pool, byte_view, direct_ok, wait_all
+from .export_stream import write_from_checkpoint
 from .resume import unit_segments
 from .tensorfile import TensorFileReader, fsync_dir, header_bytes
 from ..runtime.disk_files import transfer
@@ -143,7 +144,12 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "
     if len(units) != len(manifest["units"]):
         raise MegatrainError(f"{ckpt}: holds {len(manifest['units'])} units, its config.json implies {len(units)}")
 
-    def masters(pool: Pool):  # one unit's fp32 master at a time, read in parallel chunks and verified
+    infos = [manifest["files"].get(u["file"]) or {} for u in manifest["units"]]
+    if all("sha256_chunks" in i for i in infos):  # chunked checksums: reads, casts and writes pipelined
+        return _export(None, out, shards, torch_dtype, dtype_name, ckpt, manifest, adapter, specs, t0, threads,
+                       units, ckpt_units=True)
+
+    def masters(pool: Pool):  # one sha256 per file: one unit's fp32 master at a time, read and verified
         # into one buffer, reused unit after unit (each unit's writes end before the next is read): a buffer
         # allocated and freed per unit would leave the allocator's freed memory behind, above one unit's
         buf = torch.empty(max(u.numel for u in units), dtype=torch.float32)
@@ -228,14 +234,23 @@ def _read_master(path: Path, info: dict, unit, pool: Pool, m: torch.Tensor) -> t
     return m
 
 
-def _export(masters, out, shards, torch_dtype, dtype_name, ckpt, manifest, adapter, specs, t0, threads, per_unit):
+def _export(masters, out, shards, torch_dtype, dtype_name, ckpt, manifest, adapter, specs, t0, threads, per_unit,
+            ckpt_units: bool = False):
     """The shards from `masters(pool)` ((unit, its flat fp32 master) in order); per_unit: wait for a unit's writes
     before the next unit is produced (its master is a buffer read from a checkpoint: memory stays one unit).
-    masters None: from the store's tiles `per_unit` (all in RAM), cast chunk by chunk into O_DIRECT writes."""
+    masters None: from the store's tiles `per_unit` (all in RAM), cast chunk by chunk into O_DIRECT writes; with
+    ckpt_units, from the checkpoint's files, `per_unit` its units (export_stream.py)."""
     esize = torch.empty((), dtype=torch_dtype).element_size()
     tmp, lock = _partial_folder(out)
     try:
-        if masters is None:
+        if masters is None and ckpt_units:
+            stream = _Shards(tmp, shards, torch_dtype)
+            try:
+                write_from_checkpoint(ckpt, manifest, per_unit, stream, threads)
+            finally:
+                stream.close()
+            weight_map = stream.weight_map
+        elif masters is None:
             weight_map = _write_from_ram(tmp, per_unit, shards, torch_dtype, specs, threads)
         else:
             weight_map = _write_streamed(tmp, masters, shards, torch_dtype, specs, threads, per_unit)
@@ -306,7 +321,8 @@ def _write_from_ram(tmp: Path, tiles, shards, torch_dtype, specs, threads) -> di
                     raise MegatrainError(f"export: tensor '{missing}' of the model was not found in the store")
                 head = header_bytes([(nm, torch_dtype, shape) for nm, shape in shard], {"format": "pt"})
                 parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8)]
-                writers.append(ChunkWriter(tmp / name, parts + [(src[nm], torch_dtype) for nm, _ in shard], direct))
+                writers.append(ChunkWriter(tmp / name, parts + [(src[nm], torch_dtype) for nm, _ in shard], direct,
+                                           checksums=False))  # no manifest lists an export's files
                 futures += writers[-1].submit(pool)
             wait_all(pool, futures)
     finally:

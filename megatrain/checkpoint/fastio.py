@@ -11,8 +11,9 @@ Writes go through O_DIRECT where the filesystem accepts it (as the SSD tier's do
 cache, so a 91 GB save neither evicts the page cache nor leaves the kernel 91 GB of dirty pages to flush at
 fsync; each thread then owns one page-aligned buffer of CHUNK bytes (THREADS x 16 MiB of RAM during a save), the
 last chunk is padded to a page and the file truncated to its size. A filesystem that refuses O_DIRECT gets the same
-writes buffered. Reads are buffered `preadv` straight into the destination tensors (no bounce buffer; the pages
-are dropped from the cache once hashed, POSIX_FADV_DONTNEED).
+writes buffered. A resume's reads are O_DIRECT too, into the thread's buffer, hashed, then copied to the tensors;
+buffered reads (`direct` off, or refused) go straight into the destination tensors, their pages dropped from the
+cache once hashed (POSIX_FADV_DONTNEED).
 
 Integrity: sha256 per chunk, not one per file, and not a CRC. One sha256 per file is a serial chain (one core,
 0.9 GB/s): a file of one unit can only be checked as fast as one core hashes it, so large units (an embedding, a
@@ -33,15 +34,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..errors import MegatrainError
 from ..runtime.disk_files import probe_direct, transfer
 from ..runtime.pinned import PAGE, aligned_empty
+from ..runtime.weights_load import serial_torch
 
 CHUNK = 16 << 20  # bytes hashed as one sha256 and moved as one request (the SSD tier's request size)
 SCRATCH = 1 << 20  # bytes a reader hashes but keeps nowhere (headers, states an export skips) pass through this
-THREADS = 8  # requests in flight at most (the disk probe's and the SSD tier's number)
+THREADS = 16  # I/O threads by default (at most the cores): twice the disk probe's and the SSD tier's requests in
+#               flight, since a thread hashing, copying or casting its chunk has no request in flight meanwhile
 
 
 def io_threads(threads: int | None = None) -> int:
@@ -59,13 +63,19 @@ def _mv(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy())
 
 
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[:] = src for uint8 tensors, on the calling I/O thread alone (numpy's copy, the GIL released): torch's
+    copy_ would start a parallel region over every core from each of the pool's threads at once."""
+    np.copyto(dst.numpy(), src.numpy())
+
+
 class Pool:
     """A pool of I/O threads, each with its own page-aligned CHUNK buffer (allocated on first use), and the first
     error of any task: once one failed, the tasks not yet started are skipped."""
 
     def __init__(self, threads: int | None = None):
         self.threads = io_threads(threads)
-        self._ex = ThreadPoolExecutor(self.threads, thread_name_prefix="megatrain-io")
+        self._ex = ThreadPoolExecutor(self.threads, thread_name_prefix="megatrain-io", initializer=serial_torch)
         self._local = threading.local()
         self.error: BaseException | None = None
         self.cancelled = False
@@ -120,10 +130,12 @@ def direct_ok(folder: Path) -> bool:
 class ChunkWriter:
     """One file made of `parts` (uint8 tensors, in order), written chunk by chunk on a Pool. `tasks()` are its
     chunks; when the last one is written the file is truncated to size, fsynced and closed, `info` holds its
-    manifest entry and `on_done()` runs (on that pool thread)."""
+    manifest entry and `on_done()` runs (on that pool thread). checksums=False: no sha256 (an export, whose files
+    no manifest lists: the time goes to the disk)."""
 
-    def __init__(self, path: Path, parts: list, direct: bool, on_done: Callable | None = None):
-        self.path, self.parts, self.on_done = Path(path), parts, on_done
+    def __init__(self, path: Path, parts: list, direct: bool, on_done: Callable | None = None,
+                 checksums: bool = True):
+        self.path, self.parts, self.on_done, self.checksums = Path(path), parts, on_done, checksums
         self.size = sum(part_bytes(p) for p in parts)
         self.n = max(1, -(-self.size // CHUNK))
         self.hashes: list[str | None] = [None] * self.n
@@ -139,7 +151,8 @@ class ChunkWriter:
         a, b = k * CHUNK, min(self.size, (k + 1) * CHUNK)
         buf = pool.bounce()
         gather(self.parts, a, b, buf)
-        self.hashes[k] = hashlib.sha256(_mv(buf[:b - a])).hexdigest()
+        if self.checksums:
+            self.hashes[k] = hashlib.sha256(_mv(buf[:b - a])).hexdigest()
         n = b - a
         if self.direct and n % PAGE:
             m = -(-n // PAGE) * PAGE
@@ -154,7 +167,9 @@ class ChunkWriter:
                 os.ftruncate(self.fd, self.size)
             os.fsync(self.fd)
             self.close()
-            self.info = {"bytes": self.size, "chunk_bytes": CHUNK, "sha256_chunks": list(self.hashes)}
+            self.info = {"bytes": self.size, "chunk_bytes": CHUNK}
+            if self.checksums:
+                self.info["sha256_chunks"] = list(self.hashes)
             if self.on_done is not None:
                 self.on_done()
 
@@ -177,7 +192,7 @@ def gather(parts: list, a: int, b: int, out: torch.Tensor) -> None:
                 e = dtype.itemsize
                 out[lo - a: hi - a].view(dtype).copy_(src[(lo - pos) // e: (hi - pos) // e])
             else:
-                out[lo - a: hi - a].copy_(p[lo - pos: hi - pos])
+                copy_bytes(out[lo - a: hi - a], p[lo - pos: hi - pos])
         pos += n
         if pos >= b:
             break
@@ -259,7 +274,7 @@ class ChunkReader:
         for off, t, n in self.dest:
             lo, hi = max(a, off), min(b, off + n)
             if lo < hi and t is not None:
-                t[lo - off: hi - off].copy_(buf[lo - a: hi - a])
+                copy_bytes(t[lo - off: hi - off], buf[lo - a: hi - a])
 
     def _check(self, k: int, a: int, b: int, views) -> None:
         h = hashlib.sha256()

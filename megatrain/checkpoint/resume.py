@@ -18,7 +18,7 @@ from .folder_lock import LOCK_FILE
 from .layout import RUN_STATE, STEP_DIR, complete_checkpoints, locate, newest_checkpoint, read_json, read_manifest, \
     verify_file
 from .saver import KINDS
-from .fastio import ChunkReader, Pool, byte_view, wait_all
+from .fastio import CHUNK, ChunkReader, Pool, byte_view, wait_all
 from .tensorfile import DTYPES, TensorFileReader, tensor_nbytes, read_header
 
 # config.json keys that say nothing about the model's weights or computation
@@ -145,7 +145,7 @@ def load_store(r: Resumed, store, threads: int | None = None) -> dict:
 
 
 def _fill(r: Resumed, store, units: list, infos: list, staged: bool, pool: Pool, readers: list) -> None:
-    futures = []
+    futures, casts = [], []  # the chunks' tasks; the streaming copies' (submitted as each unit is complete)
     for i, (tile, u, info) in enumerate(zip(store.tiles, units, infos)):
         # kinds on the SSD tier are staged (one unit) and written to it when the unit is complete
         with store.unit_state(i, KINDS, read=False, write=True) as st:
@@ -160,12 +160,26 @@ def _fill(r: Resumed, store, units: list, infos: list, staged: bool, pool: Pool,
             segs = unit_segments(path, info, dest, tile.unit.name)
             master = st["master"]
             reader = ChunkReader(path, info, segs, direct=True,
-                                 on_done=lambda t=tile, m=master: store.refresh_stream_copy(t, m))
+                                 on_done=lambda t=tile, m=master: _stream_copy(store, t, m, pool, casts))
             readers.append(reader)
             futures += reader.submit(pool)
-            if staged:
+            if staged:  # the staging buffers are written back and reused when this block ends
                 wait_all(pool, futures)
-    wait_all(pool, futures)
+                wait_all(pool, casts)
+    wait_all(pool, futures)  # every unit's last chunk has submitted its casts
+    wait_all(pool, casts)
+
+
+def _stream_copy(store, tile, master, pool: Pool, casts: list) -> None:
+    """The tile's streaming copy cast from its master (store.refresh_stream_copy) in CHUNK-sized pieces on the pool:
+    one I/O thread casting a whole unit alone (an embedding: half a billion values) would be the resume's tail."""
+    if not store.separate_stream_copy:
+        return
+    step = CHUNK // 4
+
+    def piece(a: int) -> None:
+        tile.stream[a: a + step].copy_(master[a: a + step])
+    casts.extend(pool.submit(piece, a) for a in range(0, master.numel(), step))
 
 
 def unit_segments(path: Path, info: dict, dest: dict, unit_name: str) -> list:

@@ -3,12 +3,14 @@
 No copy of the host state is made: each unit file's 16 MiB chunks (fp32 master, Adam m and v, Adam step, in
 forward order) are gathered from the store, hashed and written with O_DIRECT by a pool of I/O threads
 (fastio.py: several requests in flight, a sha256 per chunk). A state kind on the SSD tier is read from it into a
-buffer of one unit and one kind first and written by this thread (the same bytes and checksums). The optimizer of
-step N+1 also updates units in forward order, and the pipeline calls `before_update(u)` right before it modifies
-unit u: that call waits until unit u's file is complete. So the files hold exactly step N's state, and the
-optimizer waits at most for the bytes not yet written, at the disk's rate. The save is started at a step boundary
-after `pipeline.drain()` (every update of step N written), with the run state (data position, RNG, ...) captured
-at that same boundary.
+buffer of one unit and one kind first and written by this thread (the same bytes and checksums). The pipeline calls
+`before_update(u)` right before the optimizer modifies unit u: that call waits until unit u's file is complete. So
+the files hold exactly step N's state. The units are written in the order the optimizer updated them in the last
+step (`before_update` records it): forward order with clipping (all updates after backward), head first without
+(each update as its gradient is complete, during backward). So step N+1's first update waits only for its own
+unit's bytes, and each later one for the bytes not yet written before it: never for the whole save. The save is
+started at a step boundary after `pipeline.drain()` (every update of step N written), with the run state (data
+position, RNG, ...) captured at that same boundary.
 
 Crash safety: everything goes into `.step-N.tmp/`; each file is fsynced, the manifest (sha256 and size of every
 file) is written last, the directory is fsynced and then atomically renamed to `step-N/`. A killed save leaves
@@ -26,6 +28,7 @@ import os
 import shutil
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -52,6 +55,7 @@ class _Job:
     pool: Pool | None = None
     seconds: float = 0.0
     bytes: int = 0
+    order: list[int] = field(default_factory=list)  # the units in the order they are written
 
 
 def unit_plan(tile) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -79,14 +83,21 @@ class CheckpointSaver:
         self._thread: threading.Thread | None = None
         self.last: Path | None = None  # the newest checkpoint this saver completed
         self.last_seconds = 0.0
+        self._updated: deque[int] = deque(maxlen=len(store.tiles))  # the optimizer's latest updates, in order
         if pipeline is not None:
             pipeline.add_before_update(self.before_update)
 
     # ---- called by the optimizer (any thread) ------------------------------------------------------
     def before_update(self, unit_index: int) -> None:
+        self._updated.append(unit_index)
         job = self._job
         if job is not None:
             job.written[unit_index].wait()
+
+    def write_order(self) -> list[int]:
+        """The units in the order the optimizer last updated them (one whole step's updates), else forward order."""
+        seen, n = list(self._updated), len(self.store.tiles)
+        return seen if sorted(seen) == list(range(n)) else list(range(n))
 
     # ---- called by the training loop ---------------------------------------------------------------
     @property
@@ -115,7 +126,8 @@ class CheckpointSaver:
         (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=1))
         if write_files is not None:
             write_files(tmp)
-        job = _Job(step, tmp, self.root / f"step-{step}", [threading.Event() for _ in self.store.tiles])
+        job = _Job(step, tmp, self.root / f"step-{step}", [threading.Event() for _ in self.store.tiles],
+                   order=self.write_order())
         self._job = job
         if self.listener is not None:
             self.listener.begin_save(step)
@@ -156,12 +168,13 @@ class CheckpointSaver:
         writers: list[ChunkWriter] = []
         try:
             delay = float(os.environ.get("MEGATRAIN_TEST_SAVE_DELAY_S", "0") or 0)
-            files, units = {}, []
+            files, units = {}, [None] * len(self.store.tiles)
             staged = any(k in self.store.on_disk for k in KINDS)
             direct = direct_ok(job.tmp)
             with Pool(self.threads) as pool:
                 job.pool, futures = pool, []
-                for i, tile in enumerate(self.store.tiles):
+                for i in job.order or range(len(self.store.tiles)):
+                    tile = self.store.tiles[i]
                     if job.cancelled:
                         raise RuntimeError("abandoned")
                     name = unit_file_name(i, tile.unit)
@@ -178,11 +191,12 @@ class CheckpointSaver:
                         futures += w.submit(pool)
                         if delay:  # test-only: the unit complete, then the pause
                             wait_all(pool, futures)
-                    units.append({"file": name, "name": tile.unit.name, "numel": tile.numel})
+                    units[i] = {"file": name, "name": tile.unit.name, "numel": tile.numel}
                     if delay:
                         time.sleep(delay)
                 wait_all(pool, futures)
             files.update({w.path.name: w.info for w in writers})
+            files = dict(sorted(files.items()))  # the unit files in unit order, whatever the order written
             job.pool = None
             for p in sorted(job.tmp.rglob("*")):
                 rel = p.relative_to(job.tmp).as_posix()

@@ -6,7 +6,8 @@ calibration's DEFAULT_DISK_*; the same disk is assumed for output.dir and model.
 the code reaches (calibration.IO_EFFICIENCY, measured by bench/bench_io.py), a checkpoint's save and resume at most
 at the rate its I/O threads hash (IO_HASH_BPS):
 
-    load          the safetensors files (params x the config's dtype) read
+    load          the safetensors files read: params x the config's dtype, gpt-oss's MXFP4 experts (config.json's
+                  quantization_config) at 17/32 B/param (two 4-bit values a byte, an 8-bit scale per 32 values)
     save          the checkpoint (fp32 master, Adam m and v: 12 B/param) written
     resume        the checkpoint read
     export        the bf16 export (2 B/param) written from the store, at the end of a run
@@ -22,20 +23,49 @@ from __future__ import annotations
 from .calibration import IO_EFFICIENCY, IO_HASH_BPS
 
 
-
 def dtype_bytes(name: str) -> int:
     """Bytes per element of a config's dtype name (float32: 4, the 16-bit ones: 2)."""
     return 4 if "32" in name else 2
 
 
+class _Quantized:
+    """The tensor names of a checkpoint that stores every quantizable tensor as `*_blocks` and `*_scales`."""
+
+    def __contains__(self, name) -> bool:
+        return str(name).endswith(("_blocks", "_scales"))
+
+
+def load_bytes(adapter, file_dtype: str | None) -> int:
+    """Bytes of the model's pretrained safetensors: every parameter at the config's dtype, except the tensors the
+    adapter reads from MXFP4 (config.json's quantization_config says mxfp4: gpt-oss's experts). 0 with file_dtype
+    None (random init)."""
+    if not file_dtype:
+        return 0
+    q = getattr(adapter.hf_config, "quantization_config", None) or {}
+    mxfp4 = (q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)) == "mxfp4"
+    from ..models.gpt_oss import MXFP4_GROUP
+
+    mx = (MXFP4_GROUP // 2 + 1) / MXFP4_GROUP  # bytes a value: two 4-bit values a byte, an 8-bit scale a group
+    per, total = dtype_bytes(str(file_dtype)), 0.0
+    for u in adapter.units():
+        for s in u.specs:
+            packed = mxfp4 and adapter.packed_source(s, _Quantized()) is not None
+            total += s.numel * (mx if packed else per)
+    return int(total)
+
+
 def io_times(params: int, read_bps: float, write_bps: float, step_s: float, every: int = 0,
-             file_dtype: str | None = "bfloat16", source: str = "") -> dict:
+             file_dtype: str | None = "bfloat16", source: str = "", file_bytes: int | None = None) -> dict:
     """The seconds of each operation, the wall-time cost of one periodic save and its share at `every` steps.
-    file_dtype: the pretrained files' dtype (None: random init, nothing is loaded)."""
+    file_dtype: the pretrained files' dtype (None: random init, nothing is loaded); file_bytes: their size when
+    known (load_bytes: quantized tensors), else params x file_dtype's size."""
     e = IO_EFFICIENCY
     ckpt = 12 * params
+    if file_bytes is None:
+        file_bytes = params * dtype_bytes(str(file_dtype)) if file_dtype else 0
     out = {"read_bps": read_bps, "write_bps": write_bps, "source": source, "checkpoint_bytes": ckpt,
-           "load_s": (params * dtype_bytes(str(file_dtype)) / (read_bps * e["load"])) if file_dtype else 0.0,
+           "load_bytes": file_bytes,
+           "load_s": (file_bytes / (read_bps * e["load"])) if file_dtype else 0.0,
            "save_s": ckpt / min(write_bps * e["save"], IO_HASH_BPS),  # every byte hashed on the I/O threads
            "resume_s": ckpt / min(read_bps * e["resume"], IO_HASH_BPS),
            "export_s": 2 * params / (write_bps * e["export"]),

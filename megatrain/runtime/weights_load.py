@@ -13,8 +13,11 @@ own parallelism). A progress bar (tqdm, on a terminal) shows GB/s; the caller lo
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import os
+import re
 import struct
 import threading
 import time
@@ -28,6 +31,32 @@ from ..errors import MegatrainError
 PIECE = 4 << 20  # bytes of a checkpoint tensor read by one task
 THREADS = 16  # pieces in flight at most (reads and casts: a page-cached file is read at memory speed)
 SOURCE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def serial_torch() -> None:
+    """The I/O pools' thread initializer: torch's CPU ops (casts, copies) called on this thread run on it alone.
+    Otherwise each pool thread's first parallel op opens an OpenMP team of its own over every core (libgomp keeps one
+    per calling thread): 16 I/O threads casting at once would run 16 teams of 16 on 16 cores, their threads spinning
+    between regions, beside the threads hashing. The pool gives the parallelism. No-op without libgomp."""
+    torch.get_num_threads()  # torch's own set-up of this thread's OpenMP first (it would undo the setting below)
+    for lib in _gomp():
+        lib.omp_set_num_threads(1)  # this thread's OpenMP setting only: the process's other threads keep theirs
+
+
+@functools.cache
+def _gomp() -> list:
+    """The OpenMP runtimes (libgomp) loaded in this process, as torch uses them."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    libs = []
+    for path in sorted(set(re.findall(r"(/\S*/libgomp[^/\s]*\.so[.\d]*)", maps))):
+        try:
+            libs.append(ctypes.CDLL(path))
+        except OSError:
+            pass
+    return libs
 
 
 def shard_header(path: Path) -> tuple[int, dict]:
@@ -97,7 +126,7 @@ def load_units(store, model_dir: Path, weight_map: dict, packed: dict, open_shar
         moved(sum(_nbytes(headers[weight_map[nm]][1][nm]) for nm in p.names))
 
     try:
-        with ThreadPoolExecutor(n, thread_name_prefix="megatrain-load") as pool:
+        with ThreadPoolExecutor(n, thread_name_prefix="megatrain-load", initializer=serial_torch) as pool:
             futures = []
             for i, t in enumerate(store.tiles):
                 with store.unit_state(i, ("master",), read=False, write=True) as st:
