@@ -29,6 +29,7 @@ the runtime does not size itself (the runtime's own RSS, allocator reserve, CUDA
 from __future__ import annotations
 
 import weakref
+from itertools import accumulate
 
 import torch
 
@@ -96,6 +97,38 @@ def ssd_traffic(units, w: Workload) -> dict[str, float]:
     return {"resident": float(files), "read": float(files), "written": float(files)}
 
 
+class _Sizes:
+    """A units list's sizes, computed once: the placement search plans thousands of placements of the same units."""
+
+    def __init__(self, units):
+        self.units, self.n = units, len(units)
+        self.numels = [u.numel for u in units]
+        self.elems = padded_elems(self.numels)
+        self.largest = max(self.numels)
+        self.landing = _landing_piece(self.largest)
+        self.grad = [4.0 * n for n in self.numels]
+        self.slots: dict[bool, int] = {}
+        self.left_after: dict[tuple, list[float]] = {}
+
+    def slot_numel(self, tied: bool) -> int:
+        if tied not in self.slots:
+            self.slots[tied] = _slot_numel(self.numels, tied)
+        return self.slots[tied]
+
+
+_SIZES: dict[int, _Sizes] = {}
+
+
+def _sizes(units) -> _Sizes:
+    """The sizes of `units` (the list itself is the key: the cache holds it, so its id stays its own)."""
+    got = _SIZES.get(id(units))
+    if got is None or got.units is not units or got.n != len(units):
+        if len(_SIZES) >= 32:
+            _SIZES.clear()
+        got = _SIZES[id(units)] = _Sizes(units)
+    return got
+
+
 # ---- host ---------------------------------------------------------------------------------------------------
 def compiled_runtime_host(tokens_per_micro_batch: int) -> float:
     """Extra peak RSS of a torch.compile'd MoE run (a fit to compiled dense runs, kept where `autotune_host` has no
@@ -131,21 +164,22 @@ def autotune_host(units, w: Workload) -> float:
 def host_memory(units, w: Workload, tied: bool = False) -> dict[str, float]:
     """Host RAM by component, in bytes (a CPU run's device work is added by make_plan). tied: the LM head is the
     embedding (its input-side gradient has an accumulator of its own)."""
-    elems = padded_elems(u.numel for u in units)
+    z = _sizes(units)
+    elems = z.elems
     out = {name: 4.0 * elems for k, name in STATE_NAMES.items() if k not in w.disk_states}
     if w.precision == "bf16" and not w.fp32_stream:
         out["bf16 streaming copy" + (" (pinned)" if w.device == "cuda" else "")] = 2.0 * elems
     if w.disk_states:  # DiskTier's slots (its pieces are the landing pieces) and HostStore.unit_state's buffer
         kinds = len(w.disk_states)
-        out[SSD_CACHE] = (SSD_DEPTH + 2) * kinds * 4.0 * landing_piece(units)
-        out[SSD_STAGING] = float(-(-4 * max(u.numel for u in units) // PAGE) * PAGE)
+        out[SSD_CACHE] = (SSD_DEPTH + 2) * kinds * 4.0 * z.landing
+        out[SSD_STAGING] = float(-(-4 * z.largest // PAGE) * PAGE)
     if w.device == "cuda":
-        out[LANDING] = NUM_LANDING * 4.0 * landing_piece(units)
+        out[LANDING] = NUM_LANDING * 4.0 * z.landing
     # what the placement puts in host memory (runtime/schedule.py), as the runtime allocates it (on CPU too)
     pl, n = w.placement, len(units)
     to_host = grads_to_host(n, pl)
     if to_host:  # OptimizerPipeline.offload_host
-        out[OFFLOADED] = 4.0 * sum(units[i].numel for i in to_host)
+        out[OFFLOADED] = 4.0 * sum(z.numels[i] for i in to_host)
     spilled = spilled_layers(n - 2, pl)
     if spilled:  # ActivationSpill's buffer: every micro-batch's input of every spilled layer
         hidden = units[0].specs[0].shape[1]  # the embedding is [vocab, hidden]
@@ -155,7 +189,7 @@ def host_memory(units, w: Workload, tied: bool = False) -> dict[str, float]:
         #                                                 on the host already, and a tied embedding's input side
         sent = set(to_host)
         own = [i for i in range(n) if i not in sent] + ([TIED_INPUT] if tied else [])
-        out[PARKED] = 4.0 * sum(units[max(i, 0)].numel for i in own)
+        out[PARKED] = 4.0 * sum(z.numels[max(i, 0)] for i in own)
     # one step's rows as int64 (input ids, labels, positions), the pinned copies sent to the device, the
     # tokenizer and sampler index; the tokenised data itself stays in memory-mapped Arrow files (page cache)
     out["data (one step's batches, tokenizer)"] = DATA_BYTES_PER_TOKEN * w.tokens_per_step + DATA_FIXED_GIB * GiB
@@ -298,28 +332,34 @@ class _GpuBooks(ScheduleVisitor):
         e, n, pl = w.elem, len(units), w.placement
         self.peak_only, self.peak, self.over = peak_only, 0.0, None
         self.adapter, self.w, self.groups = adapter, w, w.groups
-        self.grad = grad = [4.0 * u.numel for u in units]  # fp32, by unit index (forward order: embed, layers, head)
+        z = _sizes(units)
+        self.grad = grad = z.grad  # fp32, by unit index (forward order: embed, layers, head); read only
         self.cuda = cuda = w.device == "cuda"
-        to_host = set(grads_to_host(n, pl))
-        slots = float(w.num_slots * slot_numel(units, adapter.tied) * e) if cuda else 0.0
+        slots = float(w.num_slots * z.slot_numel(adapter.tied) * e) if cuda else 0.0
         if cuda and w.fp32_stream:  # the engine's staging buffer: fp32 pieces cast into the slots
-            slots += 4.0 * min(slot_numel(units, adapter.tied), STAGE_ELEMS)
+            slots += 4.0 * min(z.slot_numel(adapter.tied), STAGE_ELEMS)
         self.slots = slots
         self.per_token_ctx = 2 * adapter.head_dim * e + 4 * 8  # cos, sin; input ids, positions, target index, targets
         self.act = _activation_sizes(adapter, w, notes, prof)
         # the last step's gradients that waited on the GPU, copied out in the optimizer's order (forward order);
         # without clipping they were updated during that step's backward: none is left
-        copied_out = update_order(n)
-        stays = [0.0 if i in to_host or not w.clipping else grad[i] for i in range(n)]
-        self.left_after = left_after = [0.0] * n
-        for k in range(n - 2, -1, -1):
-            left_after[copied_out[k]] = left_after[copied_out[k + 1]] + stays[copied_out[k + 1]]
+        key = (min(pl.grads_to_host, n), w.clipping)  # (grads_to_host: the first N of the gradient order)
+        if key not in z.left_after:
+            to_host = set(grads_to_host(n, pl))
+            copied_out = update_order(n)
+            stays = [0.0 if i in to_host or not w.clipping else grad[i] for i in range(n)]
+            left_after = [0.0] * n
+            for k in range(n - 2, -1, -1):
+                left_after[copied_out[k]] = left_after[copied_out[k + 1]] + stays[copied_out[k + 1]]
+            z.left_after[key] = left_after
+        self.left_after = z.left_after[key]  # read only
         self.handed = []  # without clipping: the gradients handed to the optimizer, the latest of which may wait
         self.phases = []
         self.finished = 0.0  # this step's complete gradients waiting on the GPU
         self.parked = Tally()  # unit -> accumulator waiting on the GPU for the next group (TIED_INPUT)
         self.uses = [] if peak_only else step_schedule(n, adapter.tied, pl, len(self.groups))  # (gpu_peak: its own)
-        self.stashing = any(stashes(l, pl, n - 2) for l in range(n - 2))  # every group's forwards keep the same
+        # every group's forwards keep the same layers' attention (none without reuse_attention)
+        self.stashing = pl.reuse_attention > 0 and any(stashes(l, pl, n - 2) for l in range(n - 2))
         self.gi = None  # the wave group of the use being visited
 
     def _begin_group(self, gi: int) -> None:
@@ -337,17 +377,20 @@ class _GpuBooks(ScheduleVisitor):
                                                                               self.cuda),
                      "workspace": float(GPU_WORKSPACE) if self.cuda else 0.0}
         self.base_total = sum(self.base.values())
-        pre = [sum(c[:m]) for m in range(len(c))]  # outputs (or d(hidden)) of the micro-batches before m
+        pre = list(accumulate(c[:-1], initial=0))  # outputs (or d(hidden)) of the micro-batches before m: sum(c[:m])
         self.fwd = _worst([(pre[m], act[b]["forward"]) for m, b in enumerate(mbs)])
         self.st = st = [float(act[b].get("stash", 0.0)) for b in mbs]  # each micro-batch's kept attention
+        # sum(st[:m]) and sum(st[m + 1:]) for every m (whole bytes: exact in any order)
+        self.st_before = before = list(accumulate(st, initial=0))
+        self.st_after = after = list(accumulate(reversed(st), initial=0))[-2::-1]
         if self.stashing and not all("stash" in act[b] for b in mbs):
             raise ValueError("reuse_attention: this model's layers cannot keep their attention (runtime.layer."
                              "can_stash)")
         # a layer that keeps its attention: the earlier micro-batches' stashes of it are alive in its forward; in
         # its backward, those of the micro-batches after the current one (whose own stash, spent as its backward
         # goes, is in that backward's measured peak)
-        self.fwd_st = _worst([(pre[m] + sum(st[:m]), act[b].get("forward_stash", 0.0)) for m, b in enumerate(mbs)])
-        self.bwd_st = _worst([(C - pre[m] + sum(st[m + 1:]), act[b].get("backward_stash", 0.0))
+        self.fwd_st = _worst([(pre[m] + before[m], act[b].get("forward_stash", 0.0)) for m, b in enumerate(mbs)])
+        self.bwd_st = _worst([(C - pre[m] + after[m], act[b].get("backward_stash", 0.0))
                               for m, b in enumerate(mbs)])
         self.lm = _worst([(pre[m], act[b]["head"]) for m, b in enumerate(mbs)])
         self.bwd = _worst([(C - pre[m], act[b]["backward"]) for m, b in enumerate(mbs)])  # own inputs not yet spent
@@ -419,14 +462,14 @@ class _GpuBooks(ScheduleVisitor):
         if use.keep == "gpu":
             self.kept[use.layer] = self.C
         m, state, transient = self.fwd_st if use.stash else self.fwd
-        sm = sum(self.st[:m]) if use.stash else 0.0  # `state` holds this layer's earlier micro-batches' stashes:
+        sm = self.st_before[m] if use.stash else 0.0  # `state` holds this layer's earlier micro-batches' stashes:
         state -= sm  #                                  counted apart, as STASHED
         self._phase(f"forward, layer {use.layer}", m, {
             STASHED: self.stashed.total + sm, CHECKPOINTS: self.kept.total,
             HIDDEN: (0.0 if use.keep == "gpu" else self.C) + state, "layer activations (1 micro-batch)": transient,
             LAST_STEP: self._last_step(use.grad_unit)})
         if use.stash:
-            self.stashed[use.layer] = sum(self.st)
+            self.stashed[use.layer] = self.st_before[-1]
 
     def head(self, use) -> None:
         self._take(0)
@@ -451,7 +494,7 @@ class _GpuBooks(ScheduleVisitor):
         m, state, transient = self.bwd if own is None else self.bwd_st
         left = 0.0
         if own is not None:  # `state` holds the later micro-batches' stashes: counted apart, as STASHED
-            left = sum(self.st[m + 1:])
+            left = self.st_after[m]
             state -= left
         self._phase(f"backward, layer {use.layer}", m, {
             STASHED: self.stashed.total + left,

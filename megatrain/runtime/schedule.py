@@ -228,7 +228,17 @@ def stashes(layer: int, placement: Placement, num_layers: int) -> bool:
 
 
 def spilled_layers(num_layers: int, placement: Placement) -> list[int]:
-    return [l for l in range(num_layers) if kept(l, placement, num_layers) == "host"]
+    """The layers whose input kept() sends to host: below spill_layers, and not dropped (inside a block)."""
+    B, K = blocked_layers(num_layers, placement), placement.checkpoint_every
+    return [l for l in range(min(placement.spill_layers, num_layers)) if not (l < B and l % K)]
+
+
+def keeps_and_stashes(num_layers: int, placement: Placement) -> tuple[list[str], list[bool]]:
+    """kept() and stashes() of every layer."""
+    B, K, S, R = blocked_layers(num_layers, placement), placement.checkpoint_every, placement.spill_layers, \
+        num_layers - placement.reuse_attention
+    keeps = ["drop" if l < B and l % K else "host" if l < S else "gpu" for l in range(num_layers)]
+    return keeps, [l >= R and k != "drop" for l, k in enumerate(keeps)]
 
 
 def group_sizes(num_micro: int, groups: int) -> list[range]:
@@ -270,8 +280,7 @@ def iter_schedule(num_units: int, tied: bool, placement: Placement, groups: int)
     L = num_units - 2
     to_host = set(grads_to_host(num_units, placement))
     bl = blocks(L, placement)
-    keeps = [kept(l, placement, L) for l in range(L)]
-    stash = [stashes(l, placement, L) for l in range(L)]
+    keeps, stash = keeps_and_stashes(L, placement)
     head = head_units(num_units, tied)
     for g in range(groups):
         last = g == groups - 1
