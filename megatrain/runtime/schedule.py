@@ -174,16 +174,30 @@ class ScheduleVisitor(ABC):
 
 def walk(uses: Iterable[Use], visitor: ScheduleVisitor) -> None:
     """Visit the uses in order: `enter`, the method of the use's kind, `leave`. The only place that branches on a
-    use's kind: a kind without a method fails here."""
+    use's kind: a kind without a method fails here. A visitor with a `forward_run` method is handed each run of
+    consecutive forward uses of one wave group instead, to do the same in one call."""
     enter, leave = visitor.enter, visitor.leave
     methods = {kind: getattr(visitor, kind) for kind in KINDS}
+    run_forward = getattr(visitor, "forward_run", None)  # a visitor's own loop over a group's forward wave
+    run: list[Use] = []
     for use in uses:
+        if run_forward is not None:
+            if use.kind == "forward" and (not run or run[-1].group == use.group):
+                run.append(use)
+                continue
+            if run:
+                run_forward(run)
+                run = [use] if use.kind == "forward" else []
+                if run:
+                    continue
         method = methods.get(use.kind)
         if method is None:
             raise ValueError(f"a use of unknown kind {use.kind!r} (schedule.KINDS: {KINDS})")
         enter(use)
         method(use)
         leave(use)
+    if run:
+        run_forward(run)
 
 
 def head_units(num_units: int, tied: bool) -> tuple[int, ...]:
