@@ -43,13 +43,15 @@ from ..runtime.schedule import (TIED_INPUT, ScheduleVisitor, grads_to_host, iter
 from ..runtime.schedule import slot_numel as _slot_numel
 from ..runtime.store import padded_numel
 from . import activations as actsim
-from .calibration import (CHECKPOINT_EXTRA, COMPILED_HOST_BASE_GIB, COMPILED_HOST_FROM_TOKENS,
+from .calibration import (CHECKPOINT_EXTRA, COMPILED_ACTIVATIONS, COMPILED_HOST_BASE_GIB, COMPILED_HOST_FROM_TOKENS,
                           COMPILED_HOST_FULL_TOKENS, COMPILED_HOST_RISE_GIB, CUDA_CONTEXT, DATA_BYTES_PER_TOKEN,
                           DATA_FIXED_GIB, GPU_RESERVE, GPU_RESERVE_COMPILED, GPU_RESERVE_LONG_ROW,
                           GPU_RESERVE_LONG_ROW_STREAMS, GPU_RESERVE_STREAMS, GPU_WORKSPACE, LONG_ROW, RUNTIME_HOST)
 from .profile import GiB, Profile
 from .tally import Tally, unit_sizes as _sizes
 from .workload import Workload
+
+# COMPILED_ACTIVATIONS (imported above) is applied in activations.activation_sizes; other code reads it from here
 
 # host components with a name other modules look for
 STREAM_COPY_PINNED = "bf16 streaming copy (pinned)"
@@ -143,9 +145,9 @@ def host_memory(units, w: Workload, tied: bool = False) -> dict[str, float]:
         out[LANDING] = NUM_LANDING * 4.0 * z.landing
     # what the placement puts in host memory (runtime/schedule.py), as the runtime allocates it (on CPU too)
     pl, n = w.placement, len(units)
-    to_host = grads_to_host(n, pl)
-    if to_host:  # OptimizerPipeline.offload_host
-        out[OFFLOADED] = 4.0 * sum(z.numels[i] for i in to_host)
+    sent = min(pl.grads_to_host, n)  # grads_to_host(n, pl): the first `sent` of the gradient order
+    if sent:  # OptimizerPipeline.offload_host
+        out[OFFLOADED] = 4.0 * z.sent[sent]
     spilled = spilled_layers(n - 2, pl)
     if spilled:  # ActivationSpill's buffer: every micro-batch's input of every spilled layer
         hidden = units[0].specs[0].shape[1]  # the embedding is [vocab, hidden]
@@ -153,9 +155,7 @@ def host_memory(units, w: Workload, tied: bool = False) -> dict[str, float]:
         out[SPILLED] = float(spill_numel(len(spilled), shapes) * w.elem)
     if len(w.groups) > 1 and pl.group_grads == "host":  # GroupAccumulators: the units without a gradient buffer
         #                                                 on the host already, and a tied embedding's input side
-        sent = set(to_host)
-        own = [i for i in range(n) if i not in sent] + ([TIED_INPUT] if tied else [])
-        out[PARKED] = 4.0 * sum(z.numels[max(i, 0)] for i in own)
+        out[PARKED] = 4.0 * (z.sent[n] - z.sent[sent] + (z.numels[0] if tied else 0))  # (TIED_INPUT: unit 0's size)
     # one step's rows as int64 (input ids, labels, positions), the pinned copies sent to the device, the
     # tokenizer and sampler index; the tokenised data itself stays in memory-mapped Arrow files (page cache)
     out["data (one step's batches, tokenizer)"] = DATA_BYTES_PER_TOKEN * w.tokens_per_step + DATA_FIXED_GIB * GiB
@@ -198,8 +198,7 @@ _GROUPS: dict[tuple, tuple] = {}  # (id(act), micro-batches, elem, seq, hidden) 
 
 
 def _group_sizes(act: dict, mbs: tuple[int, ...], e: int, T: int, H: int) -> tuple:
-    """A wave group's sizes, once per group shape and activation sizes (the search's walks share them): C, and the
-    (micro-batch, state, transient) of the worst micro-batch of each kind of work."""
+    """A wave group's C and each kind of work's worst (micro-batch, state, transient), once per shape and sizes."""
     key = (id(act), mbs, e, T, H)
     got = _GROUPS.get(key)
     if got is not None and got[0] is act:
@@ -288,8 +287,7 @@ class _GpuBooks(ScheduleVisitor):
                 left_after[copied_out[k]] = left_after[copied_out[k + 1]] + stays[copied_out[k + 1]]
             z.left_after[key] = left_after
         self.left_after = z.left_after[key]  # read only
-        self.handed = []  # without clipping: the gradients handed to the optimizer, the latest of which may wait
-        self.phases = []
+        self.phases, self.handed = [], []  # handed: without clipping, those given to the optimizer (the last waits)
         self.finished = 0.0  # this step's complete gradients waiting on the GPU
         self.parked = Tally()  # unit -> accumulator waiting on the GPU for the next group (TIED_INPUT)
         self.uses = [] if peak_only else step_schedule(n, adapter.tied, pl, len(self.groups))  # (gpu_peak: its own)

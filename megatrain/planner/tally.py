@@ -1,13 +1,15 @@
 """Small aids of the placement search, which plans hundreds of placements of one model: units that size themselves
-once, a units list's sizes computed once, and byte tallies that keep their total as entries change (memory.py's books)."""
+once, a units list's sizes computed once, and byte tallies that keep their total as entries change (memory.py's
+books)."""
 
 from __future__ import annotations
 
 from functools import cached_property
+from itertools import accumulate
 
 from ..models.base import Unit
 from ..runtime.adamw import landing_piece
-from ..runtime.schedule import slot_numel
+from ..runtime.schedule import gradient_order, slot_numel
 from ..runtime.store import padded_numel
 
 
@@ -59,6 +61,7 @@ class Sizes:
         self.largest = max(self.numels)
         self.landing = landing_piece(self.largest)
         self.grad = [4.0 * n for n in self.numels]
+        self.sent = list(accumulate((self.numels[i] for i in gradient_order(self.n)), initial=0))  # the first N's
         self.slots: dict[bool, int] = {}
         self.left_after: dict[tuple, list[float]] = {}
 
