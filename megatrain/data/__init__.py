@@ -40,22 +40,10 @@ A Batch is a dict of CPU int64 tensors:
 All errors are MegatrainError with one-line messages naming the key, file and row.
 """
 
-from importlib import import_module
-
 from .config import DataConfig, DatasetSpec
-
-# imported when first used: the loader brings numpy, pyarrow and torch, which the config (megatrain.config imports
-# data.config, and so this package) and `megatrain plan` do without
-_LAZY = {"load_exact_match": ".exact_match", "load_tokenizer": ".tokenizer",
-         **dict.fromkeys(("Batch", "StepLoader", "build_eval_batches", "build_train_loader", "preview",
-                          "validate_inputs"), ".loader")}
-
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = globals()[name] = getattr(import_module(_LAZY[name], __name__), name)
-    return value
+from .exact_match import load_exact_match
+from .loader import Batch, StepLoader, build_eval_batches, build_train_loader, preview, validate_inputs
+from .tokenizer import load_tokenizer
 
 __all__ = ["Batch", "DataConfig", "DatasetSpec", "StepLoader", "build_eval_batches", "build_train_loader",
            "load_exact_match", "load_tokenizer", "preview", "validate_inputs"]

@@ -294,7 +294,7 @@ def iter_schedule(num_units: int, tied: bool, placement: Placement, groups: int)
     L = num_units - 2
     to_host = set(grads_to_host(num_units, placement))
     bl = blocks(L, placement)
-    keeps, stash = keeps_and_stashes(L, placement)
+    keeps, stash = map(tuple, keeps_and_stashes(L, placement))
     head = head_units(num_units, tied)
     for g in range(groups):
         last = g == groups - 1
@@ -305,8 +305,7 @@ def iter_schedule(num_units: int, tied: bool, placement: Placement, groups: int)
             return "host" if unit in to_host else "gpu"
 
         yield _use((0,), "embed", None, g)
-        for l in range(L):
-            yield _use((1 + l,), "forward", l, g, keeps[l], None, stash[l])
+        yield from _forward_wave(g, keeps, stash)
         yield _use(head, "head", None, g, "", None, False, grad(head[0]), (head[0], 0))
         for b in reversed(range(len(bl))):
             s, e = bl[b]
@@ -320,6 +319,12 @@ def iter_schedule(num_units: int, tied: bool, placement: Placement, groups: int)
                 yield _use((1 + l,), "backward", l, g, "", fetch if l == e - 1 and e - s == 1 else None, False,
                            grad(1 + l), (1 + l,))
         yield _use((), "embed_backward", None, g, "", None, False, grad(0), (TIED_INPUT,) if tied else ())
+
+
+@lru_cache(maxsize=1024)
+def _forward_wave(group: int, keeps: tuple[str, ...], stash: tuple[bool, ...]) -> tuple[Use, ...]:
+    """A group's forward uses (the planner's walks go through thousands of forward waves, most of them alike)."""
+    return tuple(_use((1 + l,), "forward", l, group, keeps[l], None, stash[l]) for l in range(len(keeps)))
 
 
 def slot_numel(unit_numels: list[int], tied: bool) -> int:
