@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..errors import MegatrainError
 from .base import AttnContext, prefers_flex
-from .varlen import meta_segments, segments, varlen_attention
+from .varlen import meta_segments, segments
 
 _COMPILED = None
 # Distinct input shapes (and masks) FlexAttention is compiled for in one process. Past torch's recompile limit (8)
@@ -125,7 +125,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Att
     again, as autograd does its own."""
     gqa = k.shape[1] != q.shape[1]
     if ctx.varlen and score_mod is None:
-        return _varlen(q, k, v, ctx, scale)
+        from .varlen_call import varlen_call  # torch.compiler.disable imports dynamo: only when called
+
+        return varlen_call(q, k, v, ctx, scale)
     if ctx.mask is None and ctx.block_mask is None and score_mod is None and 0 < ctx.attn_block < q.shape[2] \
             and not torch.compiler.is_compiling():
         return blockwise_causal(q, k, v, scale, ctx.attn_block, grad_in_place=True)
@@ -137,15 +139,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Att
     if ctx.mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, scale=scale, enable_gqa=gqa)
-
-
-@torch.compiler.disable
-def _varlen(q, k, v, ctx: AttnContext, scale: float) -> torch.Tensor:
-    """The variable-length kernel, outside a compiled layer's graph: the segments' count and the longest differ
-    from micro-batch to micro-batch, and a compiled graph would be rebuilt for each. Blocked for its backward
-    (ctx.attn_block) like plain rows, the d(q) written over d(output) as blockwise_causal's."""
-    return varlen_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, scale, ctx.window, block=ctx.attn_block,
-                            grad_in_place=True)
 
 
 # ---- plain causal attention whose backward runs over blocks (memory.attn_block) --------------------------------

@@ -82,17 +82,26 @@ class DecoderAdapter(ModelAdapter):
         return ["sliding" if t == "sliding_attention" else "full" for t in types]
 
     def _init_rope(self, c) -> None:
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
+        """The rope type checked; inv_freq and rope_scaling computed when first read (__getattr__): transformers'
+        modeling module takes seconds to import, and the planner's meta-device runs need only their shapes."""
         params = getattr(c, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
         if rope_type not in STATIC_ROPE_TYPES:
             raise MegatrainError(
                 f"config.json: rope_type '{rope_type}' is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}"
             )
-        rotary = LlamaRotaryEmbedding(c)  # transformers computes inv_freq for every rope type (llama3 scaling too)
+
+    def __getattr__(self, name: str):
+        """inv_freq and rope_scaling of the llama-style rope, made on first use (families that compute their own in
+        _init_rope set them as attributes, never reaching this)."""
+        if name not in ("inv_freq", "rope_scaling") or "hf_config" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rotary = LlamaRotaryEmbedding(self.hf_config)  # transformers computes inv_freq for every rope type
         self.inv_freq = rotary.inv_freq.detach().float().clone()
         self.rope_scaling = float(rotary.attention_scaling)
+        return self.__dict__[name]
 
     # ---- tensor layout -------------------------------------------------------------------------
     def units(self) -> list[Unit]:
@@ -137,6 +146,9 @@ class DecoderAdapter(ModelAdapter):
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor | None = None,
              scaling: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, rotary dims] as transformers computes them: fp32, scaled, then cast."""
+        if inv_freq is None and position_ids.device.type == "meta" and "inv_freq" not in self.__dict__:
+            inv_freq = torch.empty(self.head_dim // 2, device="meta")  # only shapes matter there
+            scaling = 1.0 if scaling is None else scaling
         inv = (self.inv_freq if inv_freq is None else inv_freq).to(position_ids.device)
         freqs = position_ids[..., None].float() * inv
         emb = torch.cat((freqs, freqs), dim=-1)

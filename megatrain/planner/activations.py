@@ -28,8 +28,10 @@ from torch.utils._pytree import tree_flatten
 
 from ..models import attention
 from ..runtime.layer import can_stash, layer_backward, layer_template
-from ..runtime.lmhead import HeadKernels, head_loss
-from .profile import FLEX_BLOCK
+from ..runtime.lmhead import HeadKernels, default_chunk, head_loss
+from .calibration import COMPILED_ACTIVATIONS
+from .profile import FLEX_BLOCK, Profile, layer_shape
+from .workload import Workload
 
 
 class LiveBytes(TorchDispatchMode):
@@ -231,3 +233,83 @@ def head_memory(adapter, batch: int, seq: int, targets: int, chunk: int, dtype: 
                              1.0 / max(targets, 1), chunk, HeadKernels(fused_ce=cuda, fused_accumulate=cuda))
         del loss, dh
     return mode.peak
+
+
+# ---- GPU: one micro-batch's work, measured on the meta device ------------------------------------------------
+# adapter -> {shape: sizes}: suggestions re-plan the same shapes many times
+_ACTIVATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _measured_activations(adapter, w: Workload, prof: Profile | None, b: int) -> float | None:
+    """The probe's measured recompute+backward peak for this layer shape, micro-batch and compile mode."""
+    if prof is None or w.device != "cuda" or w.packed or w.precision != "bf16" or \
+            0 < w.placement.seq_tile < b * w.seq_len or 0 < w.placement.attn_block < w.seq_len:  # the probe runs
+        return None  # the layer whole, its attention's backward fused
+    shape = layer_shape(adapter)
+    for r in prof.layer_rates:
+        if r.shape == shape and (r.micro, r.seq, r.compile) == \
+                (b, w.seq_len, w.compile) and r.activation_peak_bytes:
+            return float(r.activation_peak_bytes)
+    return None
+
+
+def activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | None = None) -> dict[int, dict]:
+    """Per distinct micro-batch size: the layer's forward and backward peaks and the LM head's peak (read only: the
+    same dict for every placement that shares what it depends on, with the note it makes)."""
+    pl = w.placement
+    key = ("sizes", w.precision, w.loss_chunk_tokens, w.seq_len, w.targets_per_row, frozenset(w.micro_batches),
+           w.packed, w.device, w.head_kernels, w.compile, pl.seq_tile, pl.attn_block, pl.reuse_attention > 0, id(prof))
+    cache = _ACTIVATIONS.setdefault(adapter, {})
+    got = cache.get(key)
+    if got is None or got[0] is not prof:
+        said: list[str] = []
+        got = cache[key] = (prof, _activation_sizes(adapter, w, said, prof), said)
+    notes.extend(got[2])
+    return got[1]
+
+
+def _activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | None) -> dict[int, dict]:
+    dtype = torch.bfloat16 if w.precision == "bf16" else torch.float32
+    chunk = w.loss_chunk_tokens or default_chunk(adapter.vocab_size)  # the Engine's
+    targets = w.seq_len - 1 if w.targets_per_row is None else w.targets_per_row
+    out = {}
+    cache = _ACTIVATIONS.setdefault(adapter, {})
+    tiled = False
+    for b in sorted(set(w.micro_batches)):
+        tile = w.placement.seq_tile if w.placement.seq_tile < b * w.seq_len else 0  # one tile: the whole layer
+        block = w.placement.attn_block if 0 < w.placement.attn_block < w.seq_len else 0
+        tiled |= bool(tile or block)  # (rows longer than the attention's block run the split layer too)
+        stash = w.placement.reuse_attention > 0
+        # measured once each (the search plans many placements of one shape): the layer's peaks, the kept
+        # attention's (the split template's: not shrunk by compiling, full-length kernel buffers), the LM head's
+        key = (b, w.seq_len, dtype, w.packed, w.device, tile, block)
+        if key not in cache:
+            layer = layer_memory(adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda",
+                                 seq_tile=tile, attn_block=block)
+            cache[key] = {"forward": layer["forward_peak"], "backward": layer["backward_peak"]}
+        if stash and ("stash",) + key not in cache:
+            layer = layer_memory(adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda",
+                                 seq_tile=tile, stash=True, attn_block=block, plain=False)
+            cache[("stash",) + key] = {"stash": layer["stash"], "forward_stash": layer["forward_stash_peak"],
+                                       "backward_stash": layer["backward_stash_peak"]} if "stash" in layer else {}
+        head = ("head", b, w.seq_len, dtype, w.device, chunk, targets, w.head_kernels)
+        if head not in cache:
+            cache[head] = head_memory(adapter, b, w.seq_len, b * targets, chunk, dtype,
+                                      cuda=w.device == "cuda" and w.head_kernels)
+        out[b] = {**cache[key], "head": cache[head], **(cache[("stash",) + key] if stash else {})}
+        # compiling fuses a whole layer's elementwise work; a tiled layer's peak is its full-length buffers (q, k, v,
+        # the attention's output and gradients), which compiling does not shrink: no discount
+        out[b]["backward"] *= COMPILED_ACTIVATIONS if w.compile and not (tile or block) else 1.0
+    measured = {b: _measured_activations(adapter, w, prof, b) for b in out}
+    for b, m in measured.items():
+        if m is not None:
+            out[b]["backward"] = m
+    if any(m is not None for m in measured.values()):
+        notes.append("layer activations: measured by the probe at this shape")
+    elif tiled:
+        notes.append(f"layer activations: the layer over tiles of {w.placement.seq_tile} tokens, measured on the meta "
+                     f"device as it runs eagerly (compiling shrinks only the per-tile work)")
+    elif w.compile:
+        notes.append(f"compiled template: layer activations taken as {COMPILED_ACTIVATIONS:.2f} x the eager "
+                     f"template's (fitted to the H200 runs); a probe at this shape measures them")
+    return out

@@ -28,7 +28,7 @@ the runtime does not size itself (the runtime's own RSS, allocator reserve, CUDA
 
 from __future__ import annotations
 
-import weakref
+from itertools import accumulate
 
 import torch
 
@@ -36,7 +36,6 @@ from ..runtime.activation_spill import spill_numel
 from ..runtime.disk_tier import DEPTH as SSD_DEPTH
 from ..runtime.pinned import PAGE
 from ..runtime.engine import STAGE_ELEMS
-from ..runtime.lmhead import default_chunk
 from ..runtime.optimizer_pipeline import DEVICE_GRADS, NUM_LANDING, update_order
 from ..runtime.adamw import landing_piece as _landing_piece
 from ..runtime.schedule import (TIED_INPUT, ScheduleVisitor, grads_to_host, iter_schedule, spilled_layers, stashes,
@@ -48,9 +47,11 @@ from .calibration import (CHECKPOINT_EXTRA, COMPILED_ACTIVATIONS, COMPILED_HOST_
                           COMPILED_HOST_FULL_TOKENS, COMPILED_HOST_RISE_GIB, CUDA_CONTEXT, DATA_BYTES_PER_TOKEN,
                           DATA_FIXED_GIB, GPU_RESERVE, GPU_RESERVE_COMPILED, GPU_RESERVE_LONG_ROW,
                           GPU_RESERVE_LONG_ROW_STREAMS, GPU_RESERVE_STREAMS, GPU_WORKSPACE, LONG_ROW, RUNTIME_HOST)
-from .profile import GiB, Profile, layer_shape
-from .tally import Tally
+from .profile import GiB, Profile
+from .tally import Tally, unit_sizes as _sizes
 from .workload import Workload
+
+# COMPILED_ACTIVATIONS (imported above) is applied in activations.activation_sizes; other code reads it from here
 
 # host components with a name other modules look for
 STREAM_COPY_PINNED = "bf16 streaming copy (pinned)"
@@ -131,21 +132,22 @@ def autotune_host(units, w: Workload) -> float:
 def host_memory(units, w: Workload, tied: bool = False) -> dict[str, float]:
     """Host RAM by component, in bytes (a CPU run's device work is added by make_plan). tied: the LM head is the
     embedding (its input-side gradient has an accumulator of its own)."""
-    elems = padded_elems(u.numel for u in units)
+    z = _sizes(units)
+    elems = z.elems
     out = {name: 4.0 * elems for k, name in STATE_NAMES.items() if k not in w.disk_states}
     if w.precision == "bf16" and not w.fp32_stream:
         out["bf16 streaming copy" + (" (pinned)" if w.device == "cuda" else "")] = 2.0 * elems
     if w.disk_states:  # DiskTier's slots (its pieces are the landing pieces) and HostStore.unit_state's buffer
         kinds = len(w.disk_states)
-        out[SSD_CACHE] = (SSD_DEPTH + 2) * kinds * 4.0 * landing_piece(units)
-        out[SSD_STAGING] = float(-(-4 * max(u.numel for u in units) // PAGE) * PAGE)
+        out[SSD_CACHE] = (SSD_DEPTH + 2) * kinds * 4.0 * z.landing
+        out[SSD_STAGING] = float(-(-4 * z.largest // PAGE) * PAGE)
     if w.device == "cuda":
-        out[LANDING] = NUM_LANDING * 4.0 * landing_piece(units)
+        out[LANDING] = NUM_LANDING * 4.0 * z.landing
     # what the placement puts in host memory (runtime/schedule.py), as the runtime allocates it (on CPU too)
     pl, n = w.placement, len(units)
-    to_host = grads_to_host(n, pl)
-    if to_host:  # OptimizerPipeline.offload_host
-        out[OFFLOADED] = 4.0 * sum(units[i].numel for i in to_host)
+    sent = min(pl.grads_to_host, n)  # grads_to_host(n, pl): the first `sent` of the gradient order
+    if sent:  # OptimizerPipeline.offload_host
+        out[OFFLOADED] = 4.0 * z.sent[sent]
     spilled = spilled_layers(n - 2, pl)
     if spilled:  # ActivationSpill's buffer: every micro-batch's input of every spilled layer
         hidden = units[0].specs[0].shape[1]  # the embedding is [vocab, hidden]
@@ -153,9 +155,7 @@ def host_memory(units, w: Workload, tied: bool = False) -> dict[str, float]:
         out[SPILLED] = float(spill_numel(len(spilled), shapes) * w.elem)
     if len(w.groups) > 1 and pl.group_grads == "host":  # GroupAccumulators: the units without a gradient buffer
         #                                                 on the host already, and a tied embedding's input side
-        sent = set(to_host)
-        own = [i for i in range(n) if i not in sent] + ([TIED_INPUT] if tied else [])
-        out[PARKED] = 4.0 * sum(units[max(i, 0)].numel for i in own)
+        out[PARKED] = 4.0 * (z.sent[n] - z.sent[sent] + (z.numels[0] if tied else 0))  # (TIED_INPUT: unit 0's size)
     # one step's rows as int64 (input ids, labels, positions), the pinned copies sent to the device, the
     # tokenizer and sampler index; the tokenised data itself stays in memory-mapped Arrow files (page cache)
     out["data (one step's batches, tokenizer)"] = DATA_BYTES_PER_TOKEN * w.tokens_per_step + DATA_FIXED_GIB * GiB
@@ -175,72 +175,6 @@ def pinned_bytes(host: dict[str, float], w: Workload) -> float:
     return pinned
 
 
-# ---- GPU: one micro-batch's work, measured on the meta device ------------------------------------------------
-# adapter -> {shape: sizes}: suggestions re-plan the same shapes many times
-_ACTIVATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _measured_activations(adapter, w: Workload, prof: Profile | None, b: int) -> float | None:
-    """The probe's measured recompute+backward peak for this layer shape, micro-batch and compile mode."""
-    if prof is None or w.device != "cuda" or w.packed or w.precision != "bf16" or \
-            0 < w.placement.seq_tile < b * w.seq_len or 0 < w.placement.attn_block < w.seq_len:  # the probe runs
-        return None  # the layer whole, its attention's backward fused
-    shape = layer_shape(adapter)
-    for r in prof.layer_rates:
-        if r.shape == shape and (r.micro, r.seq, r.compile) == \
-                (b, w.seq_len, w.compile) and r.activation_peak_bytes:
-            return float(r.activation_peak_bytes)
-    return None
-
-
-def _activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | None = None) -> dict[int, dict]:
-    """Per distinct micro-batch size: the layer's forward and backward peaks and the LM head's peak."""
-    dtype = torch.bfloat16 if w.precision == "bf16" else torch.float32
-    chunk = w.loss_chunk_tokens or default_chunk(adapter.vocab_size)  # the Engine's
-    targets = w.seq_len - 1 if w.targets_per_row is None else w.targets_per_row
-    out = {}
-    cache = _ACTIVATIONS.setdefault(adapter, {})
-    tiled = False
-    for b in sorted(set(w.micro_batches)):
-        tile = w.placement.seq_tile if w.placement.seq_tile < b * w.seq_len else 0  # one tile: the whole layer
-        block = w.placement.attn_block if 0 < w.placement.attn_block < w.seq_len else 0
-        tiled |= bool(tile or block)  # (rows longer than the attention's block run the split layer too)
-        stash = w.placement.reuse_attention > 0
-        # measured once each (the search plans many placements of one shape): the layer's peaks, the kept
-        # attention's (the split template's: not shrunk by compiling, full-length kernel buffers), the LM head's
-        key = (b, w.seq_len, dtype, w.packed, w.device, tile, block)
-        if key not in cache:
-            layer = actsim.layer_memory(adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda",
-                                        seq_tile=tile, attn_block=block)
-            cache[key] = {"forward": layer["forward_peak"], "backward": layer["backward_peak"]}
-        if stash and ("stash",) + key not in cache:
-            layer = actsim.layer_memory(adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda",
-                                        seq_tile=tile, stash=True, attn_block=block, plain=False)
-            cache[("stash",) + key] = {"stash": layer["stash"], "forward_stash": layer["forward_stash_peak"],
-                                       "backward_stash": layer["backward_stash_peak"]} if "stash" in layer else {}
-        head = ("head", b, w.seq_len, dtype, w.device, chunk, targets, w.head_kernels)
-        if head not in cache:
-            cache[head] = actsim.head_memory(adapter, b, w.seq_len, b * targets, chunk, dtype,
-                                             cuda=w.device == "cuda" and w.head_kernels)
-        out[b] = {**cache[key], "head": cache[head], **(cache[("stash",) + key] if stash else {})}
-        # compiling fuses a whole layer's elementwise work; a tiled layer's peak is its full-length buffers (q, k, v,
-        # the attention's output and gradients), which compiling does not shrink: no discount
-        out[b]["backward"] *= COMPILED_ACTIVATIONS if w.compile and not (tile or block) else 1.0
-    measured = {b: _measured_activations(adapter, w, prof, b) for b in out}
-    for b, m in measured.items():
-        if m is not None:
-            out[b]["backward"] = m
-    if any(m is not None for m in measured.values()):
-        notes.append("layer activations: measured by the probe at this shape")
-    elif tiled:
-        notes.append(f"layer activations: the layer over tiles of {w.placement.seq_tile} tokens, measured on the meta "
-                     f"device as it runs eagerly (compiling shrinks only the per-tile work)")
-    elif w.compile:
-        notes.append(f"compiled template: layer activations taken as {COMPILED_ACTIVATIONS:.2f} x the eager "
-                     f"template's (fitted to the H200 runs); a probe at this shape measures them")
-    return out
-
-
 # ---- GPU: the step, use by use ------------------------------------------------------------------------------
 CHECKPOINTS = "layer-boundary checkpoints"
 STASHED = "attention kept for the backward (q, k, v, output)"
@@ -255,8 +189,40 @@ ARRIVING = "gradient accumulators (fp32, one leaving for host, the next arriving
 
 def _worst(parts: list[tuple[float, float]]) -> tuple[int, float, float]:
     """(micro-batch, state, transient) of the largest state + transient over a group's micro-batches."""
-    m = max(range(len(parts)), key=lambda i: parts[i][0] + parts[i][1])
+    sums = [state + transient for state, transient in parts]
+    m = sums.index(max(sums))  # the first of equals, as max(range(...), key=...) picks
     return m, parts[m][0], parts[m][1]
+
+
+_GROUPS: dict[tuple, tuple] = {}  # (id(act), micro-batches, elem, seq, hidden) -> (act, _group_sizes)
+
+
+def _group_sizes(act: dict, mbs: tuple[int, ...], e: int, T: int, H: int) -> tuple:
+    """A wave group's C and each kind of work's worst (micro-batch, state, transient), once per shape and sizes."""
+    key = (id(act), mbs, e, T, H)
+    got = _GROUPS.get(key)
+    if got is not None and got[0] is act:
+        return got[1]
+    c = [float(b * T * H * e) for b in mbs]
+    C = sum(c)
+    pre = list(accumulate(c[:-1], initial=0))  # outputs (or d(hidden)) of the micro-batches before m: sum(c[:m])
+    fwd = _worst([(pre[m], act[b]["forward"]) for m, b in enumerate(mbs)])
+    st = [float(act[b].get("stash", 0.0)) for b in mbs]  # each micro-batch's kept attention
+    # sum(st[:m]) and sum(st[m + 1:]) for every m (whole bytes: exact in any order)
+    before = list(accumulate(st, initial=0))
+    after = list(accumulate(reversed(st), initial=0))[-2::-1]
+    # a layer that keeps its attention: the earlier micro-batches' stashes of it are alive in its forward; in
+    # its backward, those of the micro-batches after the current one (whose own stash, spent as its backward
+    # goes, is in that backward's measured peak)
+    fwd_st = _worst([(pre[m] + before[m], act[b].get("forward_stash", 0.0)) for m, b in enumerate(mbs)])
+    bwd_st = _worst([(C - pre[m] + after[m], act[b].get("backward_stash", 0.0)) for m, b in enumerate(mbs)])
+    lm = _worst([(pre[m], act[b]["head"]) for m, b in enumerate(mbs)])
+    bwd = _worst([(C - pre[m], act[b]["backward"]) for m, b in enumerate(mbs)])  # own inputs not yet spent
+    emb = _worst([(0.0, 2.0 * c[m] if e == 2 else 0.0) for m in range(len(mbs))])  # d(hidden) as fp32
+    if len(_GROUPS) >= 256:
+        _GROUPS.clear()
+    _GROUPS[key] = (act, (C, fwd, st, before, after, fwd_st, bwd_st, lm, bwd, emb))
+    return _GROUPS[key][1]
 
 
 def gpu_phases(adapter, units, w: Workload, notes: list[str], prof: Profile | None = None) -> list:
@@ -297,29 +263,36 @@ class _GpuBooks(ScheduleVisitor):
     def __init__(self, adapter, units, w: Workload, notes: list[str], prof: Profile | None, peak_only: bool = False):
         e, n, pl = w.elem, len(units), w.placement
         self.peak_only, self.peak, self.over = peak_only, 0.0, None
+        if not peak_only:
+            self.forward_run = None  # (schedule.walk: each forward use on its own, a phase each)
         self.adapter, self.w, self.groups = adapter, w, w.groups
-        self.grad = grad = [4.0 * u.numel for u in units]  # fp32, by unit index (forward order: embed, layers, head)
+        z = _sizes(units)
+        self.grad = grad = z.grad  # fp32, by unit index (forward order: embed, layers, head); read only
         self.cuda = cuda = w.device == "cuda"
-        to_host = set(grads_to_host(n, pl))
-        slots = float(w.num_slots * slot_numel(units, adapter.tied) * e) if cuda else 0.0
+        slots = float(w.num_slots * z.slot_numel(adapter.tied) * e) if cuda else 0.0
         if cuda and w.fp32_stream:  # the engine's staging buffer: fp32 pieces cast into the slots
-            slots += 4.0 * min(slot_numel(units, adapter.tied), STAGE_ELEMS)
+            slots += 4.0 * min(z.slot_numel(adapter.tied), STAGE_ELEMS)
         self.slots = slots
         self.per_token_ctx = 2 * adapter.head_dim * e + 4 * 8  # cos, sin; input ids, positions, target index, targets
-        self.act = _activation_sizes(adapter, w, notes, prof)
+        self.act = actsim.activation_sizes(adapter, w, notes, prof)
         # the last step's gradients that waited on the GPU, copied out in the optimizer's order (forward order);
         # without clipping they were updated during that step's backward: none is left
-        copied_out = update_order(n)
-        stays = [0.0 if i in to_host or not w.clipping else grad[i] for i in range(n)]
-        self.left_after = left_after = [0.0] * n
-        for k in range(n - 2, -1, -1):
-            left_after[copied_out[k]] = left_after[copied_out[k + 1]] + stays[copied_out[k + 1]]
-        self.handed = []  # without clipping: the gradients handed to the optimizer, the latest of which may wait
-        self.phases = []
+        key = (min(pl.grads_to_host, n), w.clipping)  # (grads_to_host: the first N of the gradient order)
+        if key not in z.left_after:
+            to_host = set(grads_to_host(n, pl))
+            copied_out = update_order(n)
+            stays = [0.0 if i in to_host or not w.clipping else grad[i] for i in range(n)]
+            left_after = [0.0] * n
+            for k in range(n - 2, -1, -1):
+                left_after[copied_out[k]] = left_after[copied_out[k + 1]] + stays[copied_out[k + 1]]
+            z.left_after[key] = left_after
+        self.left_after = z.left_after[key]  # read only
+        self.phases, self.handed = [], []  # handed: without clipping, those given to the optimizer (the last waits)
         self.finished = 0.0  # this step's complete gradients waiting on the GPU
         self.parked = Tally()  # unit -> accumulator waiting on the GPU for the next group (TIED_INPUT)
         self.uses = [] if peak_only else step_schedule(n, adapter.tied, pl, len(self.groups))  # (gpu_peak: its own)
-        self.stashing = any(stashes(l, pl, n - 2) for l in range(n - 2))  # every group's forwards keep the same
+        # every group's forwards keep the same layers' attention (none without reuse_attention)
+        self.stashing = pl.reuse_attention > 0 and any(stashes(l, pl, n - 2) for l in range(n - 2))
         self.gi = None  # the wave group of the use being visited
 
     def _begin_group(self, gi: int) -> None:
@@ -328,8 +301,6 @@ class _GpuBooks(ScheduleVisitor):
         e, T, H = w.elem, w.seq_len, self.adapter.hidden_size
         self.gi = gi
         mbs = [w.micro_batches[m] for m in self.groups[gi]]
-        c = [float(b * T * H * e) for b in mbs]
-        self.C = C = sum(c)
         self.tag = f", group {gi + 1}/{len(self.groups)}" if len(self.groups) > 1 else ""
         rows = sum(mbs)
         self.base = {"weight slots": self.slots, "rope tables, token ids, masks":
@@ -337,21 +308,11 @@ class _GpuBooks(ScheduleVisitor):
                                                                               self.cuda),
                      "workspace": float(GPU_WORKSPACE) if self.cuda else 0.0}
         self.base_total = sum(self.base.values())
-        pre = [sum(c[:m]) for m in range(len(c))]  # outputs (or d(hidden)) of the micro-batches before m
-        self.fwd = _worst([(pre[m], act[b]["forward"]) for m, b in enumerate(mbs)])
-        self.st = st = [float(act[b].get("stash", 0.0)) for b in mbs]  # each micro-batch's kept attention
+        self.C, self.fwd, self.st, self.st_before, self.st_after, self.fwd_st, self.bwd_st, self.lm, self.bwd, \
+            self.emb = _group_sizes(act, tuple(mbs), e, T, H)
         if self.stashing and not all("stash" in act[b] for b in mbs):
             raise ValueError("reuse_attention: this model's layers cannot keep their attention (runtime.layer."
                              "can_stash)")
-        # a layer that keeps its attention: the earlier micro-batches' stashes of it are alive in its forward; in
-        # its backward, those of the micro-batches after the current one (whose own stash, spent as its backward
-        # goes, is in that backward's measured peak)
-        self.fwd_st = _worst([(pre[m] + sum(st[:m]), act[b].get("forward_stash", 0.0)) for m, b in enumerate(mbs)])
-        self.bwd_st = _worst([(C - pre[m] + sum(st[m + 1:]), act[b].get("backward_stash", 0.0))
-                              for m, b in enumerate(mbs)])
-        self.lm = _worst([(pre[m], act[b]["head"]) for m, b in enumerate(mbs)])
-        self.bwd = _worst([(C - pre[m], act[b]["backward"]) for m, b in enumerate(mbs)])  # own inputs not yet spent
-        self.emb = _worst([(0.0, 2.0 * c[m] if e == 2 else 0.0) for m in range(len(mbs))])  # d(hidden) as fp32
         self.kept = Tally()  # layer -> its inputs of this group on the GPU (kept, fetched, or rebuilt)
         self.stashed = Tally()  # layer -> its kept attention of this group's micro-batches
         self.active = Tally()  # unit -> accumulator in use
@@ -368,16 +329,20 @@ class _GpuBooks(ScheduleVisitor):
             for k, v in comps.items():
                 if k != STASHED:
                     total += v
-            total = total + self.active.total + self.finished + self.parked.total
-            if total > self.peak:
-                self.peak = total
-                if self.over is not None and self.over(total):
-                    raise Over
+            self._peak_at(total + self.active.total + self.finished + self.parked.total)
             return
         where = f", micro-batch {self.groups[self.gi][m] + 1}/{len(self.w.micro_batches)}" if m is not None else ""
         self.phases.append((name + self.tag + where, {**self.base, STASHED: self.stashed.total, **comps,
                                                       ACTIVE: self.active.total, FINISHED: self.finished,
                                                       PARKED_GPU: self.parked.total}))
+
+    def _peak_at(self, total: float) -> None:
+        """peak_only: a phase's total against the largest so far (Over: `over` holds for it). The layers' uses
+        (forward, rebuild, backward: nearly every use) sum their phase inline, in _phase's order, without its dict."""
+        if total > self.peak:
+            self.peak = total
+            if self.over is not None and self.over(total):
+                raise Over
 
     def _take(self, unit: int) -> None:  # Engine._grad_buffer: continued from the GPU, back from host, or new
         b = self.parked.pop(unit, None)
@@ -415,18 +380,50 @@ class _GpuBooks(ScheduleVisitor):
         self.hidden = self.C
         self._phase("embedding", None, {HIDDEN: self.C, LAST_STEP: self._last_step(0)})
 
+    def forward_run(self, uses) -> None:
+        """peak_only (schedule.walk hands it a group's forward wave): enter, forward and leave of each use, the
+        phase totals summed as `forward` sums them, without the calls per use (the search's walks are mostly this)."""
+        self.enter(uses[0])
+        if len(uses) > 1:
+            self.prev_out = self.last_out = 0.0  # what each later enter leaves
+        base, C, kept, stashed, before = self.base_total, self.C, self.kept, self.stashed, self.st_before
+        rest = (self.active.total, self.finished, self.parked.total)  # no forward changes them
+        left = self.left_after if self.cuda and self.gi == 0 else None  # _last_step
+        _, fwd_state, fwd_transient = self.fwd
+        for use in uses:
+            on_gpu = use.keep == "gpu"
+            if on_gpu:
+                kept[use.layer] = C
+            if use.stash:
+                m, state, transient = self.fwd_st
+                sm = before[m]
+                state -= sm
+            else:
+                state, transient, sm = fwd_state, fwd_transient, 0.0
+            total = base + (stashed.total + sm) + kept.total + ((0.0 if on_gpu else C) + state) + transient + \
+                (0.0 if left is None else left[use.units[0]]) + rest[0] + rest[1] + rest[2]
+            if total > self.peak:
+                self._peak_at(total)
+            if use.stash:
+                stashed[use.layer] = before[-1]
+
     def forward(self, use) -> None:
         if use.keep == "gpu":
             self.kept[use.layer] = self.C
         m, state, transient = self.fwd_st if use.stash else self.fwd
-        sm = sum(self.st[:m]) if use.stash else 0.0  # `state` holds this layer's earlier micro-batches' stashes:
+        sm = self.st_before[m] if use.stash else 0.0  # `state` holds this layer's earlier micro-batches' stashes:
         state -= sm  #                                  counted apart, as STASHED
-        self._phase(f"forward, layer {use.layer}", m, {
-            STASHED: self.stashed.total + sm, CHECKPOINTS: self.kept.total,
-            HIDDEN: (0.0 if use.keep == "gpu" else self.C) + state, "layer activations (1 micro-batch)": transient,
-            LAST_STEP: self._last_step(use.grad_unit)})
+        if self.peak_only:  # the dict below, summed in its order (_phase)
+            self._peak_at(self.base_total + (self.stashed.total + sm) + self.kept.total +
+                          ((0.0 if use.keep == "gpu" else self.C) + state) + transient +
+                          self._last_step(use.grad_unit) + self.active.total + self.finished + self.parked.total)
+        else:
+            self._phase(f"forward, layer {use.layer}", m, {
+                STASHED: self.stashed.total + sm, CHECKPOINTS: self.kept.total,
+                HIDDEN: (0.0 if use.keep == "gpu" else self.C) + state, "layer activations (1 micro-batch)": transient,
+                LAST_STEP: self._last_step(use.grad_unit)})
         if use.stash:
-            self.stashed[use.layer] = sum(self.st)
+            self.stashed[use.layer] = self.st_before[-1]
 
     def head(self, use) -> None:
         self._take(0)
@@ -440,8 +437,12 @@ class _GpuBooks(ScheduleVisitor):
     def rebuild(self, use) -> None:
         self._bring_back(use)
         m, state, transient = self.fwd
-        self._phase(f"rebuild, layer {use.layer}", m, {CHECKPOINTS: self.kept.total, HIDDEN: state, DHIDDEN:
-                                                       self.dh, "layer activations (1 micro-batch)": transient})
+        if self.peak_only:  # the dict below, summed in its order (_phase)
+            self._peak_at(self.base_total + self.stashed.total + self.kept.total + state + self.dh + transient +
+                          self.active.total + self.finished + self.parked.total)
+        else:
+            self._phase(f"rebuild, layer {use.layer}", m, {CHECKPOINTS: self.kept.total, HIDDEN: state, DHIDDEN:
+                                                           self.dh, "layer activations (1 micro-batch)": transient})
         self.kept[use.layer + 1] = self.C
 
     def backward(self, use) -> None:
@@ -451,12 +452,17 @@ class _GpuBooks(ScheduleVisitor):
         m, state, transient = self.bwd if own is None else self.bwd_st
         left = 0.0
         if own is not None:  # `state` holds the later micro-batches' stashes: counted apart, as STASHED
-            left = sum(self.st[m + 1:])
+            left = self.st_after[m]
             state -= left
-        self._phase(f"backward, layer {use.layer}", m, {
-            STASHED: self.stashed.total + left,
-            CHECKPOINTS: self.kept.total - self.kept[use.layer] + state, DHIDDEN: self.dh,
-            "layer activations (1 micro-batch)": transient})
+        if self.peak_only:  # the dict below, summed in its order (_phase)
+            self._peak_at(self.base_total + (self.stashed.total + left) +
+                          (self.kept.total - self.kept[use.layer] + state) + self.dh + transient +
+                          self.active.total + self.finished + self.parked.total)
+        else:
+            self._phase(f"backward, layer {use.layer}", m, {
+                STASHED: self.stashed.total + left,
+                CHECKPOINTS: self.kept.total - self.kept[use.layer] + state, DHIDDEN: self.dh,
+                "layer activations (1 micro-batch)": transient})
         del self.kept[use.layer]
         self._done(use.grad_unit, use.grad)
 

@@ -94,6 +94,7 @@ class _Search:
         self.host_limit, self.gpu_limit, self.free = host_limit, gpu_limit, free
         self._mem: dict[Placement, tuple[float, float]] = {}
         self._host: dict[Placement, float] = {}
+        self._work: dict[Placement, Workload] = {}
         self._over: set[Placement] = set()  # placements whose GPU need was found above the limit, no more
         self.tried = 0
         self.short: tuple[float, Placement] | None = None  # the least host RAM of a structure refused for it
@@ -106,10 +107,17 @@ class _Search:
         """The workload's placement with the free keys among `kw` changed (set keys stay as the config has them)."""
         return replace(self.w.placement, **{k: v for k, v in kw.items() if k in self.free})
 
+    def work(self, pl: Placement) -> Workload:
+        """The workload with this placement (made once: the search asks for host, GPU and time of each)."""
+        got = self._work.get(pl)
+        if got is None:
+            got = self._work[pl] = replace(self.w, placement=pl)
+        return got
+
     def memory(self, pl: Placement) -> tuple[float, float]:
         """(host bytes, GPU bytes needed) of this placement."""
         if pl not in self._mem:
-            w = replace(self.w, placement=pl)
+            w = self.work(pl)
             host = self._host_bytes(pl)
             peak = gpu_peak(self.adapter, self.units, w, self.prof)
             self._mem[pl] = (host, gpu_needed(peak, w))
@@ -122,7 +130,7 @@ class _Search:
 
     def _host_bytes(self, pl: Placement) -> float:
         if pl not in self._host:
-            self._host[pl] = sum(host_memory(self.units, replace(self.w, placement=pl), self.adapter.tied).values())
+            self._host[pl] = sum(host_memory(self.units, self.work(pl), self.adapter.tied).values())
         return self._host[pl]
 
     def gpu_ok(self, pl: Placement) -> bool:
@@ -132,7 +140,7 @@ class _Search:
             return self.gpu_limit is None or self._mem[pl][1] <= self.gpu_limit
         if pl in self._over:
             return False
-        w = replace(self.w, placement=pl)
+        w = self.work(pl)
         try:
             peak = gpu_peak(self.adapter, self.units, w, self.prof,
                             over=lambda p: gpu_needed(p, w) > self.gpu_limit)

@@ -13,6 +13,14 @@
     metrics.py    progress bar or plain lines, metrics.jsonl, TensorBoard, wandb
 """
 
-from .launch import train
-
 __all__ = ["train"]
+
+
+def __getattr__(name: str):
+    """`train`, imported when first used: `megatrain plan` reads run/bounds.py alone, without the step loop's
+    imports (the data loader, checkpoints, the distributed runtime)."""
+    if name != "train":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .launch import train
+
+    return train

@@ -174,16 +174,30 @@ class ScheduleVisitor(ABC):
 
 def walk(uses: Iterable[Use], visitor: ScheduleVisitor) -> None:
     """Visit the uses in order: `enter`, the method of the use's kind, `leave`. The only place that branches on a
-    use's kind: a kind without a method fails here."""
+    use's kind: a kind without a method fails here. A visitor with a `forward_run` method is handed each run of
+    consecutive forward uses of one wave group instead, to do the same in one call."""
     enter, leave = visitor.enter, visitor.leave
     methods = {kind: getattr(visitor, kind) for kind in KINDS}
+    run_forward = getattr(visitor, "forward_run", None)  # a visitor's own loop over a group's forward wave
+    run: list[Use] = []
     for use in uses:
+        if run_forward is not None:
+            if use.kind == "forward" and (not run or run[-1].group == use.group):
+                run.append(use)
+                continue
+            if run:
+                run_forward(run)
+                run = [use] if use.kind == "forward" else []
+                if run:
+                    continue
         method = methods.get(use.kind)
         if method is None:
             raise ValueError(f"a use of unknown kind {use.kind!r} (schedule.KINDS: {KINDS})")
         enter(use)
         method(use)
         leave(use)
+    if run:
+        run_forward(run)
 
 
 def head_units(num_units: int, tied: bool) -> tuple[int, ...]:
@@ -228,7 +242,17 @@ def stashes(layer: int, placement: Placement, num_layers: int) -> bool:
 
 
 def spilled_layers(num_layers: int, placement: Placement) -> list[int]:
-    return [l for l in range(num_layers) if kept(l, placement, num_layers) == "host"]
+    """The layers whose input kept() sends to host: below spill_layers, and not dropped (inside a block)."""
+    B, K = blocked_layers(num_layers, placement), placement.checkpoint_every
+    return [l for l in range(min(placement.spill_layers, num_layers)) if not (l < B and l % K)]
+
+
+def keeps_and_stashes(num_layers: int, placement: Placement) -> tuple[list[str], list[bool]]:
+    """kept() and stashes() of every layer."""
+    B, K, S, R = blocked_layers(num_layers, placement), placement.checkpoint_every, placement.spill_layers, \
+        num_layers - placement.reuse_attention
+    keeps = ["drop" if l < B and l % K else "host" if l < S else "gpu" for l in range(num_layers)]
+    return keeps, [l >= R and k != "drop" for l, k in enumerate(keeps)]
 
 
 def group_sizes(num_micro: int, groups: int) -> list[range]:
@@ -270,8 +294,7 @@ def iter_schedule(num_units: int, tied: bool, placement: Placement, groups: int)
     L = num_units - 2
     to_host = set(grads_to_host(num_units, placement))
     bl = blocks(L, placement)
-    keeps = [kept(l, placement, L) for l in range(L)]
-    stash = [stashes(l, placement, L) for l in range(L)]
+    keeps, stash = map(tuple, keeps_and_stashes(L, placement))
     head = head_units(num_units, tied)
     for g in range(groups):
         last = g == groups - 1
@@ -282,8 +305,7 @@ def iter_schedule(num_units: int, tied: bool, placement: Placement, groups: int)
             return "host" if unit in to_host else "gpu"
 
         yield _use((0,), "embed", None, g)
-        for l in range(L):
-            yield _use((1 + l,), "forward", l, g, keeps[l], None, stash[l])
+        yield from _forward_wave(g, keeps, stash)
         yield _use(head, "head", None, g, "", None, False, grad(head[0]), (head[0], 0))
         for b in reversed(range(len(bl))):
             s, e = bl[b]
@@ -297,6 +319,12 @@ def iter_schedule(num_units: int, tied: bool, placement: Placement, groups: int)
                 yield _use((1 + l,), "backward", l, g, "", fetch if l == e - 1 and e - s == 1 else None, False,
                            grad(1 + l), (1 + l,))
         yield _use((), "embed_backward", None, g, "", None, False, grad(0), (TIED_INPUT,) if tied else ())
+
+
+@lru_cache(maxsize=1024)
+def _forward_wave(group: int, keeps: tuple[str, ...], stash: tuple[bool, ...]) -> tuple[Use, ...]:
+    """A group's forward uses (the planner's walks go through thousands of forward waves, most of them alike)."""
+    return tuple(_use((1 + l,), "forward", l, group, keeps[l], None, stash[l]) for l in range(len(keeps)))
 
 
 def slot_numel(unit_numels: list[int], tied: bool) -> int:
