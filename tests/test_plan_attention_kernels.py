@@ -250,3 +250,26 @@ def test_the_run_uses_the_planned_adamw_threads(tmp_path, monkeypatch):
     assert got == min(8, torch.get_num_threads())
     plan.profile = dataclasses.replace(DEFAULTS, adamw_threads=2)
     assert runtime_options(cfg, torch.device("cpu"), plan, ranks_per_node=4).adam_threads == 1
+
+
+def test_packed_rows_are_timed_at_their_documents_attention_span():
+    """Packed documents of length d attend over d, not the row: with the data's span sum(d²)/sum(d) known
+    (Workload.attn_len) the attention's FLOPs and time shrink, the matmuls' do not, and without it (a bound) the
+    plan is today's; plain rows ignore it."""
+    from megatrain.planner.timing import executed_flops
+
+    llama = adapter_of("llama-3.1-8b")
+    units = llama.units()
+    T = 131072
+    bound = Workload((1,), T, packed=True, compile=True)
+    docs = Workload((1,), T, packed=True, compile=True, attn_len=16384.0)
+    assert bound.span_len == T and docs.span_len == 16384.0
+    assert Workload((1,), T, attn_len=16384.0).span_len == T  # plain rows attend over the row
+    f_bound, f_docs = executed_flops(llama, units, bound), executed_flops(llama, units, docs)
+    attn = lambda w: 2.0 * w.span_len * llama.num_heads * llama.head_dim * llama.num_layers * T  # noqa: E731
+    # every use's matmul FLOPs are the same; the forward wave's attention scales with the span exactly
+    assert f_bound["forward"] - f_docs["forward"] == pytest.approx(attn(bound) - attn(docs), rel=1e-9)
+    s_bound, s_docs = step_time(llama, units, bound, DEFAULTS), step_time(llama, units, docs, DEFAULTS)
+    assert s_docs["step_s"] < 0.8 * s_bound["step_s"]
+    assert step_time(llama, units, Workload((1,), T, packed=True, compile=True, attn_len=float(T)),
+                     DEFAULTS)["step_s"] == s_bound["step_s"]

@@ -139,7 +139,7 @@ class _Flops(ScheduleVisitor):
 
     def __init__(self, adapter, units, w: Workload):
         self.adapter, self.units, self.w, self.toks = adapter, units, w, _use_tokens(w)
-        self.attn_fwd = 2.0 * attention_span(adapter, w.seq_len) * adapter.num_heads * adapter.head_dim  # a token's
+        self.attn_fwd = 2.0 * attention_span(adapter, w.span_len) * adapter.num_heads * adapter.head_dim  # a token's
         self.out = {"forward": 0.0, "rebuild": 0.0, "backward": 0.0}
 
     def _layer(self, use, per_param: float, attention: int) -> float:
@@ -168,13 +168,13 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
     fl = executed_flops(adapter, units, w)
     total = sum(fl.values())
     tokens = w.tokens_per_step
-    f6, fmodel = flops_per_token(adapter, w.seq_len)
+    f6, fmodel = flops_per_token(adapter, w.span_len)
     micro = max(w.micro_batches)
     rate, how = prof.layer_rate(adapter, micro, w.seq_len, w.compile)
     blocked = blocked_share(adapter, w)
     if blocked and rate is not None:  # the probe ran the fused kernel: time the blocked attention apart
         rate, how = None, "the probed layer ran the attention's fused backward"
-    attn_tok = 2.0 * attention_span(adapter, w.seq_len) * adapter.num_heads * adapter.head_dim  # a layer's, a token's
+    attn_tok = 2.0 * attention_span(adapter, w.span_len) * adapter.num_heads * adapter.head_dim  # a layer's, a token's
     if rate is not None:  # measured on this layer shape: matmuls and attention together
         # measured only in the other compile mode: converted by the compiled/eager ratio of the H200 runs
         mode = 1.0 if rate.compile == w.compile else COMPILED_SPEEDUP if w.compile else 1.0 / COMPILED_SPEEDUP
@@ -191,7 +191,7 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
             return (6.0 * P + 3 * attn_tok) * tokens / (rate.backward_flops * mode)
     else:
         speed = COMPILED_SPEEDUP if w.compile else 1.0
-        r_mm, r_attn = prof.layer_flops * speed, prof.attention_rate(w.seq_len) * speed
+        r_mm, r_attn = prof.layer_flops * speed, prof.attention_rate(round(w.span_len)) * speed
         how = ("matmuls at the profile's largest probed layer's rate, attention at its rate for these rows "
                f"({how})" if prof.layer_rates else "default rate") + (" (compiled)" if w.compile else "")
         xf, xb = flex_seconds(adapter, w.seq_len, w.packed) if w.device == "cuda" else (0.0, 0.0)

@@ -40,6 +40,13 @@ class Workload:
     #                                    HostStore's disk_states, runtime/disk_tier.py)
     tune_first: bool = False  # the kernels compiled and tuned on a copy of the model before the store exists
     #                           (engine.tune_first, run/tune_first.py): the autotuner's copies are not on the peak
+    attn_len: float | None = None  # packed rows: the documents' mean attention span, sum(d²)/sum(d) over the data
+    #                                (None: seq_len, a bound); attention's FLOPs and time scale with it, memory not
+
+    @property
+    def span_len(self) -> float:
+        """The length attention's work per token is counted at: attn_len for packed rows when known, else seq_len."""
+        return min(self.attn_len, self.seq_len) if self.packed and self.attn_len else self.seq_len
 
     @property
     def tokens_per_step(self) -> int:
