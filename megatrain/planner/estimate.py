@@ -9,7 +9,7 @@ the limits it was planned for, and `estimate`, which computes it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..runtime.layer import can_stash
 from .memory import (DEVICE_WORK, TUNE_COPY, autotune_host, checkpoint_bytes, gpu_needed, gpu_phases, host_memory,
@@ -231,3 +231,22 @@ def _check(plan: Plan) -> None:
                              f"(checkpoint.keep + the one being written), {plan.disk_free / GiB:.1f} GiB free in "
                              f"the output folder")
 
+
+
+def documents_span(lengths) -> float:
+    """The mean attention span of packed documents of these lengths, sum(d²)/sum(d) (Workload.attn_len)."""
+    total = float(sum(int(d) for d in lengths))
+    return sum(float(d) * float(d) for d in lengths) / total if total else 0.0
+
+
+def retime_packed(plan: Plan, adapter, attn_len: float) -> None:
+    """Packed rows, once the data is read: the step timed again with its documents' attention span (a row of
+    documents attends within each one, not over the row the plan was made for). Memory and placement stay: they
+    depend on the row's length, not on where its documents end."""
+    w = plan.workload
+    if not w.packed or not attn_len or attn_len >= w.seq_len:
+        return
+    plan.workload = replace(w, attn_len=attn_len)
+    plan.time = world_time(step_time(adapter, adapter.units(), plan.workload, plan.profile), plan.comm, plan.world)
+    plan.notes.append(f"packed rows: attention timed over the documents' span ({attn_len:,.0f} tokens: sum(d²)/sum(d) "
+                      f"over the data), not over the {w.seq_len:,}-token row")
