@@ -34,6 +34,7 @@ from ..runtime import (CpuAdamW, Engine, EngineOptions, HostStore, OptimizerPipe
                        RuntimeOptions, store_dtypes)
 from ..planner.workload import compiles_layers, fixed_placement, tunes_first
 from .oom import host_allocation
+from .reference import Reference, check_reference_path, choose_reference
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -55,6 +56,7 @@ class Inputs:
     loader: StepLoader
     eval_batches: list | None
     exact_match: list[tuple[str, str]] | None
+    reference: Reference = field(default_factory=Reference)
 
 
 @dataclass
@@ -72,6 +74,12 @@ class Run:
     plan: Plan | None = None  # the plan of this run (None: it could not be computed)
     startup_s: dict = field(default_factory=dict)  # seconds of each phase of `prepare` (StartupClock)
     tuned_first: str = ""  # what engine.tune_first compiled and tuned before the store existed ("": it did not)
+    reference: Reference = field(default_factory=Reference)  # a dpo or ipo run's reference log-probs
+
+    @property
+    def preference(self) -> bool:
+        """The run trains a preference objective on pairs (train.objective is not sft)."""
+        return self.cfg.train.objective != "sft"
 
     @property
     def store(self) -> HostStore:
@@ -166,15 +174,21 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
     if len(tokenizer) > adapter.vocab_size:
         raise MegatrainError(f"model.tokenizer: the tokenizer has {len(tokenizer)} tokens but config.json's "
                              f"vocab_size is {adapter.vocab_size}")
-    loader = data_lib.build_train_loader(cfg.data, tokenizer, seed=cfg.train.seed,
-                                         micro_batch_size=cfg.train.micro_batch_size,
-                                         grad_accum_steps=cfg.train.grad_accum_steps, rank=world.rank,
-                                         world=world.size)
-    eval_batches = data_lib.build_eval_batches(cfg.data, tokenizer, micro_batch_size=cfg.train.micro_batch_size)
+    pairs = cfg.train.objective != "sft"  # (config.objective_problems: then the data is preference pairs)
+    if pairs:
+        check_reference_path(cfg, adapter)
+    build_loader, build_eval = ((data_lib.build_pair_loader, data_lib.build_pair_eval_batches) if pairs else
+                                (data_lib.build_train_loader, data_lib.build_eval_batches))
+    loader = build_loader(cfg.data, tokenizer, seed=cfg.train.seed, micro_batch_size=cfg.train.micro_batch_size,
+                          grad_accum_steps=cfg.train.grad_accum_steps, rank=world.rank, world=world.size)
+    eval_batches = build_eval(cfg.data, tokenizer, micro_batch_size=cfg.train.micro_batch_size)
+    reference = choose_reference(cfg, plan, adapter, loader, tokenizer, eval_batches, resumed) if pairs else \
+        Reference()
     if exact and not tokenizer.chat_template:  # (the loader has set data.chat_template on it, when given)
         raise MegatrainError("train.exact_match_path: the prompts are rendered with the tokenizer's chat template, "
                              "but the tokenizer has none; set data.chat_template")
-    return Inputs(device, hf_config, adapter, plan, out_dir, resumed, tokenizer, loader, eval_batches, exact)
+    return Inputs(device, hf_config, adapter, plan, out_dir, resumed, tokenizer, loader, eval_batches, exact,
+                  reference)
 
 
 def check_tune_first(cfg: Config, device: torch.device, ranks: int) -> None:
@@ -251,6 +265,8 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
     clock.lap("store allocated")
     if world.fills_store:
         fill_store(cfg, inp, store)
+        if fill_reference(cfg, inp, store):
+            clock.lap("reference copy filled (bf16)")
         io = getattr(store, "load_stats", None) or {}  # bytes and seconds of a read (checkpoint or weights)
         rate = f" {io['bytes'] / 1e9:.1f} GB at {io['bytes'] / max(io['seconds'], 1e-9) / 1e9:.2f} GB/s" if io else ""
         clock.lap("store filled" + (f" (from {inp.resumed.path.name}{rate})" if inp.resumed is not None else
@@ -265,7 +281,7 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
         runtime = ranks.build_runtime(store, optimizer, options)
     clock.lap("runtime built (buffers pinned, slots allocated)")
     return Run(cfg, adapter, runtime, inp.loader, inp.eval_batches, inp.exact_match, inp.tokenizer, inp.out_dir,
-               ranks, inp.resumed, plan, startup_s=clock.phases, tuned_first=tuned)
+               ranks, inp.resumed, plan, startup_s=clock.phases, tuned_first=tuned, reference=inp.reference)
 
 
 def fill_store(cfg: Config, inp: Inputs, store: HostStore) -> None:
@@ -278,6 +294,25 @@ def fill_store(cfg: Config, inp: Inputs, store: HostStore) -> None:
         store.init_random(cfg.train.seed, std)
     else:
         store.load_safetensors(cfg.model.path)
+
+
+def fill_reference(cfg: Config, inp: Inputs, store: HostStore) -> bool:
+    """The store's frozen bf16 reference copy, when the run streams one or scores another model: from
+    preference.reference_path, else the step-0 weights (a resumed run's store holds a later step's: they are read
+    again from model.path, or initialised again from the seed). Returns whether one was filled."""
+    ref = inp.reference
+    if not (ref.strategy == "stream" or ref.strategy == "precompute" and cfg.preference.reference_path):
+        return False
+    path = cfg.preference.reference_path or (None if cfg.model.init == "random" else cfg.model.path)
+    if path is None and inp.resumed is not None:
+        std = cfg.train.init_std or getattr(inp.hf_config, "initializer_range", 0.02)
+        store.freeze_reference(init=(cfg.train.seed, std))
+    elif path is not None and (inp.resumed is not None or cfg.preference.reference_path):
+        store.freeze_reference(path=path)
+    else:
+        store.freeze_reference()  # the store holds the step-0 weights
+    ref.frozen = True
+    return True
 
 
 def disk_states_of(cfg: Config, plan: Plan | None = None) -> tuple[str, ...]:
@@ -303,6 +338,9 @@ def runtime_options(cfg: Config, device: torch.device, plan: Plan | None = None,
     threads = plan.profile.adamw_threads if plan is not None else None
     if threads:
         threads = min(max(1, threads // ranks_per_node), torch.get_num_threads())
+    from ..runtime.objective import Objective
+
     return RuntimeOptions(engine=EngineOptions(loss_chunk_tokens=e.loss_chunk_tokens, num_slots=e.num_slots,
-                                               compile_layers=compile_layers, placement=placement),
+                                               compile_layers=compile_layers, placement=placement,
+                                               objective=Objective.from_config(cfg.train, cfg.preference)),
                           adam_threads=threads)
