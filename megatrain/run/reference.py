@@ -245,8 +245,8 @@ class Reference:
                 f.unlink()
             parts.rmdir()
         run.ranks.phase("reference stored")
-        log.info(f"reference log-probs: {self._count()} pairs in {time.perf_counter() - t0:.1f} s, stored in "
-                 f"{self.file}")
+        log.log({"step": 0, "reference_pass_s": time.perf_counter() - t0, "reference_pairs": total - before})
+        log.info(f"reference log-probs: {self._count()} pairs stored in {self.file}")
 
     @property
     def weights(self) -> str:
