@@ -10,6 +10,9 @@
     stream      the engine's frozen bf16 copy of the reference weights in host RAM (+2 B/param), scored for each
                 step's micro-batches before the step's waves; a resumed run rebuilds it from the same source.
 
+Test-only: the environment variable MEGATRAIN_TEST_REFERENCE_DELAY_S (seconds) makes the pass sleep after each
+wave and store a part after each, so that a test can kill it part-way.
+
 Each micro-batch's `ref_logps` (float32 [2P]: rows 2i, 2i+1 = chosen, rejected of pair i) comes from `lookup`
 (precompute, on the data thread) or `score` (stream, on the training thread). simpo and orpo have no reference.
 """
@@ -197,6 +200,7 @@ class Reference:
                  f"({self.why})" + (f"; {before} scored by an interrupted pass" if before else ""))
         t0, last, fresh, seq = time.perf_counter(), time.perf_counter(), {s: {} for s in sides}, 0
         new: dict[str, dict[int, tuple[float, float]]] = {s: {} for s in sides}
+        delay = float(os.environ.get("MEGATRAIN_TEST_REFERENCE_DELAY_S", "0") or 0)
 
         def flush() -> None:
             nonlocal seq
@@ -217,7 +221,9 @@ class Reference:
             ids = [int(p) for b in group for p in b["pair_ids"]]
             fresh[side].update(zip(ids, map(tuple, pairs)))
             new[side].update(zip(ids, map(tuple, pairs)))
-            if time.perf_counter() - last > PART_SECONDS:
+            if delay:
+                time.sleep(delay)
+            if delay or time.perf_counter() - last > PART_SECONDS:
                 flush()
                 last = time.perf_counter()
         flush()

@@ -1,0 +1,171 @@
+"""`megatrain train` with a preference objective, on CPU: each objective runs end to end on the demo's tiny model
+and logs what TRL logs; the two reference strategies give the same steps; DPO teaches the demo model to prefer the
+correct reversal; each config mistake is one line, before anything is written; the plan counts the objective."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatrain.cli import main
+from megatrain.config import load_command_line, load_config
+from megatrain.errors import MegatrainError
+from preference_helpers import DEFAULTS, pair_config, records, step_losses
+
+TRL = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train(cfg: Path, *overrides: str) -> dict:
+    from megatrain.run.trainer import train as run
+
+    return run(load_config(cfg, list(overrides)))
+
+
+@pytest.mark.parametrize("objective", ["dpo", "ipo", "simpo", "orpo"])
+def test_each_objective_trains_and_logs_what_trl_logs(tmp_path, objective):
+    cfg = pair_config(tmp_path, objective, train={"steps": 3})
+    summary = train(cfg)
+    recs = records(tmp_path / "run")
+    steps = [r for r in recs if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert r["pairs"] == 8  # micro_batch_size 4 pairs x 2 micro-batches
+        assert all(math.isfinite(r[k]) for k in TRL + ("loss",)), r
+        assert 0.0 <= r["rewards/accuracies"] <= 1.0
+        assert r["rewards/margins"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"], abs=1e-5)
+        if objective == "orpo":
+            assert math.isfinite(r["nll_loss"]) and math.isfinite(r["log_odds_ratio"])
+    if objective == "dpo":  # step 1: the policy is the reference, the loss log 2
+        assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+        assert steps[0]["rewards/chosen"] == pytest.approx(0.0, abs=1e-6)
+    evals = [r for r in recs if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 3]
+    for r in evals:
+        assert 0.0 <= r["eval_preference_accuracy"] <= 1.0 and all(f"eval_{k}" in r for k in TRL)
+    assert summary["last_loss"] == steps[-1]["loss"]
+    # auto, dpo and ipo: the run draws 24 of the 64 pairs, so it streams the reference; simpo, orpo have none
+    assert not (tmp_path / "run" / "reference").exists()
+
+
+def test_the_reference_strategies_give_the_same_steps(tmp_path):
+    """dpo with the reference log-probs precomputed (stored in output.dir/reference) and streamed from the frozen
+    copy each step: the same losses and rewards, step by step."""
+    cfg = pair_config(tmp_path, "dpo", train={"steps": 4, "eval_every": 2})
+    train(cfg, "preference.reference=precompute", f"output.dir={tmp_path / 'pre'}")
+    train(cfg, "preference.reference=stream", f"output.dir={tmp_path / 'stream'}")
+    assert list((tmp_path / "pre" / "reference").glob("*.safetensors"))
+    assert not (tmp_path / "stream" / "reference").exists()
+    pre, stream = records(tmp_path / "pre"), records(tmp_path / "stream")
+    assert [sorted(r) for r in pre if "loss" in r] == [sorted(r) for r in stream if "loss" in r]
+    for a, b in zip(pre, stream):
+        assert a["step"] == b["step"]
+        for k in ("loss", "grad_norm", "eval_loss", *TRL, *(f"eval_{k}" for k in TRL)):
+            if k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (a["step"], k)
+
+
+def test_dpo_teaches_the_demo_model_to_prefer_the_correct_reversal(tmp_path):
+    """The demo's task as pairs: after DPO the tiny model gives the correct reversal of held-out words a higher
+    log-prob than a wrong one (the same letters rotated) for at least 95% of them; at step 0 about half."""
+    cfg = pair_config(tmp_path, "dpo", train_pairs=None, heldout=None,
+                      train={"steps": 150, "micro_batch_size": 32, "grad_accum_steps": 1, "lr": 3e-3,
+                             "warmup_steps": 10, "lr_schedule": "cosine", "min_lr_ratio": 0.1, "weight_decay": 0.01,
+                             "precision": "auto", "eval_every": 0},
+                      preference={"beta": 0.1})
+    train(cfg)
+    evals = [r for r in records(tmp_path / "run") if "eval_preference_accuracy" in r]
+    first, last = evals[0]["eval_preference_accuracy"], evals[-1]["eval_preference_accuracy"]
+    assert 0.3 <= first <= 0.7, first
+    assert last >= 0.95, (first, last)
+
+
+def _one_line_error(capsys, args: list[str]) -> str:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("megatrain: error: "), err
+    return err
+
+
+def test_each_config_mistake_is_one_line_and_nothing_is_written(tmp_path, capsys):
+    cfg = pair_config(tmp_path, "dpo")
+    out = tmp_path / "run"
+    data = yaml.safe_load(cfg.read_text())["data"]
+    cases = [
+        (["train.objective=sft"], "data: preference pairs (prompt, chosen, rejected) need a preference objective"),
+        (["data.format=alpaca", f"data.path={DEFAULTS / 'reverse-train.jsonl'}",
+          f"data.eval_path={DEFAULTS / 'reverse-heldout.jsonl'}"],
+         "train.objective: dpo trains on preference pairs"),
+        (["train.objective=simpo", "preference.reference=stream"], "preference.reference: only dpo and ipo have"),
+        (["train.objective=orpo", f"preference.reference_path={DEFAULTS / 'tiny-llama'}"],
+         "preference.reference_path: only dpo and ipo have"),
+        (["preference.label_smoothing=0.5"], "preference.label_smoothing: Input should be less than 0.5"),
+        (["preference.beta=0"], "preference.beta: Input should be greater than 0"),
+        (["preference.reference=both"], "preference.reference: Input should be 'auto', 'precompute' or 'stream'"),
+        (["train.objective=kto"], "train.objective: Input should be"),
+        ([f"preference.reference_path={tmp_path / 'nowhere'}"], "preference.reference_path: "),
+    ]
+    for overrides, expected in cases:
+        err = _one_line_error(capsys, ["train", str(cfg), *overrides])
+        assert expected in err, (overrides, err)
+        assert not out.exists(), overrides
+    assert data["format"] == "preference"
+
+
+def test_a_reference_of_another_architecture_is_refused_before_anything_is_written(tmp_path, capsys):
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((DEFAULTS / "tiny-llama" / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    cfg = pair_config(tmp_path, "dpo")
+    err = _one_line_error(capsys, ["train", str(cfg), f"preference.reference_path={other}"])
+    assert f"preference.reference_path: {other} is a llama of another shape than the policy" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_plan_counts_the_objective(tmp_path, capsys):
+    """`megatrain plan` of Qwen2.5-7B: a dpo step is twice the rows of its pairs, the LM head's extra pass and both
+    reference strategies are shown, with the one auto takes; stream adds its bf16 copy (2 B/param) to host RAM."""
+    from megatrain.models import get_adapter, load_hf_config
+    from megatrain.planner.plan import plan_for_config
+
+    model = ROOT / "bench" / "model-configs" / "qwen2.5-7b"
+    pairs = pair_config(tmp_path, "dpo").parent / "pairs-train.jsonl"
+    base = [f"model.path={model}", f"data.path={pairs}", "data.format=preference", "data.max_seq_len=1024",
+            "train.micro_batch_size=32", "train.grad_accum_steps=2", "train.device=cuda", "train.precision=bf16",
+            "train.steps=50"]
+    adapter = get_adapter(load_hf_config(str(model)))
+    sft = plan_for_config(load_command_line(None, [*base, "train.objective=sft", "data.format=alpaca"]), adapter,
+                          "cuda")
+    plans = {ref: plan_for_config(load_command_line(None, [*base, "train.objective=dpo",
+                                                           f"preference.reference={ref}"]), adapter, "cuda")
+             for ref in ("auto", "precompute", "stream")}
+    for ref, p in plans.items():
+        assert p.workload.tokens_per_step == 2 * sft.workload.tokens_per_step  # 64 pairs = 128 rows
+        o = p.objective
+        assert o["objective"] == "dpo" and o["pairs_per_step"] == 64 and o["extra_head_s"] > 0
+        assert o["reference"] == ("precompute" if ref == "auto" else ref), o["why"]
+        assert p.step_s > o["base_step_s"]
+    stream, pre = plans["stream"], plans["precompute"]
+    assert stream.host_total - pre.host_total == pytest.approx(2.0 * stream.params)
+    assert stream.step_s > pre.step_s  # the per-step forward of the reference
+    assert pre.objective["pass_pairs"] == 50 * 64  # the set taken as the pairs the run draws (not read at plan time)
+    from megatrain.planner.report import render
+
+    text = render(plans["auto"])
+    assert "objective: dpo, 64 pairs per step" in text and "reference: precompute (auto:" in text
+    assert "stream: 14." in text  # GiB of the bf16 copy of 7.6B parameters
+    assert json.loads(json.dumps(plans["auto"].as_json()))["objective"]["reference"] == "precompute"
+
+
+def test_auto_streams_when_the_run_sees_part_of_the_set():
+    from megatrain.planner.objective import choose
+
+    assert choose("auto", 1000, 400)[0] == "stream"
+    assert choose("auto", 1000, 4000)[0] == "precompute"
+    assert choose("auto", 1000, 400, fits_stream=False)[0] == "precompute"
+    assert choose("stream", 1000, 4000)[0] == "stream"
