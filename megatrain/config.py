@@ -21,6 +21,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from .data import is_preference
 from .data.config import DataConfig
 from .config_checks import TooLarge, check_overlaps, check_yaml_size, expand_home, objective_problems
 from .errors import ConfigError, MegatrainError, check_dir_target, decode_utf8, load_json
@@ -402,7 +403,7 @@ def _validate(raw: dict, lines: dict[tuple, int], path: Path | None, from_cli: s
         cfg = Config.model_validate(raw)
     except ValidationError as e:
         raise _problems([_describe(err, where(tuple(err["loc"]))) for err in e.errors()]) from None
-    if problems := objective_problems(cfg):  # the keys that depend on each other: train.objective and the data
+    if problems := objective_problems(cfg, is_preference(cfg.data)):  # train.objective and the data agree
         raise _problems([where(loc) + msg for loc, msg in problems])
     return cfg
 

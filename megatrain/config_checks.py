@@ -104,13 +104,11 @@ def check_overlaps(cfg) -> None:
 REFERENCE_OBJECTIVES = ("dpo", "ipo")  # the objectives whose loss holds the reference model's log-probs
 
 
-def objective_problems(cfg) -> list[tuple[tuple, str]]:
-    """Of a validated `megatrain.config.Config`: (the key's path, one line) for each disagreement between
-    train.objective, the data and the preference section (none: an empty list)."""
-    from .data import is_preference
-
+def objective_problems(cfg, pairs: bool) -> list[tuple[tuple, str]]:
+    """Of a validated `megatrain.config.Config` whose data is preference pairs or not (`pairs`:
+    megatrain.data.is_preference): (the key's path, one line) for each disagreement between train.objective, the
+    data and the preference section (none: an empty list)."""
     t, p, out = cfg.train, cfg.preference, []
-    pairs = is_preference(cfg.data)
     if t.objective != "sft" and not pairs:
         out.append((("train", "objective"), f"train.objective: {t.objective} trains on preference pairs (prompt, "
                     f"chosen, rejected), but data.format is '{cfg.data.format}'; set data.format: preference (or a "

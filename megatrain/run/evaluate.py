@@ -9,7 +9,7 @@ from ..runtime import Engine, MicroBatch
 
 TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                "logps/rejected")  # a preference objective's metrics, as TRL names them (runtime/objective.py)
-ORPO_METRICS = ("nll_loss", "log_odds_ratio")
+ORPO_METRICS = ("log_odds_ratio", "log_odds_chosen")
 
 
 def evaluate(run, step: int, log, stop=None) -> dict:
@@ -68,12 +68,17 @@ def preference_eval(run, stopping) -> dict:
         score = logp if obj.name == "dpo" else logp / n
         wins = float((score[0::2] > score[1::2]).sum())
         for k, v in {"loss": float(loss), "preference_accuracy": wins, "pairs": float(len(b["pair_ids"])),
+                     "nll": -float(logp[0::2].sum()), "chosen_tokens": float(n[0::2].sum()),
                      **{k: float(v) for k, v in metrics.items() if k != "pairs"}}.items():
             sums[k] = sums.get(k, 0.0) + v
-    keys = ["loss", "preference_accuracy", "pairs", *TRL_METRICS, *(ORPO_METRICS if obj.name == "orpo" else ())]
+    keys = ["loss", "preference_accuracy", "pairs", "nll", "chosen_tokens", *TRL_METRICS,
+            *(ORPO_METRICS if obj.name == "orpo" else ())]
     totals = dict(zip(keys, run.ranks.all_sum([sums.get(k, 0.0) for k in keys])))  # the same keys on every rank
-    pairs = max(totals.pop("pairs"), 1.0)
-    return {f"eval_{k}": v / pairs for k, v in totals.items()}
+    pairs, nll = max(totals.pop("pairs"), 1.0), totals.pop("nll") / max(totals.pop("chosen_tokens"), 1.0)
+    out = {f"eval_{k}": v / pairs for k, v in totals.items()}
+    if obj.name == "orpo":  # its SFT term: the chosen sides' token NLL, a token mean over the held-out pairs
+        out.update(eval_loss=out["eval_loss"] + nll, eval_nll_loss=nll)
+    return out
 
 
 @torch.no_grad()

@@ -288,6 +288,9 @@ def fill_store(cfg: Config, inp: Inputs, store: HostStore) -> None:
     """The store's first state: the checkpoint resumed (instead of the model's weights, not after them: the
     weights are read once), a random init, or the model's weights."""
     if inp.resumed is not None:
+        if inp.reference.strategy == "stream" and cfg.model.init == "random" and not cfg.preference.reference_path:
+            store.init_random(cfg.train.seed, cfg.train.init_std or getattr(inp.hf_config, "initializer_range", 0.02))
+            store.freeze_reference()  # the step-0 weights of the reference copy (fill_reference)
         store.load_stats = resume_lib.load_store(inp.resumed, store)
     elif cfg.model.init == "random":
         std = cfg.train.init_std or getattr(inp.hf_config, "initializer_range", 0.02)
@@ -297,20 +300,20 @@ def fill_store(cfg: Config, inp: Inputs, store: HostStore) -> None:
 
 
 def fill_reference(cfg: Config, inp: Inputs, store: HostStore) -> bool:
-    """The store's frozen bf16 reference copy, when the run streams one or scores another model: from
-    preference.reference_path, else the step-0 weights (a resumed run's store holds a later step's: they are read
-    again from model.path, or initialised again from the seed). Returns whether one was filled."""
+    """The store's frozen reference copy (HostStore.freeze_reference, load_reference), when the run streams one or
+    scores another model: preference.reference_path's weights, else the step-0 policy's. A resumed run's store
+    holds a later step's weights, so the step-0 ones come again from their source: model.path's files, or (random
+    init) the same seeded init, frozen before the checkpoint is loaded over it (fill_store). Returns whether one
+    was filled."""
     ref = inp.reference
     if not (ref.strategy == "stream" or ref.strategy == "precompute" and cfg.preference.reference_path):
         return False
-    path = cfg.preference.reference_path or (None if cfg.model.init == "random" else cfg.model.path)
-    if path is None and inp.resumed is not None:
-        std = cfg.train.init_std or getattr(inp.hf_config, "initializer_range", 0.02)
-        store.freeze_reference(init=(cfg.train.seed, std))
-    elif path is not None and (inp.resumed is not None or cfg.preference.reference_path):
-        store.freeze_reference(path=path)
-    else:
+    if cfg.preference.reference_path:
+        store.load_reference(cfg.preference.reference_path)
+    elif inp.resumed is None:
         store.freeze_reference()  # the store holds the step-0 weights
+    elif cfg.model.init != "random":  # (random: fill_store froze the seeded init before loading the checkpoint)
+        store.load_reference(cfg.model.path)
     ref.frozen = True
     return True
 

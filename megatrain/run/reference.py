@@ -93,7 +93,7 @@ def choose_reference(cfg, plan, adapter, loader, tokenizer, eval_batches, resume
     from ..data import all_pair_batches
 
     mbs, t = cfg.train.micro_batch_size, cfg.train
-    set_pairs = sum(len(b["pair_ids"]) for b in all_pair_batches(cfg.data, tokenizer, micro_batch_size=mbs))
+    set_pairs = len(all_pair_batches(cfg.data, tokenizer, micro_batch_size=mbs).pairs)
     eval_pairs = sum(len(b["pair_ids"]) for b in eval_batches or [])
     if plan is not None:
         plan_objective(plan, cfg, adapter, set_pairs, eval_pairs)
@@ -102,17 +102,13 @@ def choose_reference(cfg, plan, adapter, loader, tokenizer, eval_batches, resume
     return Reference(*choose("auto", set_pairs + eval_pairs, pairs + eval_pairs))
 
 
-def fingerprint(cfg, batches: dict[str, list[dict]]) -> str:
-    """The hash of what the reference log-probs depend on: every pair's tokens (each side's input_ids and labels,
-    in pair-id order), the reference weights' source, data.max_seq_len and the precision."""
+def fingerprint(cfg, sides: dict) -> str:
+    """The hash of what the reference log-probs depend on: each set of pairs' fingerprint (its tokens: the data
+    layer's Pairs.fingerprint), the reference weights' source, data.max_seq_len and the precision."""
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps({"source": reference_source(cfg), "max_seq_len": cfg.data.max_seq_len,
-                         "precision": cfg.train.precision}, sort_keys=True).encode())
-    for side, bs in batches.items():
-        h.update(side.encode())
-        for b in bs:
-            for k in ("pair_ids", "input_ids", "labels"):
-                h.update(b[k].contiguous().numpy().tobytes())
+                         "precision": cfg.train.precision, "pairs": {k: b.fingerprint() for k, b in sides.items()}},
+                        sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -155,9 +151,8 @@ class Reference:
 
         cfg = run.cfg
         mbs = cfg.train.micro_batch_size
-        sides = {"train": all_pair_batches(cfg.data, run.tokenizer, micro_batch_size=mbs, side="train")}
-        if run.eval_batches:
-            sides["eval"] = all_pair_batches(cfg.data, run.tokenizer, micro_batch_size=mbs, side="eval")
+        sides = {side: b for side in ("train", "eval")
+                 if (b := all_pair_batches(cfg.data, run.tokenizer, micro_batch_size=mbs, side=side)) is not None}
         self.fingerprint = fingerprint(cfg, sides)
         folder = run.out_dir / "reference"
         self.file = folder / f"{self.fingerprint}.safetensors"
@@ -179,7 +174,7 @@ class Reference:
     def _count(self) -> int:
         return sum(int(t.shape[0]) for t in self.tables.values())
 
-    def _pass(self, run, log, sides: dict[str, list[dict]], folder: Path, stop) -> None:
+    def _pass(self, run, log, sides: dict, folder: Path, stop) -> None:
         world = run.ranks.world
         parts = folder / f"{self.fingerprint}.partial"
         done: dict[str, dict[int, tuple[float, float]]] = {s: {} for s in sides}
@@ -195,7 +190,7 @@ class Reference:
         todo = [(s, bs[i:i + wave]) for s, bs in sides.items() for i in range(0, len(bs), wave)]
         todo = [(s, g) for s, g in todo if not all(int(p) in done[s] for b in g for p in b["pair_ids"])]
         mine = todo[world.rank::world.size]
-        total = sum(len(b["pair_ids"]) for bs in sides.values() for b in bs)
+        total = sum(len(bs.pairs) for bs in sides.values())
         log.info(f"reference log-probs: scoring {total - before} of {total} pairs at the reference weights "
                  f"({self.why})" + (f"; {before} scored by an interrupted pass" if before else ""))
         t0, last, fresh, seq = time.perf_counter(), time.perf_counter(), {s: {} for s in sides}, 0
@@ -234,7 +229,7 @@ class Reference:
                 raise Stopped(requested, "the reference pass")
         run.ranks.phase("reference scored")
         for side, bs in sides.items():
-            n = sum(len(b["pair_ids"]) for b in bs)
+            n = len(bs.pairs)
             table = torch.zeros(n, 2, dtype=torch.float64)
             for pid, v in new[side].items():
                 table[pid] = torch.tensor(v, dtype=torch.float64)
