@@ -26,47 +26,56 @@ def train(cfg: Path, *overrides: str) -> dict:
     return run(load_config(cfg, list(overrides)))
 
 
-@pytest.mark.parametrize("objective", ["dpo", "ipo", "simpo", "orpo"])
-def test_each_objective_trains_and_logs_what_trl_logs(tmp_path, objective):
-    cfg = pair_config(tmp_path, objective, train={"steps": 3})
-    summary = train(cfg)
-    recs = records(tmp_path / "run")
-    steps = [r for r in recs if "loss" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3]
-    for r in steps:
+def check_steps(recs: list[dict], objective: str, steps: int, evals: list[int]) -> list[dict]:
+    """Each step record has the loss and TRL's metrics, means over the step's 8 pairs; each evaluation the held-out
+    pairs' objective loss, preference accuracy and TRL's metrics."""
+    got = [r for r in recs if "loss" in r]
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    for r in got:
         assert r["pairs"] == 8  # micro_batch_size 4 pairs x 2 micro-batches
         assert all(math.isfinite(r[k]) for k in TRL + ("loss",)), r
         assert 0.0 <= r["rewards/accuracies"] <= 1.0
         assert r["rewards/margins"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"], abs=1e-5)
         if objective == "orpo":
-            assert math.isfinite(r["nll_loss"]) and math.isfinite(r["log_odds_ratio"])
-    if objective == "dpo":  # step 1: the policy is the reference, the loss log 2
-        assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
-        assert steps[0]["rewards/chosen"] == pytest.approx(0.0, abs=1e-6)
-    evals = [r for r in recs if "eval_loss" in r]
-    assert [r["step"] for r in evals] == [0, 3]
-    for r in evals:
-        assert 0.0 <= r["eval_preference_accuracy"] <= 1.0 and all(f"eval_{k}" in r for k in TRL)
+            assert all(math.isfinite(r[k]) for k in ("nll_loss", "log_odds_ratio", "log_odds_chosen"))
+    if objective == "dpo":  # step 1: the policy is the reference: loss log 2, rewards 0
+        assert got[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+        assert got[0]["rewards/chosen"] == pytest.approx(0.0, abs=1e-6)
+    ev = [r for r in recs if "eval_loss" in r]
+    assert [r["step"] for r in ev] == evals
+    for r in ev:
+        assert 0.0 <= r["eval_preference_accuracy"] <= 1.0 and all(math.isfinite(r[f"eval_{k}"]) for k in TRL)
+    return got
+
+
+@pytest.mark.parametrize("objective", ["ipo", "simpo", "orpo"])
+def test_each_objective_trains_and_logs_what_trl_logs(tmp_path, objective):
+    """(dpo: test_dpo_with_either_reference_strategy_gives_the_same_steps)"""
+    cfg = pair_config(tmp_path, objective, train={"steps": 3})
+    summary = train(cfg)
+    steps = check_steps(records(tmp_path / "run"), objective, 3, [0, 3])
     assert summary["last_loss"] == steps[-1]["loss"]
-    # auto, dpo and ipo: the run draws 24 of the 64 pairs, so it streams the reference; simpo, orpo have none
+    # ipo, auto: the run draws 24 of the 64 pairs, so it streams the reference; simpo, orpo have none
     assert not (tmp_path / "run" / "reference").exists()
 
 
-def test_the_reference_strategies_give_the_same_steps(tmp_path):
+def test_dpo_with_either_reference_strategy_gives_the_same_steps(tmp_path):
     """dpo with the reference log-probs precomputed (stored in output.dir/reference) and streamed from the frozen
-    copy each step: the same losses and rewards, step by step."""
+    copy each step: the same losses, gradient norms, rewards and evaluations, bit for bit."""
     cfg = pair_config(tmp_path, "dpo", train={"steps": 4, "eval_every": 2})
     train(cfg, "preference.reference=precompute", f"output.dir={tmp_path / 'pre'}")
     train(cfg, "preference.reference=stream", f"output.dir={tmp_path / 'stream'}")
     assert list((tmp_path / "pre" / "reference").glob("*.safetensors"))
     assert not (tmp_path / "stream" / "reference").exists()
     pre, stream = records(tmp_path / "pre"), records(tmp_path / "stream")
-    assert [sorted(r) for r in pre if "loss" in r] == [sorted(r) for r in stream if "loss" in r]
-    for a, b in zip(pre, stream):
-        assert a["step"] == b["step"]
-        for k in ("loss", "grad_norm", "eval_loss", *TRL, *(f"eval_{k}" for k in TRL)):
-            if k in a:
-                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (a["step"], k)
+    (pass_record,) = [r for r in pre if "reference_pass_s" in r]  # precompute's pass, before step 1
+    assert pass_record["reference_pairs"] == 64 + 16 and pre.pop(0) == pass_record
+    check_steps(pre, "dpo", 4, [0, 2, 4])
+    check_steps(stream, "dpo", 4, [0, 2, 4])
+    assert [sorted(r) for r in pre] == [sorted(r) for r in stream]
+    numbers = ("loss", "grad_norm", "eval_loss", "eval_preference_accuracy", *TRL, *(f"eval_{k}" for k in TRL))
+    assert [{k: r[k] for k in numbers if k in r} for r in pre] == [{k: r[k] for k in numbers if k in r}
+                                                                    for r in stream]
 
 
 def test_dpo_teaches_the_demo_model_to_prefer_the_correct_reversal(tmp_path):

@@ -145,6 +145,7 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
     hf_config = load_hf_config(cfg.model.path)
     adapter = get_adapter(hf_config)
     check_run_batch(cfg, adapter.hidden_size, device.type, world.size, world.local_size)  # before it is planned
+    check_reference_path(cfg, adapter)
     if (gen := Path(cfg.model.path) / "generation_config.json").is_file():
         load_json(gen)  # copied into every checkpoint and export unread: it must parse
     if cfg.data.max_seq_len > getattr(hf_config, "max_position_embeddings", cfg.data.max_seq_len):
@@ -175,8 +176,6 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
         raise MegatrainError(f"model.tokenizer: the tokenizer has {len(tokenizer)} tokens but config.json's "
                              f"vocab_size is {adapter.vocab_size}")
     pairs = cfg.train.objective != "sft"  # (config.objective_problems: then the data is preference pairs)
-    if pairs:
-        check_reference_path(cfg, adapter)
     build_loader, build_eval = ((data_lib.build_pair_loader, data_lib.build_pair_eval_batches) if pairs else
                                 (data_lib.build_train_loader, data_lib.build_eval_batches))
     loader = build_loader(cfg.data, tokenizer, seed=cfg.train.seed, micro_batch_size=cfg.train.micro_batch_size,
@@ -265,12 +264,12 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
     clock.lap("store allocated")
     if world.fills_store:
         fill_store(cfg, inp, store)
-        if fill_reference(cfg, inp, store):
-            clock.lap("reference copy filled (bf16)")
         io = getattr(store, "load_stats", None) or {}  # bytes and seconds of a read (checkpoint or weights)
         rate = f" {io['bytes'] / 1e9:.1f} GB at {io['bytes'] / max(io['seconds'], 1e-9) / 1e9:.2f} GB/s" if io else ""
         clock.lap("store filled" + (f" (from {inp.resumed.path.name}{rate})" if inp.resumed is not None else
                                     " (random init)" if cfg.model.init == "random" else f" (weights read{rate})"))
+        if fill_reference(cfg, inp, store):
+            clock.lap(f"reference copy filled ({str(store.compute_dtype).replace('torch.', '')})")
     if inp.resumed is not None:
         inp.loader.load_state_dict(inp.resumed.state["loader"])
 

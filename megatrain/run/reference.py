@@ -187,9 +187,10 @@ class Reference:
             parts.mkdir(parents=True, exist_ok=True)
         run.ranks.phase("reference parts")
         wave = max(1, run.cfg.train.grad_accum_steps)  # micro-batches per streaming wave, as a step's
-        todo = [(s, bs[i:i + wave]) for s, bs in sides.items() for i in range(0, len(bs), wave)]
-        todo = [(s, g) for s, g in todo if not all(int(p) in done[s] for b in g for p in b["pair_ids"])]
-        mine = todo[world.rank::world.size]
+        per = wave * run.cfg.train.micro_batch_size  # pairs of a wave: batch i holds pair ids i*mbs .. (i+1)*mbs-1
+        todo = [(s, i) for s, bs in sides.items() for i in range(0, len(bs), wave)
+                if not all(p in done[s] for p in range(i // wave * per, min(i // wave * per + per, len(bs.pairs))))]
+        mine = todo[world.rank::world.size]  # (batches are made when scored: a large set is never all in memory)
         total = sum(len(bs.pairs) for bs in sides.values())
         log.info(f"reference log-probs: scoring {total - before} of {total} pairs at the reference weights "
                  f"({self.why})" + (f"; {before} scored by an interrupted pass" if before else ""))
@@ -208,9 +209,10 @@ class Reference:
                     seq += 1
                     d.clear()
 
-        for side, group in mine:
+        for side, at in mine:
             if stop is not None and stop.requested is not None:
                 break
+            group = sides[side][at:at + wave]
             logp, _ = run.engine.sequence_logps(microbatches(group), weights=self.weights)
             pairs = logp.detach().float().cpu().reshape(-1, 2).tolist()
             ids = [int(p) for b in group for p in b["pair_ids"]]
