@@ -80,7 +80,7 @@ def plan_objective(plan, cfg, adapter, set_pairs: int | None = None, eval_pairs:
         fits = plan.host_available is None or plan.host_total + copy <= plan.host_available
         strategy, why = choose(cfg.preference.reference, pass_pairs, stream_pairs, fits)
         if set_pairs is None and cfg.preference.reference == "auto":
-            why += " (the set's size is known once the data is read: the run decides again)"
+            why += "; the set's pairs are counted when the run reads the data, and it decides again"
         waves = -(-pass_pairs // max(pairs_step, 1))
         out.update(reference=strategy, why=why, pass_pairs=pass_pairs, stream_pairs=stream_pairs,
                    pass_s=waves * wave_pass, stream_step_s=wave_stream, stream_h2d_s=h2d_copy,
