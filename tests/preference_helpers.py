@@ -15,15 +15,16 @@ DEFAULTS = DEFAULT_CONFIG.parent
 
 def reversal_pairs(src: Path, dst: Path, limit: int | None = None) -> Path:
     """The demo's {"instruction": "reverse abc", "output": "cba"} rows as preference pairs: chosen the correct
-    reversal, rejected a wrong one (the same letters rotated by one; rows where that is the same word are left
-    out)."""
+    reversal, rejected a wrong one, its first two letters swapped ("bca"; words whose first two letters are the
+    same are left out). Telling them apart takes the skill the task is about: the answer starts with the word's
+    last letter, then the one before it."""
     out = []
     for line in src.read_text().splitlines():
         r = json.loads(line)
         good = r["output"]
-        bad = good[1:] + good[:1]
-        if bad != good:
-            out.append(json.dumps({"prompt": r["instruction"], "chosen": good, "rejected": bad}))
+        if len(good) >= 2 and good[0] != good[1]:
+            wrong = good[1] + good[0] + good[2:]
+            out.append(json.dumps({"prompt": r["instruction"], "chosen": good, "rejected": wrong}))
     dst.write_text("\n".join(out[:limit]) + "\n")
     return dst
 
