@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_model_dir
-from reference import LR, MAX_NORM, Megatrain, pair_batches, reference_optimizer, rel, row_logps
+from reference import MAX_NORM, Megatrain, pair_batches, reference_optimizer, rel, row_logps
 from test_equivalence import TOL, load_reference
 
 from megatrain.runtime import Placement

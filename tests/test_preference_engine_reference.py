@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import make_model_dir
-from reference import Megatrain, pair_batches, row_logps
+from reference import Megatrain, pair_batches, rel, row_logps
 from test_equivalence import TOL, load_reference
 from test_preference_engine import OBJECTIVES
 
@@ -181,3 +181,33 @@ def test_kernel_per_row_scale_and_forward_only():
         tol = 1e-6 if row["dtype"] == "torch.float32" else row["max_ref"] * 2**-7
         assert row["max_diff"] <= tol, row
         assert row["masked_row_max"] == 0.0, row
+
+
+@pytest.mark.parametrize("name", ["orpo", "ipo"])
+def test_ranks_shares_with_the_step_totals_add_up_to_the_step(tmp_path, name):
+    """What a distributed step does (distributed/step.py): each rank runs its micro-batches with the whole step's
+    totals (targets, micro-batches, pairs, chosen targets); the ranks' losses, gradients and metric sums add up to the
+    one-process step's."""
+    make_model_dir(tmp_path, "qwen3_moe", seed=44)
+    batches = pair_batches(3, 2, 97, [9, 12, 7], seed=45)
+    refs = [torch.randn(4) * 3 - 20 for _ in batches] if OBJECTIVES[name].needs_reference else None
+
+    def run(share, totals=None):
+        mt = Megatrain(tmp_path, objective=OBJECTIVES[name])
+        mbs = mt.microbatches(batches, refs)
+        out = mt.engine.train_step([mbs[m] for m in share], totals)
+        grads = {i: mt.pipeline.gradient(i).clone() for i in range(len(mt.store.tiles))}
+        mt.pipeline.finish_step(lr=0.0, clip_coef=1.0)
+        mt.close()
+        return out, grads
+
+    whole, g = run([0, 1, 2])
+    mbs = Megatrain.microbatches(batches, refs)
+    chosen = sum(int((b["labels"][0::2, 1:] != -100).sum()) for b in batches)
+    totals = (sum(mb.num_targets for mb in mbs), 3, 6, chosen)
+    (a, ga), (b, gb) = run([0, 2], totals), run([1], totals)
+    assert abs(a.loss_sum.item() + b.loss_sum.item() - whole.loss_sum.item()) <= TOL * abs(whole.loss_sum.item())
+    for i in g:
+        assert rel(ga[i] + gb[i], g[i]) <= TOL, f"unit {i}"
+    for k, v in whole.metrics.items():
+        assert abs(a.metrics[k].item() + b.metrics[k].item() - v.item()) <= TOL * max(1.0, abs(v.item())), k
