@@ -16,7 +16,7 @@ from reference import Megatrain, pair_batches, rel, row_logps
 from test_equivalence import TOL, load_reference
 from test_preference_engine import OBJECTIVES
 
-from megatrain.runtime import HeadKernels
+from megatrain.runtime import HeadKernels, Placement
 from megatrain.runtime.lmhead import head_loss
 
 
@@ -79,14 +79,19 @@ def test_reference_from_another_model_folder(tmp_path):
     mt.close()
 
 
-def test_bf16_reference_copy_counts_two_bytes_per_parameter(tmp_path):
+@pytest.mark.parametrize("stream", ["bf16", "fp32"])
+def test_bf16_reference_copy_counts_two_bytes_per_parameter(tmp_path, stream):
+    """bf16 compute: the copy is bf16 (+2 B/param) whether the policy streams bf16 or its fp32 master (cast in the
+    slots): its log-probs are the step-0 policy's bit for bit."""
     make_model_dir(tmp_path, "llama", seed=38)
-    mt = Megatrain(tmp_path, torch.bfloat16)
+    mt = Megatrain(tmp_path, torch.bfloat16, placement=Placement(stream_dtype=stream))
     before = mt.store.host_bytes()
     mt.store.freeze_reference()
     assert mt.store.reference.dtype == torch.bfloat16
     assert mt.store.host_bytes() - before == 2 * mt.store.total_elems
-    assert torch.equal(mt.store.reference, mt.store.stream)
+    assert torch.equal(mt.store.reference, mt.store.stream.to(torch.bfloat16))
+    mbs = mt.microbatches(pair_batches(2, 2, 97, [9, 12], seed=46))
+    assert torch.equal(mt.engine.sequence_logps(mbs)[0], mt.engine.sequence_logps(mbs, weights="reference")[0])
     mt.close()
 
 
