@@ -11,12 +11,13 @@ import sys
 import pytest
 import torch
 
-from conftest import make_model_dir
+from conftest import make_model_dir, tiny_hf_config
 from reference import Megatrain, pair_batches, rel, row_logps
 from test_equivalence import TOL, load_reference
 from test_preference_engine import OBJECTIVES
 
-from megatrain.runtime import HeadKernels, Placement
+from megatrain.models import get_adapter
+from megatrain.runtime import HeadKernels, HostStore, Placement
 from megatrain.runtime.lmhead import head_loss
 
 
@@ -77,6 +78,18 @@ def test_reference_from_another_model_folder(tmp_path):
         got, _ = mt.engine.sequence_logps(mt.microbatches(batches), weights=weights)
         assert (got - want).abs().max().item() <= TOL * want.abs().max().item(), weights
     mt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_init_reference_is_the_step_0_policy(dtype):
+    """A resumed run of a randomly initialised model rebuilds its reference from the seed: the same copy as frozen at
+    step 0."""
+    adapter = get_adapter(tiny_hf_config("qwen3_moe"))
+    a, b = HostStore(adapter, dtype), HostStore(adapter, dtype)
+    a.init_random(7, 0.02)
+    a.freeze_reference()
+    b.init_reference_random(7, 0.02)
+    assert torch.equal(a.reference, b.reference) and b.reference.abs().sum() > 0
 
 
 @pytest.mark.parametrize("stream", ["bf16", "fp32"])
