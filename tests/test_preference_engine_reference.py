@@ -21,11 +21,13 @@ from megatrain.runtime import HeadKernels, HostStore, Placement
 from megatrain.runtime.lmhead import head_loss
 
 
-@pytest.mark.parametrize("family,chunk", [("llama", 0), ("gemma2", 3), ("qwen3_moe", 5)])
-def test_sequence_logps_equal_transformers(tmp_path, family, chunk):
-    """Per-row sums and counts over micro-batches of unequal lengths, the head in chunks that cross rows."""
+@pytest.mark.parametrize("family,chunk,groups", [("llama", 0, 1), ("gemma2", 3, 1), ("qwen3_moe", 5, 2)])
+def test_sequence_logps_equal_transformers(tmp_path, family, chunk, groups):
+    """Per-row sums and counts over micro-batches of unequal lengths, the head in chunks that cross rows, the
+    micro-batches in wave groups."""
     make_model_dir(tmp_path, family, tied=family == "llama", seed=31)
-    ref, mt = load_reference(tmp_path), Megatrain(tmp_path, loss_chunk_tokens=chunk)
+    ref = load_reference(tmp_path)
+    mt = Megatrain(tmp_path, loss_chunk_tokens=chunk, placement=Placement(wave_groups=groups))
     batches = pair_batches(3, 2, 97, [9, 14, 6], seed=32)
     logp, n = mt.engine.sequence_logps(mt.microbatches(batches))
     with torch.no_grad():
