@@ -19,6 +19,7 @@ from test_preference_engine import OBJECTIVES
 from megatrain.models import get_adapter
 from megatrain.runtime import HeadKernels, HostStore, Placement
 from megatrain.runtime.lmhead import head_loss
+from megatrain.runtime.objective import Objective
 
 
 @pytest.mark.parametrize("family,chunk,groups", [("llama", 0, 1), ("gemma2", 3, 1), ("qwen3_moe", 5, 2)])
@@ -154,6 +155,9 @@ def test_bad_preference_microbatches_are_refused(tmp_path):
     with pytest.raises(ValueError, match="reference copy"):
         mt.engine.sequence_logps(mt.microbatches(batches), weights="reference")
     mt.close()
+    for bad in (dict(name="kto"), dict(name="ipo", beta=0.0), dict(name="dpo", label_smoothing=0.5)):
+        with pytest.raises(ValueError, match="objective"):
+            Objective(**bad)
 
 
 KERNEL_SCRIPT = r"""
