@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_model_dir
-from reference import LR, MAX_NORM, Megatrain, pair_batches, reference_optimizer, rel, row_logps
+from reference import MAX_NORM, Megatrain, pair_batches, reference_optimizer, rel, row_logps
 from test_equivalence import TOL, load_reference
 
 from megatrain.runtime import Placement
@@ -43,6 +43,8 @@ def written_out(name: str, logp: torch.Tensor, n: torch.Tensor, ref: torch.Tenso
         rc, rr, sc, sr = LAMBDA * ac, LAMBDA * ar, ac, ar
     metrics = {"rewards/chosen": rc, "rewards/rejected": rr, "rewards/margins": rc - rr,
                "rewards/accuracies": (rc > rr).double(), "logps/chosen": sc, "logps/rejected": sr}
+    if name == "orpo":
+        metrics.update({"log_odds_ratio": F.logsigmoid(odds), "log_odds_chosen": odds})
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
@@ -60,6 +62,7 @@ def reference_pref_step(model, opt, batches, name: str, refs) -> tuple[float, di
         loss = losses.sum() / pairs
         if name == "orpo":
             loss = loss - logp[0::2].sum() / chosen
+            metrics["nll_loss"] = metrics.get("nll_loss", 0.0) - logp[0::2].sum().item() / chosen
         if getattr(model.config, "output_router_logits", False):
             loss = loss + model.config.router_aux_loss_coef * out.aux_loss / len(batches)
         loss.backward()

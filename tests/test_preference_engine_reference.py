@@ -11,20 +11,24 @@ import sys
 import pytest
 import torch
 
-from conftest import make_model_dir
-from reference import Megatrain, pair_batches, row_logps
+from conftest import make_model_dir, tiny_hf_config
+from reference import Megatrain, pair_batches, rel, row_logps
 from test_equivalence import TOL, load_reference
 from test_preference_engine import OBJECTIVES
 
-from megatrain.runtime import HeadKernels
+from megatrain.models import get_adapter
+from megatrain.runtime import HeadKernels, HostStore, Placement
 from megatrain.runtime.lmhead import head_loss
+from megatrain.runtime.objective import Objective
 
 
-@pytest.mark.parametrize("family,chunk", [("llama", 0), ("gemma2", 3), ("qwen3_moe", 5)])
-def test_sequence_logps_equal_transformers(tmp_path, family, chunk):
-    """Per-row sums and counts over micro-batches of unequal lengths, the head in chunks that cross rows."""
+@pytest.mark.parametrize("family,chunk,groups", [("llama", 0, 1), ("gemma2", 3, 1), ("qwen3_moe", 5, 2)])
+def test_sequence_logps_equal_transformers(tmp_path, family, chunk, groups):
+    """Per-row sums and counts over micro-batches of unequal lengths, the head in chunks that cross rows, the
+    micro-batches in wave groups."""
     make_model_dir(tmp_path, family, tied=family == "llama", seed=31)
-    ref, mt = load_reference(tmp_path), Megatrain(tmp_path, loss_chunk_tokens=chunk)
+    ref = load_reference(tmp_path)
+    mt = Megatrain(tmp_path, loss_chunk_tokens=chunk, placement=Placement(wave_groups=groups))
     batches = pair_batches(3, 2, 97, [9, 14, 6], seed=32)
     logp, n = mt.engine.sequence_logps(mt.microbatches(batches))
     with torch.no_grad():
@@ -40,8 +44,8 @@ def test_sequence_logps_equal_transformers(tmp_path, family, chunk):
 def test_precomputed_and_streamed_reference_are_equal(tmp_path, name, dtype):
     """Run A scores every pair of the run at step 0 first (the precompute pass), run B freezes its step-0 weights
     and streams them each step: the same reference log-probs bit for bit, the same losses and weights."""
-    make_model_dir(tmp_path, "qwen3_moe" if name == "ipo" else "llama", seed=33)
-    steps = [pair_batches(2, 2, 97, [9, 12], seed=34 + s) for s in range(4)]
+    make_model_dir(tmp_path, "qwen2" if name == "ipo" else "llama", seed=33)
+    steps = [pair_batches(2, 2, 97, [9, 12], seed=34 + s) for s in range(3)]
     a = Megatrain(tmp_path, dtype, objective=OBJECTIVES[name])
     pre = [[a.engine.sequence_logps(a.microbatches([b]))[0] for b in batches] for batches in steps]
     b = Megatrain(tmp_path, dtype, objective=OBJECTIVES[name])
@@ -79,14 +83,31 @@ def test_reference_from_another_model_folder(tmp_path):
     mt.close()
 
 
-def test_bf16_reference_copy_counts_two_bytes_per_parameter(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_init_reference_is_the_step_0_policy(dtype):
+    """A resumed run of a randomly initialised model rebuilds its reference from the seed: the same copy as frozen at
+    step 0."""
+    adapter = get_adapter(tiny_hf_config("qwen3_moe"))
+    a, b = HostStore(adapter, dtype), HostStore(adapter, dtype)
+    a.init_random(7, 0.02)
+    a.freeze_reference()
+    b.init_reference_random(7, 0.02)
+    assert torch.equal(a.reference, b.reference) and b.reference.abs().sum() > 0
+
+
+@pytest.mark.parametrize("stream", ["bf16", "fp32"])
+def test_bf16_reference_copy_counts_two_bytes_per_parameter(tmp_path, stream):
+    """bf16 compute: the copy is bf16 (+2 B/param) whether the policy streams bf16 or its fp32 master (cast in the
+    slots): its log-probs are the step-0 policy's bit for bit."""
     make_model_dir(tmp_path, "llama", seed=38)
-    mt = Megatrain(tmp_path, torch.bfloat16)
+    mt = Megatrain(tmp_path, torch.bfloat16, placement=Placement(stream_dtype=stream))
     before = mt.store.host_bytes()
     mt.store.freeze_reference()
     assert mt.store.reference.dtype == torch.bfloat16
     assert mt.store.host_bytes() - before == 2 * mt.store.total_elems
-    assert torch.equal(mt.store.reference, mt.store.stream)
+    assert torch.equal(mt.store.reference, mt.store.stream.to(torch.bfloat16))
+    mbs = mt.microbatches(pair_batches(2, 2, 97, [9, 12], seed=46))
+    assert torch.equal(mt.engine.sequence_logps(mbs)[0], mt.engine.sequence_logps(mbs, weights="reference")[0])
     mt.close()
 
 
@@ -134,6 +155,9 @@ def test_bad_preference_microbatches_are_refused(tmp_path):
     with pytest.raises(ValueError, match="reference copy"):
         mt.engine.sequence_logps(mt.microbatches(batches), weights="reference")
     mt.close()
+    for bad in (dict(name="kto"), dict(name="ipo", beta=0.0), dict(name="dpo", label_smoothing=0.5)):
+        with pytest.raises(ValueError, match="objective"):
+            Objective(**bad)
 
 
 KERNEL_SCRIPT = r"""
@@ -181,3 +205,33 @@ def test_kernel_per_row_scale_and_forward_only():
         tol = 1e-6 if row["dtype"] == "torch.float32" else row["max_ref"] * 2**-7
         assert row["max_diff"] <= tol, row
         assert row["masked_row_max"] == 0.0, row
+
+
+@pytest.mark.parametrize("name", ["orpo", "ipo"])
+def test_ranks_shares_with_the_step_totals_add_up_to_the_step(tmp_path, name):
+    """What a distributed step does (distributed/step.py): each rank runs its micro-batches with the whole step's
+    totals (targets, micro-batches, pairs, chosen targets); the ranks' losses, gradients and metric sums add up to the
+    one-process step's."""
+    make_model_dir(tmp_path, "qwen3_moe" if name == "orpo" else "llama", seed=44)  # MoE: the router loss's share too
+    batches = pair_batches(3, 2, 97, [9, 12, 7], seed=45)
+    refs = [torch.randn(4) * 3 - 20 for _ in batches] if OBJECTIVES[name].needs_reference else None
+
+    def run(share, totals=None):
+        mt = Megatrain(tmp_path, objective=OBJECTIVES[name])
+        mbs = mt.microbatches(batches, refs)
+        out = mt.engine.train_step([mbs[m] for m in share], totals)
+        grads = {i: mt.pipeline.gradient(i).clone() for i in range(len(mt.store.tiles))}
+        mt.pipeline.finish_step(lr=0.0, clip_coef=1.0)
+        mt.close()
+        return out, grads
+
+    whole, g = run([0, 1, 2])
+    mbs = Megatrain.microbatches(batches, refs)
+    chosen = sum(int((b["labels"][0::2, 1:] != -100).sum()) for b in batches)
+    totals = (sum(mb.num_targets for mb in mbs), 3, 6, chosen)
+    (a, ga), (b, gb) = run([0, 2], totals), run([1], totals)
+    assert abs(a.loss_sum.item() + b.loss_sum.item() - whole.loss_sum.item()) <= TOL * abs(whole.loss_sum.item())
+    for i in g:
+        assert rel(ga[i] + gb[i], g[i]) <= TOL, f"unit {i}"
+    for k, v in whole.metrics.items():
+        assert abs(a.metrics[k].item() + b.metrics[k].item() - v.item()) <= TOL * max(1.0, abs(v.item())), k

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from .head_objective import row_logps
 from .lmhead import softcap_logits
 from .microbatch import MicroBatch
+from .schedule import group_sizes
 
 
 class ForwardOnly:
@@ -38,18 +39,23 @@ class ForwardOnly:
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logp [sum of rows] float32, n [sum of rows] int64) on the device: each row's summed log-prob of its
         target tokens and their count, by the streaming forward alone. weights: 'policy' (the trained weights) or
-        'reference' (the store's frozen copy, HostStore.freeze_reference / load_reference)."""
+        'reference' (the store's frozen copy, HostStore.freeze_reference / load_reference). The micro-batches go
+        through in the placement's wave groups, one wave each: no more of them on the device at once than a step
+        holds."""
         if weights not in ("policy", "reference") or (weights == "reference" and self.store.reference is None):
             raise ValueError(f"weights={weights!r}: 'policy', or 'reference' once the store holds a reference copy")
         reference = weights == "reference"
         if reference and self.pinned is not None:
             self.pinned.register(self.store.reference, "reference weights")
-        hidden, mbs = self._forward_only(microbatches, reference)
-        loaded = self._fetch(self.head_units, reference)
-        norm_w, lm_w = self._head_weights(self._acquire(loaded))
-        out = [row_logps(self.adapter.final_norm, h, mb, norm_w, lm_w, self.loss_chunk, self.head_kernels,
-                         self.adapter.logit_softcap) for mb, h in zip(mbs, hidden)]
-        self._release(loaded)
+        out = []
+        for group in group_sizes(len(microbatches), self.placement.wave_groups):
+            hidden, mbs = self._forward_only([microbatches[m] for m in group], reference)
+            loaded = self._fetch(self.head_units, reference)
+            norm_w, lm_w = self._head_weights(self._acquire(loaded))
+            out += [row_logps(self.adapter.final_norm, h, mb, norm_w, lm_w, self.loss_chunk, self.head_kernels,
+                              self.adapter.logit_softcap) for mb, h in zip(mbs, hidden)]
+            del hidden, mbs
+            self._release(loaded)
         return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 
     @torch.no_grad()

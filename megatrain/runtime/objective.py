@@ -33,6 +33,9 @@ class Objective:
     def __post_init__(self):
         if self.name not in NAMES:
             raise ValueError(f"objective {self.name!r}: one of {', '.join(NAMES)}")
+        if not (self.beta > 0 and 0 <= self.label_smoothing < 0.5 and self.orpo_lambda >= 0):
+            raise ValueError(f"objective {self.name}: beta > 0, label_smoothing in [0, 0.5), orpo_lambda >= 0 "
+                             f"(got {self.beta}, {self.label_smoothing}, {self.orpo_lambda})")
 
     @property
     def preference(self) -> bool:

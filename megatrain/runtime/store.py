@@ -139,6 +139,12 @@ class HostStore:
         self._reference_buffer()
         return self.load_safetensors(model_dir, threads, progress, into=_ReferenceTarget(self))
 
+    def init_reference_random(self, seed: int, std: float) -> None:
+        """Fill the reference copy with what init_random(seed, std) gives the policy (the step-0 weights of a
+        randomly initialised run, on resume), one unit staged in fp32 at a time."""
+        self._reference_buffer()
+        self.init_random(seed, std, into=_ReferenceTarget(self))
+
     def close(self) -> None:
         """Remove the SSD tier's scratch files (its writes finished first); the RAM is freed with the store."""
         if self.disk is not None:
@@ -172,13 +178,14 @@ class HostStore:
         return max(u.numel for u in self.units)
 
     # ---- initialisation -----------------------------------------------------------------------------
-    def init_random(self, seed: int, std: float, threads: int | None = None) -> None:
+    def init_random(self, seed: int, std: float, threads: int | None = None, into=None) -> None:
         """Deterministic per unit (its own generator, seeded by seed and unit position): the values do not depend
         on the loading order nor on `threads`. torch's CPU normal_ is serial (one generator's stream), 7 ns a
         parameter on the x4 host: 102 s for Qwen2.5-14B one unit after another. So the units' masters are filled
         by `threads` threads at once (default: the cores this process may use; the calls release the GIL), and
         the streaming copies are then cast on this thread with torch's own parallelism. A master on the SSD
-        tier is filled unit by unit through its staging buffer (one at a time, as unit_state allows)."""
+        tier is filled unit by unit through its staging buffer (one at a time, as unit_state allows). into: as for
+        load_safetensors."""
         def fill(i: int, master: torch.Tensor) -> None:
             t = self.tiles[i]
             g = torch.Generator().manual_seed(seed * 1_000_003 + i)
@@ -190,11 +197,12 @@ class HostStore:
                 else:
                     view.zero_()
 
-        if "master" in self.on_disk:
+        target = into or self
+        if "master" in target.on_disk:
             for i, t in enumerate(self.tiles):
-                with self.unit_state(i, ("master",), read=False, write=True) as st:
+                with target.unit_state(i, ("master",), read=False, write=True) as st:
                     fill(i, st["master"])
-                    self.refresh_stream_copy(t, st["master"])
+                    target.refresh_stream_copy(t, st["master"])
             return
         n = min(len(self.tiles), threads or len(os.sched_getaffinity(0)))
         with ThreadPoolExecutor(n, thread_name_prefix="megatrain-init") as pool:
