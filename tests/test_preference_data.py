@@ -260,6 +260,14 @@ def test_config_errors_and_the_wrong_loader(tmp_path):
     sft = str(write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}]))
     with pytest.raises(MegatrainError, match="data.path: format 'text' is not preference data"):
         build_pair_loader(config(tmp_path, path=sft), tokenizer(), seed=0, micro_batch_size=1, grad_accum_steps=1)
+    with pytest.raises(MegatrainError, match=r"data.eval_datasets\[0\]: format 'text' is not preference data "
+                                             r"\(data.datasets\[0\] is\)"):
+        validate_inputs(config(tmp_path, datasets=[{"path": path, "format": "preference"}],
+                               eval_datasets=[{"path": sft, "format": "text"}]))
+    bad = str(write_jsonl(tmp_path / "b.jsonl", [{**GOOD, "rejected": GOOD["chosen"]}] * 2))
+    with pytest.raises(MegatrainError, match="data: no usable training example: 2 rows read, 2 bad"):
+        build_pair_loader(config(tmp_path, path=bad, format="preference", skip_bad_rows=True), tokenizer(), seed=0,
+                          micro_batch_size=1, grad_accum_steps=1)
 
 
 def test_preview_shows_both_sides_of_a_pair_with_the_prompt_masked(tmp_path):

@@ -29,6 +29,8 @@ Interface used by the trainer and the command line (and nothing else of this pac
     build_eval_batches(cfg, tokenizer, micro_batch_size=) -> list[Batch] | None
     preview(cfg, tokenizer, n) -> str
     load_exact_match(path) -> list[tuple[str, str]]     train.exact_match_path's (prompt, answer) pairs
+    is_preference(cfg), build_pair_loader(...), build_pair_eval_batches(...), all_pair_batches(...),
+    pair_fingerprint(...)                               preference pairs (preference_loader.py says how)
 The loader and preview functions set `data.chat_template`, when given, on the tokenizer object they receive, so a
 tokenizer saved with the exported model chats the way it was trained.
 
