@@ -30,6 +30,14 @@ their median, the slowest step over it with its GPU idle time and idle stretches
 those, a table last, and writes JSON (--json).
 `--device cpu` sets train.device=cpu (a check of the script, with a tiny config.json).
 
+`--objective dpo` (ipo, simpo, orpo) trains that preference objective on synthetic pairs instead: --seqs and --micro
+still count rows (sequences), a pair being two (its chosen and rejected side), so `--seqs 128 --micro 64` is 64
+pairs per step in micro-batches of 32 pairs, the same tokens as SFT's `--seqs 128 --micro 64`. data.jsonl then holds
+{"prompt", "chosen", "rejected"} rows of 16 prompt words and two different completions of --seq - 17 words (with
+the end-of-sequence token each side is --seq tokens); `--reference` sets preference.reference. A precomputed
+reference's pass, before step 1, is timed by the run (its record `reference_pass_s`): `tokens_per_s_with_reference`
+spreads it over the run's steps (the pass scores each pair of the run once), against `tokens_per_s`.
+
 `--nproc-per-node N` runs it as N ranks of one node (`torchrun --standalone --nproc-per-node N -m megatrain train`):
 --seqs and --micro stay per rank (the step is N times larger), and the node's host memory is sampled every 0.5 s
 while it runs: the sum of the processes' proportional set sizes (PSS: the shared store counted once) and the
@@ -150,6 +158,15 @@ def write_documents(path: Path, tokens: int, low: int, high: int, n_words: int, 
     return n
 
 
+def write_pairs(path: Path, pairs: int, seq: int, n_words: int, seed: int = 0) -> None:
+    """Preference rows: a 16-word prompt and two different completions of seq - 17 words."""
+    rng = random.Random(seed)
+    words = lambda k: " ".join(f"w{rng.randrange(n_words)}" for _ in range(k))  # noqa: E731
+    with path.open("w") as f:
+        for _ in range(pairs):
+            f.write(json.dumps({"prompt": words(16), "chosen": words(seq - 17), "rejected": words(seq - 17)}) + "\n")
+
+
 def write_config(path: Path, args, model_dir: Path, tokenizer: Path, data: Path, out_dir: Path) -> dict:
     import yaml
 
@@ -166,6 +183,11 @@ def write_config(path: Path, args, model_dir: Path, tokenizer: Path, data: Path,
         "export": {"at_end": False},
         "output": {"dir": str(out_dir), "overwrite": True},
     }
+    if args.objective != "sft":  # micro_batch_size counts pairs: two rows each
+        cfg["data"].update(format="preference")
+        cfg["train"].update(objective=args.objective, micro_batch_size=args.micro // 2)
+        if args.objective in ("dpo", "ipo"):
+            cfg["preference"] = {"reference": args.reference}
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return cfg
 
@@ -344,11 +366,18 @@ def step_records(metrics: Path) -> list[dict]:
             r = json.loads(line)
             if "loss" in r:
                 steps.append(r)
+            elif "reference_pass_s" in r and steps == []:  # the precomputed reference's pass, before step 1
+                steps.append(r)
+    reference = [steps.pop(0)] if steps and "loss" not in steps[0] else []
     prev = 0.0  # step 1's wall time runs from the logger's start
     for r in steps:
         r["wall_s"] = r["elapsed_s"] - prev
         prev = r["elapsed_s"]
         r["wall_tokens_per_s"] = r["tokens"] / r["wall_s"] if r["wall_s"] > 0 else None
+    for r in reference:  # step 1's wall time runs from the logger's start, before the pass: the pass is not a step's
+        steps[0]["wall_s"] -= r["reference_pass_s"] if steps else 0.0
+        for s in steps:
+            s["reference_pass_s"] = r["reference_pass_s"]
     return steps
 
 
@@ -380,6 +409,9 @@ def summarise(args, steps: list[dict], params: int) -> dict:
         "tflops_attn": mean("tflops_attn"), "mfu": mean("mfu"),
         "tflops_6n_active": mean("tflops_6n_active"), "router_loss": mean("router_loss"),  # MoE
         "expert_load_max": peak("expert_load_max"),
+        "objective": args.objective, "pairs_per_step": args.seqs // 2 if args.objective != "sft" else None,
+        "reference_pass_s": measured[0].get("reference_pass_s") if measured else None,
+        "tokens_per_s_with_reference": with_reference(measured, len(steps)),
         "busy_compute": busy, "busy_h2d": mean("busy_h2d"), "busy_d2h": mean("busy_d2h"),
         "gpu_idle": 1.0 - busy if busy is not None else None,
         "gpu_peak_gib": peak("gpu_peak_gib"), "gpu_reserved_gib": peak("gpu_reserved_gib"),
@@ -389,6 +421,15 @@ def summarise(args, steps: list[dict], params: int) -> dict:
                   for r in steps],
         **step_spread(measured, "step_time_s"),  # every measured step, the slowest over the median, its idle
     }
+
+
+def with_reference(measured: list[dict], steps: int) -> float | None:
+    """Tokens per second of the measured steps with the reference pass's time spread over the run's steps (None
+    without a pass)."""
+    if not measured or not measured[0].get("reference_pass_s"):
+        return None
+    seconds = sum(r["step_time_s"] for r in measured) + measured[0]["reference_pass_s"] * len(measured) / steps
+    return sum(r["tokens"] for r in measured) / seconds
 
 
 def planned(path: Path) -> dict:
@@ -429,6 +470,10 @@ def main() -> int:
                    help="sample /proc during the run: each step's CPU, busiest threads and memory events (host_trace.py)")
     p.add_argument("--docs", default=None, metavar="LOW:HIGH",
                    help="packed rows (data.packing): documents of LOW..HIGH tokens, uniform, packed into --seq rows")
+    p.add_argument("--objective", default="sft", choices=["sft", "dpo", "ipo", "simpo", "orpo"],
+                   help="train.objective; a preference objective trains on pairs (--seqs, --micro: rows, 2 a pair)")
+    p.add_argument("--reference", default="auto", choices=["auto", "precompute", "stream"],
+                   help="preference.reference (dpo, ipo)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.docs:
@@ -436,6 +481,9 @@ def main() -> int:
         if not 1 <= low <= high < args.seq:
             p.error(f"--docs {args.docs}: need 1 <= LOW <= HIGH < --seq")
         args.docs = (low, high)
+    if args.objective != "sft" and (args.micro % 2 or args.seqs % 2 or args.docs):
+        p.error("--objective: --seqs and --micro count rows, two per pair: give even numbers (and no --docs: pairs "
+                "are not packed)")
     if args.steps < 1:
         p.error("--steps must be at least 1")
     if args.seqs % args.micro:
@@ -463,7 +511,9 @@ def main() -> int:
         write_model_dir(work / "model", cfg)
         n_words = write_tokenizer(work / "tokenizer", cfg)
         rows = args.seqs * args.nproc_per_node * (args.warmup + args.steps)
-        if args.docs:  # a quarter more than the steps need: the packer's last rows of an epoch are the emptiest
+        if args.objective != "sft":
+            write_pairs(work / "data.jsonl", rows // 2, args.seq, n_words)
+        elif args.docs:  # a quarter more than the steps need: the packer's last rows of an epoch are the emptiest
             write_documents(work / "data.jsonl", rows * args.seq * 5 // 4, *args.docs, n_words=n_words)
         else:
             write_data(work / "data.jsonl", rows=rows, words_per_row=args.seq + 16, n_words=n_words)
@@ -492,7 +542,9 @@ def main() -> int:
         if traces:
             res["host_trace"] = traces[0].per_step()
         full = args.seqs * args.seq * args.nproc_per_node
-        short = [] if args.docs else [r["step"] for r in steps if r.get("tokens") != full]
+        # (pairs: each side's end-of-sequence token is the data layer's; the steps must at least be alike)
+        short = [] if args.docs else [r["step"] for r in steps if r.get("tokens") != (
+            full if args.objective == "sft" else steps[0].get("tokens"))]
         if args.docs:  # packed rows: the share of the rows' positions that hold a document's token
             res["packing_efficiency"] = min((r["tokens"] for r in steps), default=0) / full
         ok = rc == 0 and res["steps_measured"] == args.steps and not short
@@ -509,7 +561,8 @@ def main() -> int:
         print(spread_lines(res))
         if res.get("host_trace"):
             print("\n".join(trace_lines(res["host_trace"])))
-        print(table([res], ["label", "params", "tokens_per_step", "step_s", "wall_step_s", "tokens_per_s",
+        print(table([res], ["label", "objective", "params", "tokens_per_step", "step_s", "wall_step_s", "tokens_per_s",
+                            "reference_pass_s", "tokens_per_s_with_reference",
                             "tflops_6n", "tflops_6n_active", "mfu", "gpu_idle", "busy_h2d", "busy_d2h", "gpu_peak_gib",
                             "host_peak_rss_gib", "host_node_pss_gib", "host_node_used_gib",
                             "host_bytes_per_param", "step_median_s", "slowest_step", "slowest_over_median",

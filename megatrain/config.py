@@ -21,8 +21,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from .data import is_preference
 from .data.config import DataConfig
-from .config_checks import TooLarge, check_overlaps, check_yaml_size, expand_home
+from .config_checks import TooLarge, check_overlaps, check_yaml_size, expand_home, objective_problems
 from .errors import ConfigError, MegatrainError, check_dir_target, decode_utf8, load_json
 from .runtime.knobs import Knob, knobs
 from .runtime.schedule import Placement
@@ -72,6 +73,9 @@ class TrainConfig(_Strict):
     exact_match_path: str | None = Field(None, description="alpaca JSONL whose answers greedy decoding must match")
     init_std: float | None = Field(None, gt=0, description="std of random init; default: config.json's "
                                                           "initializer_range")
+    objective: Literal["sft", "dpo", "ipo", "simpo", "orpo"] = Field(
+        "sft", description="sft: next-token loss; dpo, ipo, simpo, orpo: preference optimization on (prompt, chosen, "
+                           "rejected) pairs, as TRL names them (the preference section; docs/preference.md)")
 
     @field_validator("betas")
     @classmethod
@@ -105,6 +109,23 @@ class EngineConfig(_Strict):
         """YAML 1.1 reads an unquoted `on` / `off` (in a file, or `engine.compile=on` on the command line) as a
         boolean (`true` / `false` too): take it as the word."""
         return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+
+class PreferenceConfig(_Strict):
+    """Preference optimization (train.objective dpo, ipo, simpo, orpo; docs/preference.md). train.micro_batch_size
+    counts pairs; data.max_seq_len bounds each side."""
+
+    beta: float = Field(0.1, gt=0, description="dpo, ipo, simpo: beta (TRL's DPOConfig.beta, CPOConfig.beta)")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo, simpo: the conservative-DPO label smoothing")
+    simpo_gamma: float = Field(0.5, ge=0, description="simpo: the target reward margin gamma (CPOConfig.simpo_gamma)")
+    orpo_lambda: float = Field(0.1, gt=0, description="orpo: weight of the odds-ratio term beside the SFT term "
+                                                      "(ORPOConfig.beta, the paper's lambda)")
+    reference: Literal["auto", "precompute", "stream"] = Field(
+        "auto", description="dpo, ipo: the reference log-probs, computed by a forward pass over every pair before "
+                            "step 1 and stored with the run (precompute), or from a frozen bf16 copy of the weights "
+                            "streamed each step, +2 B/param host RAM (stream); auto: the cheaper, as the plan says")
+    reference_path: str | None = Field(None, description="dpo, ipo: a model folder of the same architecture as the "
+                                                         "reference (default: the policy at step 0)")
 
 
 class _Budgets(_Strict):
@@ -183,6 +204,7 @@ class Config(_Strict):
     plan: PlanConfig = PlanConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     export: ExportConfig = ExportConfig()
+    preference: PreferenceConfig = PreferenceConfig()
     resume: str | None = Field(None, description="'auto': continue from the newest complete checkpoint in "
                                                  "output.dir (none yet: start fresh); or a checkpoint directory")
 
@@ -198,7 +220,8 @@ MOVED_KEYS = {("engine", "spill_layers"): "memory.spill_layers",
               ("engine", "gpu_memory_budget_gb"): "memory.gpu_budget_gb",
               ("plan", "host_memory_gb"): "memory.host_budget_gb"}
 # data paths: DataConfig.resolve_relative
-INPUT_PATHS = (("model", "path"), ("model", "tokenizer"), ("train", "exact_match_path"))
+INPUT_PATHS = (("model", "path"), ("model", "tokenizer"), ("train", "exact_match_path"),
+               ("preference", "reference_path"))
 MERGE_TAG = "tag:yaml.org,2002:merge"
 DEMO_HINT = ("give a config file (megatrain train my_run.yaml) or model.path=... on the command line; "
              "`megatrain train` alone runs the embedded demo")
@@ -370,19 +393,19 @@ def _describe(err: dict, where: str) -> str:
 
 
 def _validate(raw: dict, lines: dict[tuple, int], path: Path | None, from_cli: set[tuple]) -> Config:
+    def where(loc: tuple) -> str:  # keys are str, list indices int: as in `lines`
+        if any(loc[:k] in from_cli for k in range(1, len(loc) + 1)):
+            return "command line: "
+        line = lines.get(loc) or lines.get(loc[:-1]) or lines.get(loc[:1])
+        return f"{path}:{line}: " if line else (f"{path}: " if path else "")
+
     try:
-        return Config.model_validate(raw)
+        cfg = Config.model_validate(raw)
     except ValidationError as e:
-        problems = []
-        for err in e.errors():
-            loc = tuple(err["loc"])  # keys are str, list indices int: as in `lines`
-            if any(loc[:k] in from_cli for k in range(1, len(loc) + 1)):
-                where = "command line: "
-            else:
-                line = lines.get(loc) or lines.get(loc[:-1]) or lines.get(loc[:1])
-                where = f"{path}:{line}: " if line else (f"{path}: " if path else "")
-            problems.append(_describe(err, where))
-        raise _problems(problems) from None
+        raise _problems([_describe(err, where(tuple(err["loc"]))) for err in e.errors()]) from None
+    if problems := objective_problems(cfg, is_preference(cfg.data)):  # train.objective and the data agree
+        raise _problems([where(loc) + msg for loc, msg in problems])
+    return cfg
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
@@ -422,6 +445,7 @@ def check_paths(cfg: Config, outputs: bool = True, default_profile: Path | None 
     kind("model.tokenizer", cfg.model.tokenizer, True,
          "a directory of tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
     kind("train.exact_match_path", cfg.train.exact_match_path, False, "an alpaca JSON-lines file")
+    kind("preference.reference_path", cfg.preference.reference_path, True, "a Hugging Face model directory")
     if cfg.data.chat_template and "{" not in cfg.data.chat_template:
         kind("data.chat_template", cfg.data.chat_template, False, "a Jinja file (or the template itself)")
     kind("plan.profile", cfg.plan.profile, False, "a profile written by `megatrain probe`")

@@ -6,6 +6,8 @@ a run writes against the paths it reads.
 - `~` is expanded once, when the config is validated, in every path the run reads or writes, so that the checks
   and the writes see the same folder (never one named `~` in the working directory).
 - No folder the run writes is, holds or lies inside a path it reads.
+- train.objective and the data agree: a preference objective trains on preference pairs and pairs need one; the
+  reference keys belong to the objectives with a reference (dpo, ipo).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def expand_home(cfg) -> None:
 
     d = cfg.data
     fields = [(cfg.model, "path"), (cfg.model, "tokenizer"), (cfg.train, "exact_match_path"), (cfg.output, "dir"),
+              (cfg.preference, "reference_path"),
               (cfg.export, "dir"), (cfg.memory, "disk_path"), (cfg.plan, "profile"), (d, "path"), (d, "eval_path"),
               (d, "dataset_info"), (d, "cache_dir"),
               *((e, "path") for e in (d.datasets or []) + (d.eval_datasets or []))]
@@ -74,6 +77,7 @@ def check_overlaps(cfg) -> None:
     d = cfg.data
     inputs = [("model.path", cfg.model.path), ("model.tokenizer", cfg.model.tokenizer),
               ("train.exact_match_path", cfg.train.exact_match_path), ("data.path", d.path),
+              ("preference.reference_path", cfg.preference.reference_path),
               ("data.eval_path", d.eval_path), ("data.dataset_info", d.dataset_info),
               *((f"data.datasets[{i}].path", e.path) for i, e in enumerate(d.datasets or [])),
               *((f"data.eval_datasets[{i}].path", e.path) for i, e in enumerate(d.eval_datasets or []))]
@@ -95,3 +99,25 @@ def check_overlaps(cfg) -> None:
                 how = "is" if o == i else ("holds" if o in i.parents else "lies inside")
                 raise MegatrainError(f"{okey}: {o} {how} {ikey} ({i}): the run would write over what it reads; "
                                      f"choose an {okey} that does not overlap its inputs")
+
+
+REFERENCE_OBJECTIVES = ("dpo", "ipo")  # the objectives whose loss holds the reference model's log-probs
+
+
+def objective_problems(cfg, pairs: bool) -> list[tuple[tuple, str]]:
+    """Of a validated `megatrain.config.Config` whose data is preference pairs or not (`pairs`:
+    megatrain.data.is_preference): (the key's path, one line) for each disagreement between train.objective, the
+    data and the preference section (none: an empty list)."""
+    t, p, out = cfg.train, cfg.preference, []
+    if t.objective != "sft" and not pairs:
+        out.append((("train", "objective"), f"train.objective: {t.objective} trains on preference pairs (prompt, "
+                    f"chosen, rejected), but data.format is '{cfg.data.format}'; set data.format: preference (or a "
+                    f"dataset_info.json entry with \"ranking\": true), or train.objective: sft"))
+    if t.objective == "sft" and pairs:
+        out.append((("data", "format"), "data: preference pairs (prompt, chosen, rejected) need a preference "
+                                        "objective; set train.objective: dpo, ipo, simpo or orpo"))
+    for key, unset in (("reference", "auto"), ("reference_path", None)):
+        if getattr(p, key) != unset and t.objective not in REFERENCE_OBJECTIVES:
+            out.append((("preference", key), f"preference.{key}: only dpo and ipo have a reference model; "
+                                             f"train.objective {t.objective} has none: remove the key"))
+    return out

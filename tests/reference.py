@@ -54,21 +54,23 @@ class Megatrain:
     to RuntimeOptions."""
 
     def __init__(self, model_dir, dtype=torch.float32, *, threaded_optimizer: bool | None = None,
-                 **engine_options):
+                 disk_path=None, disk_states=(), **engine_options):
         self.adapter = get_adapter(load_hf_config(model_dir))
         stream = engine_options["placement"].stream_dtype if "placement" in engine_options else "bf16"
-        self.store = HostStore(self.adapter, torch.float32 if stream == "fp32" else dtype, dtype)
+        self.store = HostStore(self.adapter, torch.float32 if stream == "fp32" else dtype, dtype, disk_path=disk_path,
+                               disk_states=tuple(disk_states))
         self.store.load_safetensors(model_dir)
         self.opt = CpuAdamW(eps=EPS, weight_decay=WD)
         self.runtime = build_runtime(self.store, "cpu", self.opt, RuntimeOptions(
             engine=EngineOptions(**engine_options), threaded_optimizer=threaded_optimizer))
         self.engine, self.pipeline = self.runtime.engine, self.runtime.pipeline
 
-    def train_step(self, batches, max_norm=MAX_NORM, lr=LR, keep_grads: bool = False):
+    def train_step(self, batches, max_norm=MAX_NORM, lr=LR, keep_grads: bool = False, ref_logps=None):
         """One step as the trainer takes it: the engine's waves, the norm, the pipeline's update. Returns
-        (loss, grad norm, {HF name: gradient} when keep_grads)."""
-        mbs = [MicroBatch.from_labels(b["input_ids"], b["labels"], None, b.get("attention_mask")) for b in batches]
-        out = self.engine.train_step(mbs)
+        (loss, grad norm, {HF name: gradient} when keep_grads); the engine's StepOutput is kept as `last`.
+        ref_logps: each micro-batch's reference log-probs (a preference objective)."""
+        mbs = self.microbatches(batches, ref_logps)
+        out = self.last = self.engine.train_step(mbs)
         norm = out.grad_sq_norm.sqrt().item()
         grads = {}
         if keep_grads:  # the finished gradients, before the update consumes them
@@ -78,9 +80,15 @@ class Megatrain:
         self.pipeline.finish_step(lr=lr, clip_coef=clip_coefficient(norm, max_norm))
         return out.loss_sum.item(), norm, grads
 
-    def step(self, batches, max_norm=MAX_NORM, lr=LR) -> tuple[float, dict[str, torch.Tensor]]:
-        loss, _, grads = self.train_step(batches, max_norm, lr, keep_grads=True)
+    def step(self, batches, max_norm=MAX_NORM, lr=LR, ref_logps=None) -> tuple[float, dict[str, torch.Tensor]]:
+        loss, _, grads = self.train_step(batches, max_norm, lr, keep_grads=True, ref_logps=ref_logps)
         return loss, grads
+
+    @staticmethod
+    def microbatches(batches, ref_logps=None) -> list[MicroBatch]:
+        return [MicroBatch.from_labels(b["input_ids"], b["labels"], None, b.get("attention_mask"),
+                                       ref_logps=None if ref_logps is None else ref_logps[m])
+                for m, b in enumerate(batches)]
 
     def params(self) -> dict[str, torch.Tensor]:
         self.pipeline.drain()
@@ -115,3 +123,32 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     [E, 2, I, H] against transformers' gate_up_proj [E, 2I, H])."""
     a = a.reshape(b.shape)
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def pair_batches(n_micro: int, pairs: int, vocab: int, lengths: list[int], seed: int, pad_id: int = 0):
+    """Preference micro-batches: rows 2i / 2i+1 the chosen / rejected completion of one prompt (masked in the labels),
+    of unequal lengths, right-padded; every row has at least two completion tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for m in range(n_micro):
+        T = lengths[m % len(lengths)]
+        ids = torch.full((2 * pairs, T), pad_id, dtype=torch.long)
+        labels = torch.full((2 * pairs, T), -100, dtype=torch.long)
+        for i in range(pairs):
+            prompt = torch.randint(3, vocab, (int(torch.randint(1, T // 2, (1,), generator=g)),), generator=g)
+            for r in (2 * i, 2 * i + 1):
+                real = int(torch.randint(len(prompt) + 2, T + 1, (1,), generator=g))
+                ids[r, :len(prompt)] = prompt
+                ids[r, len(prompt):real] = torch.randint(3, vocab, (real - len(prompt),), generator=g)
+                labels[r, len(prompt):real] = ids[r, len(prompt):real]
+        out.append({"input_ids": ids, "labels": labels, "attention_mask": (ids != pad_id).long()})
+    return out
+
+
+def row_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of log p(label) over each row's labelled tokens, their count) from a model's logits [B, T, V] and the
+    unshifted labels [B, T] (-100: no token)."""
+    y = labels[:, 1:]
+    mask = y != -100
+    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, y.clamp_min(0)[..., None]).squeeze(-1)
+    return (lp * mask).sum(-1), mask.sum(-1)

@@ -45,7 +45,8 @@ def resolve(resume: str | None, out_dir: Path) -> Path | None:
 
 
 # what a run writes in its output.dir: a folder holding only these is a run's, and may be started over
-RUN_FILES = {"config.json", "plan.json", "metrics.jsonl", "checkpoints", "tensorboard", "export", LOCK_FILE}
+RUN_FILES = {"config.json", "plan.json", "metrics.jsonl", "checkpoints", "tensorboard", "export", "reference",
+             LOCK_FILE}
 
 
 def check_fresh_start(out_dir: Path, overwrite: bool, resume: str | None) -> None:

@@ -62,12 +62,18 @@ def package_versions() -> dict:
             "safetensors": safetensors.__version__, "numpy": np.__version__, "python": platform.python_version()}
 
 
-def run_state(*, step: int, lr: float | None, config: dict, loader_state: dict, summary: dict) -> dict:
-    """Everything besides the store that step `step + 1` depends on, captured at the step boundary."""
+def run_state(*, step: int, lr: float | None, config: dict, loader_state: dict, summary: dict,
+              reference: dict | None = None) -> dict:
+    """Everything besides the store that step `step + 1` depends on, captured at the step boundary. reference: a
+    dpo or ipo run's reference log-probs (run/reference.py's Reference.state: the strategy, and the file of
+    precomputed log-probs the run was trained against, in output.dir/reference)."""
     t = config["train"]
     schedule = {k: t[k] for k in ("lr", "lr_schedule", "warmup_steps", "steps", "min_lr_ratio")}
-    return {"step": step, "lr_schedule": {**schedule, "last_lr": lr}, "loader": loader_state,
-            "rng": capture_rng(), "config": config, "versions": package_versions(), "summary": summary}
+    out = {"step": step, "lr_schedule": {**schedule, "last_lr": lr}, "loader": loader_state,
+           "rng": capture_rng(), "config": config, "versions": package_versions(), "summary": summary}
+    if reference is not None:
+        out["reference"] = reference
+    return out
 
 
 def model_files_writer(model_path: str | Path, tokenizer) -> Callable[[Path], None]:

@@ -15,6 +15,9 @@ Modules, one job each:
     tokenizer.py  load_tokenizer; the tokenizer fingerprint; chat template override
     exact_match.py the held-out (prompt, expected answer) pairs of train.exact_match_path
     loader.py     the interface below
+    preference.py          a (prompt, chosen, rejected) row -> a pair -> both sides' tokens and labels
+    preference_examples.py tokenised pairs -> the pairs of a run (over-long pairs cut, counted); their batches, preview
+    preference_loader.py   the pairs' interface for preference objectives (dpo, ipo, simpo, orpo; see there)
 
 Interface used by the trainer and the command line (and nothing else of this package):
     load_tokenizer(path) -> PreTrainedTokenizerBase     AutoTokenizer, MegatrainError if missing or unreadable
@@ -26,6 +29,8 @@ Interface used by the trainer and the command line (and nothing else of this pac
     build_eval_batches(cfg, tokenizer, micro_batch_size=) -> list[Batch] | None
     preview(cfg, tokenizer, n) -> str
     load_exact_match(path) -> list[tuple[str, str]]     train.exact_match_path's (prompt, answer) pairs
+    is_preference(cfg), build_pair_loader(...), build_pair_eval_batches(...), all_pair_batches(...),
+    pair_fingerprint(...)                               preference pairs (preference_loader.py says how)
 The loader and preview functions set `data.chat_template`, when given, on the tokenizer object they receive, so a
 tokenizer saved with the exported model chats the way it was trained.
 
@@ -43,7 +48,10 @@ All errors are MegatrainError with one-line messages naming the key, file and ro
 from .config import DataConfig, DatasetSpec
 from .exact_match import load_exact_match
 from .loader import Batch, StepLoader, build_eval_batches, build_train_loader, preview, validate_inputs
+from .preference_loader import (PairBatches, PairLoader, all_pair_batches, build_pair_eval_batches, build_pair_loader,
+                                is_preference, pair_fingerprint)
 from .tokenizer import load_tokenizer
 
-__all__ = ["Batch", "DataConfig", "DatasetSpec", "StepLoader", "build_eval_batches", "build_train_loader",
-           "load_exact_match", "load_tokenizer", "preview", "validate_inputs"]
+__all__ = ["Batch", "DataConfig", "DatasetSpec", "PairBatches", "PairLoader", "StepLoader", "all_pair_batches",
+           "build_eval_batches", "build_pair_eval_batches", "build_pair_loader", "build_train_loader",
+           "is_preference", "load_exact_match", "load_tokenizer", "pair_fingerprint", "preview", "validate_inputs"]

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-Format = Literal["text", "alpaca", "sharegpt", "messages", "prompt_completion"]
+Format = Literal["text", "alpaca", "sharegpt", "messages", "prompt_completion", "preference"]
 SampleBy = Literal["line", "paragraph", "document"]
 
 # Logical column of each format -> default column name in the data. `role`/`content` name the keys inside each
@@ -25,6 +25,9 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
                  "content": "value"},
     "messages": {"messages": "messages", "system": "system", "tools": "tools", "role": "role", "content": "content"},
     "prompt_completion": {"prompt": "prompt", "completion": "completion", "system": "system"},
+    # (prompt, chosen, rejected) pairs (preference.py); input/history: LLaMA-Factory's alpaca ranking layout
+    "preference": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "system": "system",
+                   "tools": "tools", "input": "input", "history": "history", "role": "role", "content": "content"},
 }
 CANONICAL_ROLES = ("system", "user", "assistant", "tool")
 # Role names found in the data -> canonical role; `roles:` in the config is merged over these.
@@ -34,6 +37,7 @@ DEFAULT_ROLES: dict[str, dict[str, str]] = {
     "messages": {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
                  "tool": "tool"},
 }
+DEFAULT_ROLES["preference"] = {**DEFAULT_ROLES["sharegpt"], **DEFAULT_ROLES["messages"]}
 
 
 def _check_columns(fmt: str, columns: dict[str, str] | None) -> None:
@@ -85,7 +89,8 @@ class DataConfig(BaseModel):
     # --- where the data is ----------------------------------------------------------------------------------
     path: str | None = Field(None, description="training data: .json/.jsonl/.parquet/.csv/.txt file, a "
                                                "directory of them, or a datasets save_to_disk directory")
-    format: Format = Field("text", description="row format: text, alpaca, sharegpt, messages, prompt_completion")
+    format: Format = Field("text", description="row format: text, alpaca, sharegpt, messages, prompt_completion, "
+                                               "preference ((prompt, chosen, rejected) pairs)")
     columns: dict[str, str] = Field(default_factory=dict, description="logical column -> column name in the data "
                                                                       "(e.g. {output: answer})")
     roles: dict[str, str] = Field(default_factory=dict, description="role name in the data -> system/user/"
@@ -167,8 +172,15 @@ class DataConfig(BaseModel):
                         _check_columns(self.format, s.columns)
                     except ValueError as e:
                         raise ValueError(f"data.{key}[{i}].columns: {e}") from None
+        fmts = {s.format or self.format for s in self.datasets} if self.datasets else {self.format}
+        if "preference" in fmts:
+            if self.packing:
+                raise ValueError("data.packing: preference pairs are not packed (a pair's chosen and rejected "
+                                 "sequences are rows of one micro-batch); set data.packing: false")
+            if self.train_on_prompt:
+                raise ValueError("data.train_on_prompt: preference pairs carry loss on their completions only; "
+                                 "set data.train_on_prompt: false")
         if self.overlong == "split":
-            fmts = {s.format or self.format for s in self.datasets} if self.datasets else {self.format}
             if fmts != {"text"}:
                 raise ValueError("data.overlong: 'split' cuts documents into pieces and is for format 'text' only "
                                  "(use truncate or drop for conversations)")

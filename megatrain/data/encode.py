@@ -44,16 +44,9 @@ def _features():
 def encode_row(raw: dict, index: int, *, tok, fmt: str, columns: dict, roles: dict, blank_ok: bool,
                opts: EncodeOptions) -> dict:
     """One raw row -> its tokenised columns. Module level, so `map` can send it to worker processes."""
-    if RAW_COL in raw:
-        row_no = raw[ROW_COL]
-        if raw.get(ERR_COL):  # its bytes could not be read (e.g. not UTF-8)
-            return _bad(row_no, raw[ERR_COL])
-        try:
-            row = json.loads(raw[RAW_COL])
-        except json.JSONDecodeError as e:
-            return _bad(row_no, f"malformed JSON: {e.msg} (column {e.colno})")
-    else:
-        row_no, row = index + 1, dict(raw)  # datasets hands a lazy mapping
+    row_no, row, err = read_row(raw, index)
+    if err:
+        return _bad(row_no, err)
     try:
         sample = to_sample(row, fmt, columns, roles, blank_ok)
         if sample is None:  # a blank line of a text file: not a row
@@ -66,6 +59,18 @@ def encode_row(raw: dict, index: int, *, tok, fmt: str, columns: dict, roles: di
         return _bad(row_no, f"{type(e).__name__}: {e}".splitlines()[0])
     return {"input_ids": ids, "labels": labels, "row": row_no, "error": "", "length": len(ids),
             "num_targets": sum(1 for x in labels if x != IGNORE), "cut_chars": cut}
+
+
+def read_row(raw: dict, index: int) -> tuple[int, object, str]:
+    """A raw row -> (its row number, the row, "" or why it cannot be read: bytes that are not UTF-8, bad JSON)."""
+    if RAW_COL not in raw:
+        return index + 1, dict(raw), ""  # datasets hands a lazy mapping
+    if raw.get(ERR_COL):
+        return raw[ROW_COL], None, raw[ERR_COL]
+    try:
+        return raw[ROW_COL], json.loads(raw[RAW_COL]), ""
+    except json.JSONDecodeError as e:
+        return raw[ROW_COL], None, f"malformed JSON: {e.msg} (column {e.colno})"
 
 
 def _bad(row_no: int, msg: str) -> dict:
@@ -89,29 +94,33 @@ def processes(num_proc: int | None, rows: int) -> int | None:
     return num_proc if num_proc > 1 and rows >= 2 * num_proc else None
 
 
-def tokenise(part: RawPart, tok, opts: EncodeOptions, root: str, num_proc: int | None, fail_fast: bool):
-    """The tokenised dataset of one raw part (from the cache when it is there)."""
+def tokenise(part: RawPart, tok, opts: EncodeOptions, root: str, num_proc: int | None, fail_fast: bool,
+             encoder=None, features=None, version: str = ENCODER_VERSION):
+    """The tokenised dataset of one raw part (from the cache when it is there). encoder(raw, index, **kwargs) -> the
+    columns of `features()` with at least row, error, length and cut_chars (preference.py's pairs have their own);
+    version: the encoder's, in the cache key. Default: encode_row and its columns."""
+    encoder, features = encoder or encode_row, features or _features
     src = part.source
-    if src.format != "text" and src.format != "prompt_completion" and not tok.chat_template:
+    if src.format not in ("text", "prompt_completion", "preference") and not tok.chat_template:
         raise MegatrainError(f"{src.key}: format '{src.format}' is rendered with the tokenizer's chat template, "
                              f"but the tokenizer has none; set data.chat_template")
     kwargs = dict(tok=tok, fmt=src.format, columns=src.columns, roles=src.roles,
                   blank_ok=part.file.suffix.lower() == ".txt", opts=opts)
     key = json.dumps({"part": part.identity, "tok": tokenizer_fingerprint(tok), "fmt": src.format,
                       "columns": src.columns, "roles": src.roles, "blank_ok": kwargs["blank_ok"],
-                      "opts": asdict(opts), "v": ENCODER_VERSION}, sort_keys=True)
+                      "opts": asdict(opts), "v": version}, sort_keys=True)
     fp = hashlib.sha256(key.encode()).hexdigest()[:20]
     out = Path(root) / "megatrain" / f"tokens-{fp}.arrow"
     ds = part.dataset
     if RAW_COL not in ds.column_names and not out.exists():  # read by datasets, not by our reader: check the bytes
         check_strings_utf8(part)
     if fail_fast and len(ds) and not out.exists():  # a wrong format or column shows on row 1: stop before mapping
-        first = encode_row(ds[0], 0, **kwargs)
+        first = encoder(ds[0], 0, **kwargs)
         if first["error"]:
             raise MegatrainError(f"{part.where(first['row'])}: {first['error']} "
                                  f"(set data.skip_bad_rows: true to skip and count such rows)")
     out.parent.mkdir(parents=True, exist_ok=True)
     nproc = processes(num_proc, len(ds))
-    return ds.map(encode_row, with_indices=True, fn_kwargs=kwargs, remove_columns=ds.column_names,
-                  features=_features(), cache_file_name=str(out), load_from_cache_file=True, new_fingerprint=fp,
+    return ds.map(encoder, with_indices=True, fn_kwargs=kwargs, remove_columns=ds.column_names,
+                  features=features(), cache_file_name=str(out), load_from_cache_file=True, new_fingerprint=fp,
                   num_proc=nproc, desc=f"Tokenising {part.file.name}")

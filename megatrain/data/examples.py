@@ -102,30 +102,28 @@ def _targets(labels: np.ndarray, s: int, e: int) -> int:
     return int((labels[s + 1: e] != IGNORE).sum())
 
 
-def build_examples(cfg: DataConfig, tok, side: str = "train") -> Examples:
-    """Load, tokenise (cached) and select the examples of `side`: "train", or "eval" (eval files, or the
-    hold-out of the training rows). Raises MegatrainError for bad rows (unless skipped) or nothing usable."""
+def load_parts(cfg: DataConfig, tok, side: str, counts: Counts, **tokenise_kw):
+    """Load and tokenise (cached) the files of `side`: "train", or "eval" (eval files, or the hold-out of the
+    training rows); bad rows raise (or are skipped and counted), blank ones left out. -> (sources, [(source index,
+    Part, its rows in use)]). tokenise_kw: tokenise()'s encoder, features, version (preference.py's pairs)."""
     eval_files = side == "eval" and (cfg.eval_path or cfg.eval_datasets)
     sources = resolve_sources(cfg, eval=bool(eval_files))
     if not sources:
         raise MegatrainError("data.path: no training data given" if side == "train" else
                              "data: no evaluation data given")
-    cut_to = row_tokens(cfg.max_seq_len)
-    opts = EncodeOptions(cfg.train_on_prompt, cfg.mask_history, cfg.add_eos, cut_to, cfg.overlong == "split")
+    pairs = [s for s in sources if s.format == "preference"]
+    if pairs and "encoder" not in tokenise_kw:
+        raise MegatrainError(f"{pairs[0].key}: preference pairs (format 'preference') train with a preference "
+                             f"objective (train.objective: dpo, ipo, simpo or orpo), not next-token loss")
+    opts = EncodeOptions(cfg.train_on_prompt, cfg.mask_history, cfg.add_eos, counts.cut_to, cfg.overlong == "split")
     root = cache_root(cfg)
-    counts = Counts(cut_to=cut_to)
-    parts: list[Part] = []
-    cols: dict[str, list] = {k: [] for k in ("part", "row", "start", "end", "source")}
-    S = cfg.max_seq_len
+    out = []
     for si, src in enumerate(sources):
         for f in source_files(src):
             raw = load_raw(src, f, root)
-            tokens = tokenise(raw, tok, opts, root, cfg.num_proc, fail_fast=not cfg.skip_bad_rows)
-            pi = len(parts)
-            parts.append(Part(raw, tokens))
+            tokens = tokenise(raw, tok, opts, root, cfg.num_proc, fail_fast=not cfg.skip_bad_rows, **tokenise_kw)
             table = tokens.data
             length = table.column("length").to_numpy().astype(np.int64)
-            n_targets = table.column("num_targets").to_numpy().astype(np.int64)
             counts.cut += int(pc.sum(pc.greater(table.column("cut_chars"), 0)).as_py() or 0)
             bad = pc.not_equal(table.column("error"), "").to_numpy(zero_copy_only=False)
             if bad.any():
@@ -144,17 +142,37 @@ def build_examples(cfg: DataConfig, tok, side: str = "train") -> Examples:
                 held = _holdout(len(good), cfg.eval_fraction)
                 counts.held_out += int(held.sum())
                 good = good[held] if side == "eval" else good[~held]
-            _select(cfg, tokens, good, length, n_targets, S, counts, cols, pi, si)
+            out.append((si, Part(raw, tokens), good))
+    return sources, out
+
+
+def no_examples(counts: Counts, side: str, max_seq_len: int) -> MegatrainError:
+    what = "training" if side == "train" else "evaluation"
+    c = counts
+    return MegatrainError(f"data: no usable {what} example: {c.rows} rows read, {c.bad} bad, {c.dropped} dropped "
+                          f"as longer than max_seq_len={max_seq_len}, {c.no_loss} without any token to learn"
+                          + (f", {c.held_out} held out for evaluation" if side == "train" and c.held_out else ""))
+
+
+def build_examples(cfg: DataConfig, tok, side: str = "train") -> Examples:
+    """Load, tokenise (cached) and select the examples of `side`: "train", or "eval" (eval files, or the
+    hold-out of the training rows). Raises MegatrainError for bad rows (unless skipped) or nothing usable."""
+    counts = Counts(cut_to=row_tokens(cfg.max_seq_len))
+    sources, loaded = load_parts(cfg, tok, side, counts)
+    parts: list[Part] = []
+    cols: dict[str, list] = {k: [] for k in ("part", "row", "start", "end", "source")}
+    for pi, (si, part, good) in enumerate(loaded):
+        parts.append(part)
+        table = part.tokens.data
+        length = table.column("length").to_numpy().astype(np.int64)
+        n_targets = table.column("num_targets").to_numpy().astype(np.int64)
+        _select(cfg, part.tokens, good, length, n_targets, cfg.max_seq_len, counts, cols, pi, si)
     arrays = [np.concatenate(cols[k]) if cols[k] else np.zeros(0, dtype=np.int64)
               for k in ("part", "row", "start", "end", "source")]
     ex = Examples(sources, parts, *arrays, counts)
     counts.examples = len(ex)
     if not len(ex):
-        what = "training" if side == "train" else "evaluation"
-        c = counts
-        raise MegatrainError(f"data: no usable {what} example: {c.rows} rows read, {c.bad} bad, {c.dropped} dropped "
-                             f"as longer than max_seq_len={S}, {c.no_loss} without any token to learn"
-                             + (f", {c.held_out} held out for evaluation" if side == "train" and c.held_out else ""))
+        raise no_examples(counts, side, cfg.max_seq_len)
     return ex
 
 

@@ -28,14 +28,14 @@ class Columns:
             raise RowError(f"expected an object with the columns of format '{fmt}', got {type(row).__name__}")
         self.row, self.fmt, self.columns = row, fmt, columns
 
-    def _name(self, key: str) -> str:
+    def name(self, key: str) -> str:
         name = self.columns[key]
         return f"'{name}'" if name == key else f"'{name}' (the {key} column)"
 
     def get(self, key: str, required: bool = True):
         v = self.row.get(self.columns[key])
         if v is None and required:
-            raise RowError(f"missing column {self._name(key)} needed by format '{self.fmt}'")
+            raise RowError(f"missing column {self.name(key)} needed by format '{self.fmt}'")
         return v
 
     def text(self, key: str, required: bool = True) -> str | None:
@@ -43,7 +43,7 @@ class Columns:
         if v is None:
             return None
         if not isinstance(v, str):
-            raise RowError(f"column {self._name(key)} must be a string, got {type(v).__name__}")
+            raise RowError(f"column {self.name(key)} must be a string, got {type(v).__name__}")
         return v
 
 
@@ -58,7 +58,7 @@ def _content(v, where: str) -> str:
     raise RowError(f"{where}: content must be a string (or a list of text parts), got {type(v).__name__}")
 
 
-def _tools(v):
+def parse_tools(v):
     if v is None or v == "" or v == []:
         return None
     if isinstance(v, str):  # LLaMA-Factory keeps tools as a JSON string
@@ -73,9 +73,9 @@ def _tools(v):
     return v
 
 
-def _messages(raw, c: Columns, roles: dict[str, str], keep_extra: bool) -> list[dict]:
+def parse_messages(raw, c: Columns, roles: dict[str, str], keep_extra: bool) -> list[dict]:
     if not isinstance(raw, list):
-        raise RowError(f"column {c._name('messages')} must be a list of messages, got {type(raw).__name__}")
+        raise RowError(f"column {c.name('messages')} must be a list of messages, got {type(raw).__name__}")
     role_key, content_key = c.columns["role"], c.columns["content"]
     out = []
     for i, m in enumerate(raw, 1):
@@ -103,10 +103,28 @@ def _check_conversation(msgs: list[dict], loss_from: int = 0) -> None:
             raise RowError(f"empty assistant turn (message {i})")
 
 
-def _with_system(msgs: list[dict], system: str | None) -> list[dict]:
+def with_system(msgs: list[dict], system: str | None) -> list[dict]:
     if system and system.strip() and not (msgs and msgs[0]["role"] == "system"):
         return [{"role": "system", "content": system}] + msgs
     return msgs
+
+
+def alpaca_turns(c: Columns, key: str) -> list[dict]:
+    """The alpaca layout's history turns and the user turn (column `key` and the input joined by a line break)."""
+    user = "\n".join(s for s in (c.text(key), c.text("input", False)) if s)
+    if not user.strip():
+        raise RowError(f"empty {key} (column {c.name(key)})")
+    msgs = []
+    history = c.get("history", False) or []
+    if not isinstance(history, list):
+        raise RowError(f"column {c.name('history')} must be a list of [instruction, response] pairs")
+    for i, pair in enumerate(history, 1):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(s, str) for s in pair)):
+            raise RowError(f"history entry {i} must be a pair [instruction, response] of strings")
+        if not pair[1].strip():
+            raise RowError(f"empty assistant turn (history entry {i})")
+        msgs += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    return msgs + [{"role": "user", "content": user}]
 
 
 def to_sample(row, fmt: str, columns: dict[str, str], roles: dict[str, str], blank_ok: bool = False):
@@ -117,54 +135,42 @@ def to_sample(row, fmt: str, columns: dict[str, str], roles: dict[str, str], bla
         if not text.strip():
             if blank_ok:
                 return None
-            raise RowError(f"empty text in column {c._name('text')}")
+            raise RowError(f"empty text in column {c.name('text')}")
         return {"kind": "text", "text": text}
 
     if fmt == "alpaca":
-        instruction, inp, output = c.text("instruction"), c.text("input", False), c.text("output")
-        user = "\n".join(s for s in (instruction, inp) if s)
-        if not user.strip():
-            raise RowError(f"empty instruction (column {c._name('instruction')})")
+        output = c.text("output")
+        msgs = alpaca_turns(c, "instruction")
         if not output.strip():
-            raise RowError(f"empty assistant turn (column {c._name('output')})")
-        msgs = []
-        history = c.get("history", False) or []
-        if not isinstance(history, list):
-            raise RowError(f"column {c._name('history')} must be a list of [instruction, response] pairs")
-        for i, pair in enumerate(history, 1):
-            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(s, str) for s in pair)):
-                raise RowError(f"history entry {i} must be a pair [instruction, response] of strings")
-            if not pair[1].strip():
-                raise RowError(f"empty assistant turn (history entry {i})")
-            msgs += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
-        msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
-        return {"kind": "chat", "messages": _with_system(msgs, c.text("system", False)), "tools": None,
+            raise RowError(f"empty assistant turn (column {c.name('output')})")
+        msgs.append({"role": "assistant", "content": output})
+        return {"kind": "chat", "messages": with_system(msgs, c.text("system", False)), "tools": None,
                 "loss_from": 0}
 
     if fmt in ("sharegpt", "messages"):
-        msgs = _messages(c.get("messages"), c, roles, keep_extra=fmt == "messages")
-        msgs = _with_system(msgs, c.text("system", False))
+        msgs = parse_messages(c.get("messages"), c, roles, keep_extra=fmt == "messages")
+        msgs = with_system(msgs, c.text("system", False))
         _check_conversation(msgs)
-        return {"kind": "chat", "messages": msgs, "tools": _tools(c.get("tools", False)), "loss_from": 0}
+        return {"kind": "chat", "messages": msgs, "tools": parse_tools(c.get("tools", False)), "loss_from": 0}
 
     if fmt == "prompt_completion":
         prompt, completion = c.get("prompt"), c.get("completion")
         if isinstance(prompt, str) and isinstance(completion, str):
             if not completion.strip():
-                raise RowError(f"empty completion (column {c._name('completion')})")
+                raise RowError(f"empty completion (column {c.name('completion')})")
             return {"kind": "completion", "prompt": prompt, "completion": completion}
         if isinstance(prompt, list) and isinstance(completion, list):  # conversational prompt and completion
             conv = dict(columns, role="role", content="content")
-            role_map = {**_OPENAI_ROLES, **roles}
-            p = _messages(prompt, Columns(row, fmt, conv), role_map, keep_extra=True)
-            q = _messages(completion, Columns(row, fmt, conv), role_map, keep_extra=True)
-            msgs = _with_system(p + q, c.text("system", False))
+            role_map = {**OPENAI_ROLES, **roles}
+            p = parse_messages(prompt, Columns(row, fmt, conv), role_map, keep_extra=True)
+            q = parse_messages(completion, Columns(row, fmt, conv), role_map, keep_extra=True)
+            msgs = with_system(p + q, c.text("system", False))
             loss_from = len(msgs) - len(q)
             _check_conversation(msgs, loss_from)
             return {"kind": "chat", "messages": msgs, "tools": None, "loss_from": loss_from}
-        raise RowError(f"columns {c._name('prompt')} and {c._name('completion')} must both be strings or both "
+        raise RowError(f"columns {c.name('prompt')} and {c.name('completion')} must both be strings or both "
                        f"lists of messages")
     raise RowError(f"unknown format '{fmt}'")
 
 
-_OPENAI_ROLES = {r: r for r in CANONICAL_ROLES}
+OPENAI_ROLES = {r: r for r in CANONICAL_ROLES}

@@ -6,6 +6,7 @@ from ..errors import MegatrainError
 from .config import DataConfig
 from .examples import Examples, build_examples
 from .packing import collate
+from .preference_examples import build_pairs, check_preference, is_preference, render_pair_preview
 from .preview import count_lines, efficiency_line, render_preview
 from .sampler import BatchShape, EpochPlanner, ResumableSampler, rank_share
 from .sources import resolve_sources, source_files
@@ -19,6 +20,8 @@ def validate_inputs(cfg: DataConfig) -> None:
     sources = resolve_sources(cfg)
     if not sources:
         raise MegatrainError("data.path: no training data given (set data.path or data.datasets)")
+    if is_preference(cfg):
+        check_preference(cfg)
     for src in sources + resolve_sources(cfg, eval=True):
         source_files(src)
     if cfg.chat_template:
@@ -90,6 +93,8 @@ def build_eval_batches(cfg: DataConfig, tokenizer, *, micro_batch_size: int) -> 
 
 def preview(cfg: DataConfig, tokenizer, n: int) -> str:
     apply_chat_template_override(tokenizer, cfg.chat_template)
+    if is_preference(cfg):  # each pair's two sides
+        return render_pair_preview(cfg, tokenizer, build_pairs(cfg, tokenizer, "train"), n)
     return render_preview(cfg, tokenizer, build_examples(cfg, tokenizer, "train"), n)
 
 

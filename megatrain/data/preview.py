@@ -13,8 +13,9 @@ def _n(x: int) -> str:
     return f"{x:,}"
 
 
-def count_lines(ex: Examples, max_seq_len: int) -> list[str]:
-    """The counts printed at the start of a run and by `megatrain data --preview`."""
+def count_lines(ex: Examples, max_seq_len: int, overlong: str | None = None) -> list[str]:
+    """The counts printed at the start of a run and by `megatrain data --preview`; overlong: the line on over-long
+    examples, when another kind of example (preference pairs) counts them its own way."""
     c = ex.counts
     quotas = ex.quotas()
     per_src = ", ".join(f"{s.name} ({s.format}): {_n(int((ex.source == i).sum()))}"
@@ -23,8 +24,9 @@ def count_lines(ex: Examples, max_seq_len: int) -> list[str]:
     lines = [f"examples: {_n(c.examples)} from {len(ex.sources)} source{'s' * (len(ex.sources) > 1)} [{per_src}]",
              f"rows: {_n(c.rows)} read, {_n(c.bad)} bad rows skipped, {_n(c.held_out)} held out for evaluation"]
     lines += [f"  skipped: {b}" for b in c.bad_examples]
-    lines.append(f"over-long (> max_seq_len={max_seq_len}): {_n(c.truncated)} truncated, {_n(c.dropped)} dropped, "
-                 f"{_n(c.split)} split into pieces; {_n(c.no_loss)} examples without any token to learn removed"
+    lines.append(overlong or f"over-long (> max_seq_len={max_seq_len}): {_n(c.truncated)} truncated, "
+                             f"{_n(c.dropped)} dropped, {_n(c.split)} split into pieces; {_n(c.no_loss)} examples "
+                             f"without any token to learn removed"
                  + (f"; {_n(c.cut)} rows tokenised only to their first {_n(c.cut_to)} tokens" if c.cut else ""))
     lens = ex.lengths
     pct = 100.0 * c.targets / max(c.tokens, 1)

@@ -79,26 +79,21 @@ def _from_registry(reg_file: Path, entry: dict, name: str) -> dict:
     if "file_name" not in entry:
         what = f" ({remote[0]})" if remote else ""
         raise MegatrainError(f"{where}: has no local file_name{what}; megatrain reads local data only")
-    if entry.get("ranking"):
-        raise MegatrainError(f"{where}: is preference (ranking) data; megatrain trains on SFT/pretraining data")
     if entry.get("load_from", "file") != "file":
         raise MegatrainError(f"{where}: load_from '{entry['load_from']}' is not supported (local files only)")
     cols = entry.get("columns") or {}
     tags = entry.get("tags") or {}
     # a registry names files in its own folder, as LLaMA-Factory's data/ does: never one outside it
     out: dict = {"path": str(inside(reg_file.parent, entry["file_name"], f"{where}: file_name"))}
-    if entry.get("formatting", "alpaca") == "sharegpt":
+    if entry.get("ranking"):  # preference pairs (preference.py): chosen and rejected beside the prompt
+        out.update(_ranking(cols, tags, entry.get("formatting", "alpaca") == "sharegpt"))
+    elif entry.get("formatting", "alpaca") == "sharegpt":
         out["format"] = "sharegpt"
         out["columns"] = {k: cols[k] for k in ("messages", "system", "tools") if k in cols}
         for lf, ours in (("role_tag", "role"), ("content_tag", "content")):
             if lf in tags:
                 out["columns"][ours] = tags[lf]
-        roles = {}
-        for lf, ours in (("user_tag", "user"), ("assistant_tag", "assistant"), ("observation_tag", "tool"),
-                         ("function_tag", "assistant"), ("system_tag", "system")):
-            if lf in tags:
-                roles[tags[lf]] = ours
-        out["roles"] = roles
+        out["roles"] = _tag_roles(tags)
     elif "prompt" in cols and "response" not in cols and "query" not in cols:
         out["format"], out["columns"] = "text", {"text": cols["prompt"]}  # LLaMA-Factory's pretraining entries
     else:
@@ -111,6 +106,27 @@ def _from_registry(reg_file: Path, entry: dict, name: str) -> dict:
     if "num_samples" in entry:
         out["num_samples"] = int(entry["num_samples"])
     return out
+
+
+def _ranking(cols: dict, tags: dict, sharegpt: bool) -> dict:
+    """A LLaMA-Factory ranking entry -> format 'preference': the prompt is the conversation (sharegpt layout; chosen
+    and rejected are message objects) or the instruction with its input (alpaca layout; chosen, rejected strings)."""
+    ours = {"chosen": cols.get("chosen", "chosen"), "rejected": cols.get("rejected", "rejected")}
+    ours.update({k: cols[k] for k in ("system", "tools") if k in cols})
+    if not sharegpt:
+        ours.update(prompt=cols.get("prompt", "instruction"), input=cols.get("query", "input"))
+        if "history" in cols:
+            ours["history"] = cols["history"]
+        return {"format": "preference", "columns": ours}
+    ours.update(prompt=cols.get("messages", "conversations"), role=tags.get("role_tag", "from"),
+                content=tags.get("content_tag", "value"))
+    return {"format": "preference", "columns": ours, "roles": _tag_roles(tags)}
+
+
+def _tag_roles(tags: dict) -> dict[str, str]:
+    """LLaMA-Factory's role tags (sharegpt layout) -> data role name -> canonical role."""
+    return {tags[lf]: r for lf, r in (("user_tag", "user"), ("assistant_tag", "assistant"), ("observation_tag", "tool"),
+                                      ("function_tag", "assistant"), ("system_tag", "system")) if lf in tags}
 
 
 def _source(cfg: DataConfig, key: str, spec: DatasetSpec | None, path: str | None, registry) -> Source:

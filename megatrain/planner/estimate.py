@@ -57,6 +57,7 @@ class Plan:
     ssd_free: float | None = None  # free bytes there
     precision_why: str = ""  # the resolved train.precision and why, one line (precision.precision_line)
     io: dict = field(default_factory=dict)  # load, save, resume, export seconds (io_time.io_times; set by the caller)
+    objective: dict = field(default_factory=dict)  # a preference objective's figures (objective.plan_objective)
 
     @property
     def ssd(self) -> dict:
@@ -117,7 +118,8 @@ class Plan:
                         "free_gib": None if self.ssd_free is None else self.ssd_free / GiB} if self.ssd else None,
                 "precision": self.workload.precision, "precision_why": self.precision_why,
                 "notes": self.notes, "world": self.world_json(), "profile": self.profile.source,
-                "cpu_adamw_params_per_s": self.profile.adamw_params_per_s}
+                "cpu_adamw_params_per_s": self.profile.adamw_params_per_s,
+                "objective": {k: v for k, v in self.objective.items() if k != "sft_time"} or None}
 
     def world_json(self) -> dict:
         w, c = self.world, self.comm

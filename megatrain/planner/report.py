@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from .estimate import Plan
 from .io_time import io_lines
+from .objective import objective_lines
 from .profile import GiB
 
 
@@ -79,6 +80,7 @@ def render(p: Plan) -> str:
     lines.append(f"  {t['tokens_per_s']:,.0f} tokens/s, {_flops(t['executed_tflops'] * 1e12)} executed, "
                  f"{_flops(t['tflops_6n'] * 1e12)} (6N){active}{mfu}")
     lines += render_world(p)
+    lines += objective_lines(p)
     for n in p.notes:
         lines.append(f"note: {n}")
     if p.problems:

@@ -1,10 +1,15 @@
-"""Evaluation with the streaming engine: held-out loss, and greedy decoding for exact match."""
+"""Evaluation with the streaming engine: held-out loss, and greedy decoding for exact match; for a preference
+objective, the held-out pairs' objective loss, TRL's rewards and log-probs, and preference accuracy."""
 
 from __future__ import annotations
 
 import torch
 
 from ..runtime import Engine, MicroBatch
+
+TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+               "logps/rejected")  # a preference objective's metrics, as TRL names them (runtime/objective.py)
+ORPO_METRICS = ("log_odds_ratio", "log_odds_chosen")
 
 
 def evaluate(run, step: int, log, stop=None) -> dict:
@@ -15,7 +20,9 @@ def evaluate(run, step: int, log, stop=None) -> dict:
     record = {"step": step}
     rank, world = run.ranks.world.rank, run.ranks.world.size
     stopping = (lambda: stop.requested is not None) if stop is not None else (lambda: False)
-    if run.eval_batches:
+    if run.eval_batches and run.preference:
+        record.update(preference_eval(run, stopping))
+    elif run.eval_batches:
         total, count = 0.0, 0
         for b in run.eval_batches[rank::world]:
             if stopping():
@@ -35,6 +42,43 @@ def evaluate(run, step: int, log, stop=None) -> dict:
     if len(record) > 1:
         log.log(record)
     return record
+
+
+@torch.no_grad()
+def preference_eval(run, stopping) -> dict:
+    """Over the held-out pairs (this rank's share; sums over every rank): eval_loss, the objective's mean pair loss;
+    eval_rewards/* and eval_logps/* as TRL names them; eval_preference_accuracy, the share of pairs whose chosen
+    side the policy gives the higher log-prob (length-normalised for ipo, simpo and orpo, as their rewards are)."""
+    from ..runtime.objective import pair_loss
+    from .reference import microbatches
+
+    obj = run.engine.options.objective
+    sums: dict[str, float] = {}
+    rank, world = run.ranks.world.rank, run.ranks.world.size
+    for i in range(rank, len(run.eval_batches), world):
+        if stopping():
+            break
+        b = run.eval_batches[i]
+        mbs = microbatches([b])
+        run.reference.eval_refs(run.engine, mbs[0], b, i)
+        logp, n = run.engine.sequence_logps(mbs)
+        logp, n = logp.detach().double().cpu(), n.cpu()
+        ref = mbs[0].ref_logps.double() if obj.needs_reference else None
+        loss, metrics = pair_loss(obj, logp, n, ref)
+        score = logp if obj.name == "dpo" else logp / n
+        wins = float((score[0::2] > score[1::2]).sum())
+        for k, v in {"loss": float(loss), "preference_accuracy": wins, "pairs": float(len(b["pair_ids"])),
+                     "nll": -float(logp[0::2].sum()), "chosen_tokens": float(n[0::2].sum()),
+                     **{k: float(v) for k, v in metrics.items() if k != "pairs"}}.items():
+            sums[k] = sums.get(k, 0.0) + v
+    keys = ["loss", "preference_accuracy", "pairs", "nll", "chosen_tokens", *TRL_METRICS,
+            *(ORPO_METRICS if obj.name == "orpo" else ())]
+    totals = dict(zip(keys, run.ranks.all_sum([sums.get(k, 0.0) for k in keys])))  # the same keys on every rank
+    pairs, nll = max(totals.pop("pairs"), 1.0), totals.pop("nll") / max(totals.pop("chosen_tokens"), 1.0)
+    out = {f"eval_{k}": v / pairs for k, v in totals.items()}
+    if obj.name == "orpo":  # its SFT term: the chosen sides' token NLL, a token mean over the held-out pairs
+        out.update(eval_loss=out["eval_loss"] + nll, eval_nll_loss=nll)
+    return out
 
 
 @torch.no_grad()

@@ -101,6 +101,16 @@ class MetricsLogger:
         self.file.close()
 
 
+def preference_fields(metrics: dict) -> dict:
+    """StepOutput.metrics (the sums over the step's pairs, and `pairs`) as a record's fields: each a mean over the
+    pairs, named as TRL logs it (rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies,
+    logps/chosen, logps/rejected; orpo's nll_loss and log_odds_ratio), and `pairs`."""
+    pairs = float(metrics["pairs"])
+    out = {k: float(v) / max(pairs, 1.0) for k, v in metrics.items() if k != "pairs"}
+    out["pairs"] = int(pairs)
+    return out
+
+
 def disk_fields(stats: dict, step_s: float | None) -> dict:
     """The SSD tier's counters (DiskTier.take_stats) as a record's fields: GB (1e9 bytes) read and written, each
     kind's rate while one of its requests was in flight, the seconds any request was in flight (`disk_busy_s`) and
@@ -123,6 +133,9 @@ def _headline(r: dict) -> dict[str, str]:
     gnorm = _fmt(r["grad_norm"]) + (" (no clip)" if r.get("clipping") is False else "")
     out = {"loss": _fmt(r["loss"]), "gnorm": gnorm, "lr": f"{r['lr']:.3g}",
            "tok/s": _fmt(r["tokens_per_s"])}
+    if "rewards/accuracies" in r:  # a preference objective: how often chosen wins, and by how much
+        out["acc"] = f"{r['rewards/accuracies']:.2f}"
+        out["margin"] = _fmt(r["rewards/margins"])
     if "tflops_6n" in r:
         out["TFLOP/s"] = f"{r['tflops_6n']:.0f}" if r["tflops_6n"] >= 10 else f"{r['tflops_6n']:.3g}"
     if "mfu" in r:

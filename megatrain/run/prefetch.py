@@ -4,7 +4,8 @@ Reading a step's rows from the Arrow files, collating them, building the engine'
 target positions) and pinning them for the device take host time between two steps, while the GPU would wait:
 one worker thread does it for step t+1 during step t. The order is the loader's own (one worker, sequential), and
 each prepared step carries the loader's state after it, so a checkpoint records the position of the steps
-actually trained, not of the one prepared ahead.
+actually trained, not of the one prepared ahead. A preference step's micro-batches carry their pairs' ids and,
+when the reference log-probs were precomputed, those log-probs (`lookup`: run/reference.py).
 """
 
 from __future__ import annotations
@@ -27,22 +28,26 @@ class PreparedStep:
     @property
     def tokens(self) -> int:
         """Real (non-padding) tokens of the step."""
-        return sum(int(b["num_real_tokens"]) if "num_real_tokens" in b else b["input_ids"].numel()
-                   for b in self.batches)
+        return sum(int(b["num_real_tokens"]) if "num_real_tokens" in b else int(b["attention_mask"].sum())
+                   if "attention_mask" in b else b["input_ids"].numel() for b in self.batches)
 
 
-def prepare_step(batches: list[dict], pin: bool) -> list[MicroBatch]:
-    mbs = [MicroBatch.from_labels(b["input_ids"], b["labels"], b.get("position_ids"), b.get("attention_mask"))
-           for b in batches]
+def prepare_step(batches: list[dict], pin: bool, lookup=None) -> list[MicroBatch]:
+    """lookup(batch): the reference log-probs of a preference batch's rows (None: none)."""
+    extra = [{} if "pair_ids" not in b else {"pair_ids": b["pair_ids"], "ref_logps": lookup(b) if lookup else None}
+             for b in batches]
+    mbs = [MicroBatch.from_labels(b["input_ids"], b["labels"], b.get("position_ids"), b.get("attention_mask"), **x)
+           for b, x in zip(batches, extra)]
     return [mb.pin() for mb in mbs] if pin else mbs
 
 
 class StepPrefetcher:
     """`next()` returns the next PreparedStep, drawing up to `ahead` steps in advance on a worker thread
-    (ahead=0: drawn when asked, on the caller's thread). Stops at `last_step` steps drawn in all."""
+    (ahead=0: drawn when asked, on the caller's thread). Stops at `last_step` steps drawn in all. lookup: a
+    preference batch's reference log-probs (prepare_step)."""
 
-    def __init__(self, loader, *, pin: bool, steps: int, ahead: int = 1):
-        self.loader, self.pin, self.ahead = loader, pin, ahead
+    def __init__(self, loader, *, pin: bool, steps: int, ahead: int = 1, lookup=None):
+        self.loader, self.pin, self.ahead, self.lookup = loader, pin, ahead, lookup
         self._left = steps
         self._state = loader.state_dict()  # position of the steps handed out so far
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, ahead))
@@ -54,7 +59,7 @@ class StepPrefetcher:
 
     def _draw(self) -> PreparedStep:
         batches = self.loader.next_step()
-        return PreparedStep(batches, prepare_step(batches, self.pin), self.loader.state_dict())
+        return PreparedStep(batches, prepare_step(batches, self.pin, self.lookup), self.loader.state_dict())
 
     def _run(self) -> None:
         try:

@@ -34,6 +34,7 @@ from ..runtime import (CpuAdamW, Engine, EngineOptions, HostStore, OptimizerPipe
                        RuntimeOptions, store_dtypes)
 from ..planner.workload import compiles_layers, fixed_placement, tunes_first
 from .oom import host_allocation
+from .reference import Reference, check_reference_path, choose_reference
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -55,6 +56,7 @@ class Inputs:
     loader: StepLoader
     eval_batches: list | None
     exact_match: list[tuple[str, str]] | None
+    reference: Reference = field(default_factory=Reference)
 
 
 @dataclass
@@ -72,6 +74,12 @@ class Run:
     plan: Plan | None = None  # the plan of this run (None: it could not be computed)
     startup_s: dict = field(default_factory=dict)  # seconds of each phase of `prepare` (StartupClock)
     tuned_first: str = ""  # what engine.tune_first compiled and tuned before the store existed ("": it did not)
+    reference: Reference = field(default_factory=Reference)  # a dpo or ipo run's reference log-probs
+
+    @property
+    def preference(self) -> bool:
+        """The run trains a preference objective on pairs (train.objective is not sft)."""
+        return self.cfg.train.objective != "sft"
 
     @property
     def store(self) -> HostStore:
@@ -137,6 +145,7 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
     hf_config = load_hf_config(cfg.model.path)
     adapter = get_adapter(hf_config)
     check_run_batch(cfg, adapter.hidden_size, device.type, world.size, world.local_size)  # before it is planned
+    check_reference_path(cfg, adapter)
     if (gen := Path(cfg.model.path) / "generation_config.json").is_file():
         load_json(gen)  # copied into every checkpoint and export unread: it must parse
     if cfg.data.max_seq_len > getattr(hf_config, "max_position_embeddings", cfg.data.max_seq_len):
@@ -166,15 +175,19 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
     if len(tokenizer) > adapter.vocab_size:
         raise MegatrainError(f"model.tokenizer: the tokenizer has {len(tokenizer)} tokens but config.json's "
                              f"vocab_size is {adapter.vocab_size}")
-    loader = data_lib.build_train_loader(cfg.data, tokenizer, seed=cfg.train.seed,
-                                         micro_batch_size=cfg.train.micro_batch_size,
-                                         grad_accum_steps=cfg.train.grad_accum_steps, rank=world.rank,
-                                         world=world.size)
-    eval_batches = data_lib.build_eval_batches(cfg.data, tokenizer, micro_batch_size=cfg.train.micro_batch_size)
+    pairs = cfg.train.objective != "sft"  # (config.objective_problems: then the data is preference pairs)
+    build_loader, build_eval = ((data_lib.build_pair_loader, data_lib.build_pair_eval_batches) if pairs else
+                                (data_lib.build_train_loader, data_lib.build_eval_batches))
+    loader = build_loader(cfg.data, tokenizer, seed=cfg.train.seed, micro_batch_size=cfg.train.micro_batch_size,
+                          grad_accum_steps=cfg.train.grad_accum_steps, rank=world.rank, world=world.size)
+    eval_batches = build_eval(cfg.data, tokenizer, micro_batch_size=cfg.train.micro_batch_size)
+    reference = choose_reference(cfg, plan, adapter, loader, tokenizer, eval_batches, resumed) if pairs else \
+        Reference()
     if exact and not tokenizer.chat_template:  # (the loader has set data.chat_template on it, when given)
         raise MegatrainError("train.exact_match_path: the prompts are rendered with the tokenizer's chat template, "
                              "but the tokenizer has none; set data.chat_template")
-    return Inputs(device, hf_config, adapter, plan, out_dir, resumed, tokenizer, loader, eval_batches, exact)
+    return Inputs(device, hf_config, adapter, plan, out_dir, resumed, tokenizer, loader, eval_batches, exact,
+                  reference)
 
 
 def check_tune_first(cfg: Config, device: torch.device, ranks: int) -> None:
@@ -255,6 +268,8 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
         rate = f" {io['bytes'] / 1e9:.1f} GB at {io['bytes'] / max(io['seconds'], 1e-9) / 1e9:.2f} GB/s" if io else ""
         clock.lap("store filled" + (f" (from {inp.resumed.path.name}{rate})" if inp.resumed is not None else
                                     " (random init)" if cfg.model.init == "random" else f" (weights read{rate})"))
+        if fill_reference(cfg, inp, store):
+            clock.lap(f"reference copy filled ({str(store.compute_dtype).replace('torch.', '')})")
     if inp.resumed is not None:
         inp.loader.load_state_dict(inp.resumed.state["loader"])
 
@@ -265,19 +280,41 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
         runtime = ranks.build_runtime(store, optimizer, options)
     clock.lap("runtime built (buffers pinned, slots allocated)")
     return Run(cfg, adapter, runtime, inp.loader, inp.eval_batches, inp.exact_match, inp.tokenizer, inp.out_dir,
-               ranks, inp.resumed, plan, startup_s=clock.phases, tuned_first=tuned)
+               ranks, inp.resumed, plan, startup_s=clock.phases, tuned_first=tuned, reference=inp.reference)
 
 
 def fill_store(cfg: Config, inp: Inputs, store: HostStore) -> None:
     """The store's first state: the checkpoint resumed (instead of the model's weights, not after them: the
     weights are read once), a random init, or the model's weights."""
     if inp.resumed is not None:
+        if inp.reference.strategy == "stream" and cfg.model.init == "random" and not cfg.preference.reference_path:
+            store.init_random(cfg.train.seed, cfg.train.init_std or getattr(inp.hf_config, "initializer_range", 0.02))
+            store.freeze_reference()  # the step-0 weights of the reference copy (fill_reference)
         store.load_stats = resume_lib.load_store(inp.resumed, store)
     elif cfg.model.init == "random":
         std = cfg.train.init_std or getattr(inp.hf_config, "initializer_range", 0.02)
         store.init_random(cfg.train.seed, std)
     else:
         store.load_safetensors(cfg.model.path)
+
+
+def fill_reference(cfg: Config, inp: Inputs, store: HostStore) -> bool:
+    """The store's frozen reference copy (HostStore.freeze_reference, load_reference), when the run streams one or
+    scores another model: preference.reference_path's weights, else the step-0 policy's. A resumed run's store
+    holds a later step's weights, so the step-0 ones come again from their source: model.path's files, or (random
+    init) the same seeded init, frozen before the checkpoint is loaded over it (fill_store). Returns whether one
+    was filled."""
+    ref = inp.reference
+    if not (ref.strategy == "stream" or ref.strategy == "precompute" and cfg.preference.reference_path):
+        return False
+    if cfg.preference.reference_path:
+        store.load_reference(cfg.preference.reference_path)
+    elif inp.resumed is None:
+        store.freeze_reference()  # the store holds the step-0 weights
+    elif cfg.model.init != "random":  # (random: fill_store froze the seeded init before loading the checkpoint)
+        store.load_reference(cfg.model.path)
+    ref.frozen = True
+    return True
 
 
 def disk_states_of(cfg: Config, plan: Plan | None = None) -> tuple[str, ...]:
@@ -303,6 +340,9 @@ def runtime_options(cfg: Config, device: torch.device, plan: Plan | None = None,
     threads = plan.profile.adamw_threads if plan is not None else None
     if threads:
         threads = min(max(1, threads // ranks_per_node), torch.get_num_threads())
+    from ..runtime.objective import Objective
+
     return RuntimeOptions(engine=EngineOptions(loss_chunk_tokens=e.loss_chunk_tokens, num_slots=e.num_slots,
-                                               compile_layers=compile_layers, placement=placement),
+                                               compile_layers=compile_layers, placement=placement,
+                                               objective=Objective.from_config(cfg.train, cfg.preference)),
                           adam_threads=threads)

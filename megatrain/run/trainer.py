@@ -27,7 +27,7 @@ from ..runtime.pinned import release_torch_pinned_cache
 from ..runtime.router_loss import expert_load
 from .collector import StepCollector
 from .evaluate import evaluate
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, preference_fields
 from .oom import raise_if_out_of_memory
 from .plancheck import PlanCheck
 from .prefetch import PreparedStep, StepPrefetcher
@@ -63,6 +63,13 @@ def _train(run: Run, stop: StopOnSignal) -> dict:
             #            folder would replace each other's checkpoints and metrics)
             lock = FolderLock(run.out_dir, "output.dir").acquire()
         s = start(run, stop)
+    except Stopped as e:  # during the reference pass (run/reference.py): what it scored is kept for the next run
+        if lock is not None:
+            lock.release()
+        run.runtime.close()
+        print(f"megatrain: stopped by {e.name} during {e.phase}, before step 1; its scored pairs are kept: "
+              f"resume=auto goes on from them", file=sys.stderr)
+        return {"stopped_at": 0, "stopped_during": e.phase}
     except BaseException as e:
         if lock is not None:
             lock.release()
@@ -146,10 +153,18 @@ def start(run: Run, stop: StopOnSignal | None = None) -> Session:
                     "; the first step compiles the layers" if run.engine.options.compile_layers else ""))
     stats = attach(run, log)  # the plan's figures in the start summary; per-step throughput, memory, streams
     log.check = PlanCheck(run.plan, first)  # a GPU run's steady step off its plan is said, with where and why
+    if run.reference.strategy == "precompute":  # before the data thread, which looks its pairs up in the table
+        try:
+            run.reference.precompute(run, log, stop)
+        except BaseException:
+            log.close()
+            raise
+    elif run.reference.strategy:
+        log.info(f"reference log-probs: {run.reference.strategy} ({run.reference.why})")
     final = t.steps if cfg.checkpoint.at_end or cfg.export.at_end else None
     saver = open_saver(run, keep=cfg.checkpoint.keep, every=cfg.checkpoint.every, final_step=final)
-    s = Session(first, log, stats, saver, StepPrefetcher(run.loader, pin=run.engine.cuda, steps=t.steps - first),
-                model_files_writer(cfg.model.path, run.tokenizer))
+    data = StepPrefetcher(run.loader, pin=run.engine.cuda, steps=t.steps - first, lookup=run.reference.lookup)
+    s = Session(first, log, stats, saver, data, model_files_writer(cfg.model.path, run.tokenizer))
     if run.resumed:
         notes = resume_lib.config_notes(run.resumed, cfg.model_dump(), run.world_info)
         log.info(f"resuming from {run.resumed.path} (step {first})" + "".join(f"\n  changed: {n}" for n in notes))
@@ -177,6 +192,7 @@ def train_step(run: Run, step: int, data: PreparedStep, stats: StepStats | None 
     if stats is not None:
         stats.begin()
     try:
+        run.reference.score(run.engine, data.microbatches)  # stream: the reference's log-probs of these pairs
         run.pipeline.begin_step(lr=None if clipping else lr)
         out = run.engine.train_step(data.microbatches)
         if stats is not None:
@@ -208,6 +224,8 @@ def train_step(run: Run, step: int, data: PreparedStep, stats: StepStats | None 
         record["clip_coef"] = coef
     if released:  # page-locked memory torch's allocator kept (a compiled step's autotuning copies)
         record["host_pinned_released_gib"] = released / 2**30
+    if out.metrics is not None:  # a preference objective's, as TRL logs them: means over the step's pairs
+        record.update(preference_fields(out.metrics))
     if out.aux_loss is not None:  # MoE: the router loss (inside `loss`) and how evenly tokens went to experts
         record["router_loss"] = out.aux_loss.item()
         record.update(expert_load(out.expert_counts.cpu()))
@@ -217,7 +235,8 @@ def train_step(run: Run, step: int, data: PreparedStep, stats: StepStats | None 
 def state_at(run: Run, s: Session, step: int, lr: float) -> dict:
     """The run state at this step boundary (data position, RNG, schedule) for a checkpoint."""
     kept = {k: s.summary[k] for k in ("first_eval", "first_loss") if k in s.summary}
-    return run_state(step=step, lr=lr, config=run.cfg.model_dump(), loader_state=s.data.state_dict(), summary=kept)
+    return run_state(step=step, lr=lr, config=run.cfg.model_dump(), loader_state=s.data.state_dict(), summary=kept,
+                     reference=run.reference.state())
 
 
 def stopped(s: Session, step: int, signal_name: str) -> dict:

@@ -6,11 +6,15 @@ and a CPU optimizer that overlaps the GPU. Modules, one job each:
     knobs.py               Knob: each Placement field's config key, bounds and doc, declared with the field
     accumulators.py        gradient accumulators kept across wave groups, on the GPU or parked in host memory
     engine.py              executes the schedule: slots, streams, events, waves (its docstring: the protocol)
+    forward_only.py        the engine's forward-only uses: eval loss, sequence log-probs, next-token logits
     layer.py               one layer's forward and recompute + backward for one micro-batch, its per-token parts
                            over tiles of tokens with a sequence tile (Placement.seq_tile)
     lmhead.py, ce_triton.py  the chunked LM-head loss with its backward; the fused cross-entropy kernel (CUDA)
+    objective.py           the loss: sft, or a preference objective (dpo, ipo, simpo, orpo) over row log-probs
+    head_objective.py      a preference objective's LM head: row log-probs, then the weighted cross-entropy
     microbatch.py          a micro-batch's tensors in, a step's loss and norm out
-    store.py               HostStore: per-unit tiles of fp32 master, Adam m and v, the streaming copy
+    store.py               HostStore: per-unit tiles of fp32 master, Adam m and v, the streaming copy (and a
+                           preference objective's frozen reference copy)
     tile.py                LayerTile: one unit's views of those states, what the optimizer updates
     disk_tier.py           the SSD tier: states host RAM cannot hold in per-unit files, read ahead, written behind
     disk_files.py          its scratch folders (locked; a dead run's removed), the O_DIRECT probe, the request loop
@@ -36,6 +40,7 @@ from .adamw import CpuAdamW
 from .engine import CollectGrads, Engine, EngineOptions, Phase
 from .lmhead import HeadKernels
 from .microbatch import MicroBatch, StepOutput
+from .objective import SFT, Objective
 from .optimizer_pipeline import OptimizerPipeline, OptimizerThreadError
 from .pinned import PinnedHost
 from .schedule import Placement, Use, grads_to_host, step_schedule
@@ -92,6 +97,6 @@ def build_runtime(store: HostStore, device: torch.device | str, optimizer: CpuAd
     return Runtime(store, engine, pipeline, pinned, timeline)
 
 
-__all__ = ["CollectGrads", "CpuAdamW", "Engine", "EngineOptions", "HeadKernels", "HostStore", "MicroBatch",
+__all__ = ["CollectGrads", "CpuAdamW", "Engine", "EngineOptions", "HeadKernels", "HostStore", "MicroBatch", "Objective",
            "OptimizerPipeline", "OptimizerThreadError", "Phase", "PinnedHost", "Placement", "Runtime",
-           "RuntimeOptions", "StepOutput", "Timeline", "Use", "build_runtime", "step_schedule", "store_dtypes"]
+           "RuntimeOptions", "SFT", "StepOutput", "Timeline", "Use", "build_runtime", "step_schedule", "store_dtypes"]

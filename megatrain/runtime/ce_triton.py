@@ -23,7 +23,8 @@ BLOCK = 4096
 if triton is not None:
 
     @triton.jit
-    def _ce_rows(logits, row_stride, targets, losses, scale, V, BLOCK: tl.constexpr):
+    def _ce_rows(logits, row_stride, targets, losses, scale, V, BLOCK: tl.constexpr, PER_ROW: tl.constexpr = False,
+                 GRAD: tl.constexpr = True):
         row = tl.program_id(0).to(tl.int64)
         base = logits + row * row_stride
         t = tl.load(targets + row)
@@ -40,13 +41,17 @@ if triton is not None:
         lse = m + tl.log(s)
         x_t = tl.load(base + t_safe).to(tl.float32)
         tl.store(losses + row, tl.where(valid, lse - x_t, 0.0))
-        coef = tl.where(valid, tl.load(scale), 0.0)
-        for off in range(0, V, BLOCK):
-            cols = off + tl.arange(0, BLOCK)
-            inside = cols < V
-            x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
-            g = tl.exp(x - lse) - tl.where(cols == t_safe, 1.0, 0.0)
-            tl.store(base + cols, (g * coef).to(base.dtype.element_ty), mask=inside)
+        if GRAD:
+            if PER_ROW:
+                coef = tl.where(valid, tl.load(scale + row), 0.0)
+            else:
+                coef = tl.where(valid, tl.load(scale), 0.0)
+            for off in range(0, V, BLOCK):
+                cols = off + tl.arange(0, BLOCK)
+                inside = cols < V
+                x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
+                g = tl.exp(x - lse) - tl.where(cols == t_safe, 1.0, 0.0)
+                tl.store(base + cols, (g * coef).to(base.dtype.element_ty), mask=inside)
 
 
 def available(logits: torch.Tensor) -> bool:
@@ -55,9 +60,25 @@ def available(logits: torch.Tensor) -> bool:
 
 
 def ce_loss_and_grad_(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor):
-    """(sum of token losses in fp32, the gradient written over `logits`) for logits [n, V] and targets [n]."""
+    """(sum of token losses in fp32, the gradient written over `logits`) for logits [n, V] and targets [n]; scale:
+    0-d (every row's), or [n] (a weight per row: PER_ROW, a preference loss's gradient)."""
     n, V = logits.shape
     losses = torch.empty(n, dtype=torch.float32, device=logits.device)
-    scale = scale.to(device=logits.device, dtype=torch.float32).reshape(1)
-    _ce_rows[(n,)](logits, logits.stride(0), targets.contiguous(), losses, scale, V, BLOCK=BLOCK, num_warps=16)
+    if scale.dim() == 0:
+        scale = scale.to(device=logits.device, dtype=torch.float32).reshape(1)
+        _ce_rows[(n,)](logits, logits.stride(0), targets.contiguous(), losses, scale, V, BLOCK=BLOCK, num_warps=16)
+    else:
+        scale = scale.to(device=logits.device, dtype=torch.float32).contiguous()
+        _ce_rows[(n,)](logits, logits.stride(0), targets.contiguous(), losses, scale, V, BLOCK=BLOCK, PER_ROW=True,
+                       num_warps=16)
     return losses.sum(), logits
+
+
+def ce_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's token loss (fp32 [n], 0 where the target is negative): the kernel's first pass alone, the logits
+    left untouched."""
+    n, V = logits.shape
+    losses = torch.empty(n, dtype=torch.float32, device=logits.device)
+    _ce_rows[(n,)](logits, logits.stride(0), targets.contiguous(), losses, losses, V, BLOCK=BLOCK, GRAD=False,
+                   num_warps=16)
+    return losses

@@ -3,7 +3,8 @@
 Order of work in `train_step` (every micro-batch goes through unit u before unit u+1 is touched):
 
     forward wave   embed -> layer 0 .. layer L-1      (no autograd; each layer's input is checkpointed)
-    head           final norm + LM head + cross-entropy in token chunks, fused with its backward (lmhead.py)
+    head           final norm + LM head + cross-entropy in token chunks, fused with its backward (lmhead.py);
+                   a preference objective: a forward-only pass for each row's log-prob first (head_objective.py)
     backward wave  layer L-1 .. layer 0               (recompute the layer from its checkpoint, local autograd,
                                                        fp32 gradient accumulated over micro-batches: layer.py)
     embed          index_add of the input gradient into the embedding gradient
@@ -35,15 +36,17 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from ..models import ModelAdapter
 from .accumulators import GroupAccumulators
 from .activation_spill import ActivationSpill
+from .forward_only import ForwardOnly
+from .head_objective import PreferenceStep, check_pairs, chosen_targets
 from .layer import layer_backward, layer_template
-from .lmhead import HeadKernels, default_chunk, head_loss, softcap_logits
+from .lmhead import HeadKernels, default_chunk, head_loss
 from .router_loss import RouterStats, group_router_loss
 from .microbatch import MicroBatch, StepOutput
+from .objective import SFT, Objective
 from .schedule import (TIED_INPUT, Placement, ScheduleVisitor, Use, group_sizes, head_units, slot_numel,
                        spilled_layers, step_schedule, walk)
 from .pinned import PinnedHost
@@ -86,6 +89,7 @@ class EngineOptions:
     compile_layers: bool = False  # torch.compile the layer template
     placement: Placement = Placement()  # checkpoint interval, spill, gradients to host, wave groups (schedule.py)
     head_kernels: HeadKernels | None = None  # None: HeadKernels.for_device
+    objective: Objective = SFT  # the loss: next-token (sft) or a preference objective over pairs (head_objective.py)
 
 
 @dataclass
@@ -119,7 +123,7 @@ class _Loaded:
     label: str = ""  # the use, in the timeline ("forward (3,)")
 
 
-class Engine:
+class Engine(ForwardOnly):
     def __init__(self, store: HostStore, adapter: ModelAdapter, device: torch.device, sink: GradientSink,
                  options: EngineOptions = EngineOptions(), timeline=None, pinned=None):
         """sink: receives each unit's finished gradient and says when its update is written. timeline: a
@@ -127,7 +131,7 @@ class Engine:
         that registers the activation spill's and the wave groups' host buffers (needed on CUDA when the placement
         spills or parks accumulators in host memory)."""
         self.store, self.adapter, self.device = store, adapter, torch.device(device)
-        self.sink, self.timeline, self.options = sink, timeline, options
+        self.sink, self.timeline, self.options, self.pinned = sink, timeline, options, pinned
         # The layer template, optionally compiled: fusing RMSNorm, rope, SwiGLU and the residual adds around
         # the matmuls. One graph per (grad mode, micro-batch shape); weights are graph inputs, so every layer
         # shares the graphs. With a sequence tile its per-token work runs over tiles of tokens (layer.py).
@@ -175,33 +179,35 @@ class Engine:
                              len(group_sizes(num_micro, self.placement.wave_groups)))
 
     # ---- weights in and out of slots --------------------------------------------------------------
-    def _fetch(self, unit_indices: tuple[int, ...]) -> _Loaded:
-        """Start bringing these units' weights to the device; returns at once (the copy is asynchronous)."""
+    def _fetch(self, unit_indices: tuple[int, ...], reference: bool = False) -> _Loaded:
+        """Start bringing these units' weights to the device; returns at once (the copy is asynchronous).
+        reference: the store's frozen reference copy (compute dtype, never updated) instead of the policy's."""
         if not unit_indices:
             return _Loaded([])
         tiles = [self.tiles[i] for i in unit_indices]
+        srcs = [self.store.reference_tiles[i] for i in unit_indices] if reference else [t.stream for t in tiles]
+        cast, waits = self.cast_on_device and not reference, () if reference else unit_indices
         if not self.cuda:
-            for i in unit_indices:
+            for i in waits:
                 self.sink.wait_for_update(i)
-            return _Loaded([t.views(t.stream.to(self.dtype) if self.cast_on_device else own_version(t.stream))
-                            for t in tiles])
-        key = (unit_indices, self.weights_version)
+            return _Loaded([t.views(src.to(self.dtype) if cast else own_version(src)) for t, src in zip(tiles, srcs)])
+        key = (unit_indices, self.weights_version, reference)
         # Slots are used strictly in ring order, so the slot taken here is the one released longest ago. If it
         # still holds these very weights (the last layer, around the head), the copy is skipped.
         slot = self.slots[self._next_slot]
         self._next_slot = (self._next_slot + 1) % len(self.slots)
         if slot.holds != key:
-            for i in unit_indices:
+            for i in waits:
                 self.sink.wait_for_update(i)
             with torch.cuda.stream(self.h2d):
                 self.h2d.wait_event(slot.free)
                 with self._span("h2d", self.h2d):
                     off = 0
-                    for t in tiles:
-                        if self.cast_on_device:
-                            self._copy_cast(slot.buf[off: off + t.numel], t.stream)
+                    for t, src in zip(tiles, srcs):
+                        if cast:
+                            self._copy_cast(slot.buf[off: off + t.numel], src)
                         else:
-                            slot.buf[off: off + t.numel].copy_(t.stream, non_blocking=True)
+                            slot.buf[off: off + t.numel].copy_(src, non_blocking=True)
                         off += t.numel
                 slot.ready.record(self.h2d)
             slot.holds = key
@@ -251,18 +257,28 @@ class Engine:
                      .with_attn_block(self.options.placement.attn_block) for mb in mbs]
 
     # ---- the step ----------------------------------------------------------------------------------
-    def train_step(self, microbatches: list[MicroBatch], totals: tuple[int, int] | None = None) -> StepOutput:
+    def train_step(self, microbatches: list[MicroBatch], totals: tuple[int, ...] | None = None) -> StepOutput:
         """totals: (target tokens, micro-batches) of the whole step when these micro-batches are one rank's share
-        of it (megatrain/distributed): the loss is the step's mean over all of them."""
-        num_targets, num_micro = totals or (sum(mb.num_targets for mb in microbatches), len(microbatches))
+        of it (megatrain/distributed): the loss is the step's mean over all of them. A preference objective: (target
+        tokens, micro-batches, pairs[, chosen target tokens (orpo)]); the loss is the mean over the step's pairs."""
+        obj = self.options.objective
+        num_targets, num_micro = totals[:2] if totals else (sum(mb.num_targets for mb in microbatches),
+                                                            len(microbatches))
         if num_targets == 0:
             raise ValueError("a step without any target token (every label is -100)")
+        pref = None
+        if obj.preference:
+            check_pairs(obj, microbatches)
+            pairs = totals[2] if totals and len(totals) > 2 else sum(mb.input_ids.shape[0] // 2 for mb in microbatches)
+            chosen = totals[3] if totals and len(totals) > 3 else sum(chosen_targets(mb) for mb in microbatches)
+            pref = PreferenceStep(obj, pairs, chosen, self.device)
         self.weights_version += 1
-        run = _StepRun(self, microbatches, num_targets, num_micro)
+        run = _StepRun(self, microbatches, num_targets, num_micro, pref)
         walk(run.uses, run)
         return StepOutput(run.loss_sum, torch.stack(run.sq_norms).sum(), num_targets,
                           sum(mb.num_tokens for mb in microbatches),
-                          run.router["aux"] if run.router else None, run.router["counts"] if run.router else None)
+                          run.router["aux"] if run.router else None, run.router["counts"] if run.router else None,
+                          pref.metrics if pref else None)
 
     @torch.no_grad()
     def _forward_layer(self, w: dict, g: _Group, layer: int, stash: bool = False) -> list[torch.Tensor]:
@@ -284,8 +300,10 @@ class Engine:
         """A layer's output hidden states (a MoE layer also returns its router statistics)."""
         return out[0] if self.adapter.moe else out
 
-    def _head(self, w, mbs, hidden, head_grad, embed_grad, scale: float, loss_sum: torch.Tensor) -> list[torch.Tensor]:
-        """The LM head over a group's micro-batches: adds their losses to `loss_sum`; d(hidden) per micro-batch."""
+    def _head(self, w, mbs, hidden, head_grad, embed_grad, scale: float, loss_sum: torch.Tensor,
+              pref: PreferenceStep | None = None) -> list[torch.Tensor]:
+        """The LM head over a group's micro-batches: adds their losses to `loss_sum`; d(hidden) per micro-batch.
+        pref: a preference objective's head instead of the token loss (head_objective.py)."""
         norm_w, lm_w = self._head_weights(w)
         head_tile = self.tiles[self.head_units[0]]
         lm_grad = self.tiles[0].views(embed_grad)["weight"] if self.adapter.tied \
@@ -294,6 +312,10 @@ class Engine:
         grads_out = []
         for m, (mb, h) in enumerate(zip(mbs, hidden)):
             self.phase = Phase("head", micro=m)
+            if pref is not None:
+                grads_out.append(pref.head(self.adapter.final_norm, h, mb, norm_w, lm_w, norm_grad, lm_grad,
+                                           self.loss_chunk, self.head_kernels, self.adapter.logit_softcap, loss_sum))
+                continue
             loss, dh = head_loss(self.adapter.final_norm, h, mb.target_index, mb.targets, norm_w, lm_w, norm_grad,
                                  lm_grad, scale, self.loss_chunk, self.head_kernels, self.adapter.logit_softcap)
             loss_sum += loss
@@ -304,40 +326,11 @@ class Engine:
         lm_w = head_w[1]["weight"] if self.adapter.tied else head_w[0]["lm_head.weight"]
         return head_w[0]["norm.weight"], lm_w
 
-    # ---- evaluation ----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def eval_loss(self, microbatches: list[MicroBatch]) -> tuple[float, int]:
-        """(mean token loss, target count) with the same streaming forward and no gradients."""
-        hidden, mbs = self._forward_only(microbatches)
-        loaded = self._fetch(self.head_units)
-        norm_w, lm_w = self._head_weights(self._acquire(loaded))
-        total, n = torch.zeros((), device=self.device), 0
-        for mb, h in zip(mbs, hidden):
-            x = self.adapter.final_norm(norm_w, h.reshape(-1, h.shape[-1]).index_select(0, mb.target_index))
-            for a in range(0, x.shape[0], self.loss_chunk):
-                logits = softcap_logits(x[a: a + self.loss_chunk] @ lm_w.t(), self.adapter.logit_softcap)[0].float()
-                total += F.cross_entropy(logits, mb.targets[a: a + self.loss_chunk], reduction="sum")
-            n += mb.num_targets
-        self._release(loaded)
-        return (total / max(n, 1)).item(), n
-
-    @torch.no_grad()
-    def next_token_logits(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] at position lengths-1 of each right-padded row (for greedy decoding and checks)."""
-        B = input_ids.shape[0]
-        mb = MicroBatch.from_labels(input_ids, torch.full_like(input_ids, -100))
-        hidden, _ = self._forward_only([mb])
-        loaded = self._fetch(self.head_units)
-        norm_w, lm_w = self._head_weights(self._acquire(loaded))
-        last = hidden[0][torch.arange(B, device=self.device), (lengths - 1).to(self.device)]
-        logits = softcap_logits(self.adapter.final_norm(norm_w, last) @ lm_w.t(), self.adapter.logit_softcap)[0].float()
-        self._release(loaded)
-        return logits
-
-    def _forward_only(self, microbatches: list[MicroBatch]):
-        """The forward wave alone (evaluation, decoding): the hidden states after the last layer, the batches."""
+    def _forward_only(self, microbatches: list[MicroBatch], reference: bool = False):
+        """The forward wave alone (evaluation, decoding, log-probs; of the reference copy with `reference`): the
+        hidden states after the last layer, the batches."""
         self.weights_version += 1
-        wave = _ForwardWave(self, *self._inputs(microbatches))
+        wave = _ForwardWave(self, *self._inputs(microbatches), reference)
         walk(step_schedule(len(self.tiles), self.adapter.tied)[:len(self.tiles) - 1], wave)  # embed, layers
         return wave.hidden, wave.mbs
 
@@ -348,8 +341,10 @@ class _StepRun(ScheduleVisitor):
     (wait_for_update) never delays kernels already decided. A parked gradient accumulator comes back the same way,
     ahead of its use."""
 
-    def __init__(self, engine: Engine, microbatches: list[MicroBatch], num_targets: int, num_micro: int):
-        e = self.e = engine
+    def __init__(self, engine: Engine, microbatches: list[MicroBatch], num_targets: int, num_micro: int,
+                 pref: PreferenceStep | None = None):
+        e, self.pref = engine, pref
+        self.e = e
         self.microbatches, self.scale, self.num_micro = microbatches, 1.0 / num_targets, num_micro
         self.uses = e.schedule(len(microbatches))
         self.groups = group_sizes(len(microbatches), e.placement.wave_groups)
@@ -410,7 +405,7 @@ class _StepRun(ScheduleVisitor):
         e, g, acc, unit = self.e, self.g, self.acc, use.units[0]
         acc[0] = e._grad_buffer(0)
         acc[unit] = e._grad_buffer(unit)
-        g.grads_out = e._head(self.w, g.mbs, g.hidden, acc[unit], acc[0], self.scale, self.loss_sum)
+        g.grads_out = e._head(self.w, g.mbs, g.hidden, acc[unit], acc[0], self.scale, self.loss_sum, self.pref)
         g.hidden = None
         if e.adapter.moe:  # the group's router losses, their gradients for the backward (router_loss.py)
             g.router_grads = group_router_loss(g.mbs, g.router, e.adapter, self.num_micro, self.loss_sum,
@@ -473,11 +468,11 @@ class _StepRun(ScheduleVisitor):
 class _ForwardWave(ScheduleVisitor):
     """The forward wave without autograd or checkpoints (Engine._forward_only): the last hidden states."""
 
-    def __init__(self, engine: Engine, mbs: list[MicroBatch], ctxs: list):
-        self.e, self.mbs, self.ctxs, self.hidden = engine, mbs, ctxs, []
+    def __init__(self, engine: Engine, mbs: list[MicroBatch], ctxs: list, reference: bool = False):
+        self.e, self.mbs, self.ctxs, self.hidden, self.reference = engine, mbs, ctxs, [], reference
 
     def enter(self, use: Use) -> None:
-        self.loaded = self.e._fetch(use.units)
+        self.loaded = self.e._fetch(use.units, self.reference)
         (self.w,) = self.e._acquire(self.loaded)
         self.e.phase = Phase("forward", use.layer)
 

@@ -51,7 +51,8 @@ _triton_failed: list[str] = []  # set once if the kernel cannot be built here; t
 
 
 def ce_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, kernel: bool = True):
-    """(sum of token losses, d(loss * scale)/d logits in logits.dtype) for logits [n, V] and targets [n].
+    """(sum of token losses, d(loss * scale)/d logits in logits.dtype) for logits [n, V] and targets [n]; `scale` a
+    0-d tensor, or [n]: a weight per row (the gradient of a preference loss, head_objective.py).
     kernel: use the fused CUDA kernel where it can run (it writes the gradient over `logits`); on the meta device
     (the planner's memory simulation) its allocations are mimicked."""
     if kernel and not _triton_failed:
@@ -69,6 +70,23 @@ def ce_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: torch.T
                 warnings.warn(f"megatrain: the fused cross-entropy kernel failed ({_triton_failed[0]}); "
                               "using the eager version")
     return _ce_eager(logits, targets, scale)
+
+
+def ce_token_losses(logits: torch.Tensor, targets: torch.Tensor, kernel: bool = True) -> torch.Tensor:
+    """Each row's token loss (logsumexp - the target's logit, fp32 [n]; 0 where the target is -100), forward only:
+    the logits are left as they are (the fused kernel's first pass alone on CUDA; eager elsewhere)."""
+    if kernel and not _triton_failed and not logits.is_meta:
+        from . import ce_triton
+
+        if ce_triton.available(logits):
+            try:
+                return ce_triton.ce_token_losses(logits, targets)
+            except Exception as e:  # a Triton build failure: the eager version, as for ce_loss_and_grad
+                _triton_failed.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    lf = logits.float()
+    valid = targets >= 0
+    picked = lf.gather(1, targets.clamp_min(0)[:, None]).squeeze(1)
+    return torch.where(valid, torch.logsumexp(lf, dim=-1) - picked, 0.0)
 
 
 def _ce_eager(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor):
@@ -109,20 +127,23 @@ class HeadKernels:
 
 def head_loss(final_norm: Callable, h: torch.Tensor, target_index: torch.Tensor, targets: torch.Tensor,
               norm_w: torch.Tensor, lm_w: torch.Tensor, norm_grad: torch.Tensor, lm_grad: torch.Tensor,
-              scale: float, chunk: int, kernels: HeadKernels, softcap: float | None = None
+              scale: float | torch.Tensor, chunk: int, kernels: HeadKernels, softcap: float | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Final norm + LM head + cross-entropy over one micro-batch's target positions (`target_index` into the
     flattened [B*T] hidden states `h`, predicting `targets`), never holding more than `chunk` rows of logits.
     Returns (sum of token losses * scale, d(loss * scale)/d h) and accumulates the norm's and the LM head's
     fp32 gradients into `norm_grad` and `lm_grad`. With `softcap` (gemma2's final_logit_softcapping) the logits
-    are capped as softcap·tanh(logits/softcap) before the loss, and the gradient goes back through the tanh."""
+    are capped as softcap·tanh(logits/softcap) before the loss, and the gradient goes back through the tanh.
+    `scale` may be a per-target fp32 tensor [n] (each token's weight in a preference loss): the gradient is then
+    d(Σ scale·token loss)/d h and the returned loss the plain sum of token losses."""
     H = h.shape[-1]
     rows = h.reshape(-1, H)
     nw = norm_w.detach().requires_grad_(True)
     dh = torch.zeros_like(h)
     d_rows = dh.view(-1, H)
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
-    scale_t = torch.full((), scale, dtype=torch.float32, device=h.device)  # a fill kernel: no host sync
+    per_target = isinstance(scale, torch.Tensor)
+    scale_t = scale if per_target else torch.full((), scale, dtype=torch.float32, device=h.device)  # no host sync
     fused = kernels.fused_accumulate and fusable_dtypes(lm_grad, h)
     for a in range(0, target_index.shape[0], chunk):  # the final norm too, chunk by chunk: nothing of [targets, H]
         index, y = target_index[a: a + chunk], targets[a: a + chunk]  # beyond d(hidden) is ever held
@@ -131,7 +152,8 @@ def head_loss(final_norm: Callable, h: torch.Tensor, target_index: torch.Tensor,
             xn = final_norm(nw, x)
         xc = xn.detach()
         logits, tanh = softcap_logits(xc @ lm_w.t(), softcap)
-        chunk_loss, dlogits = ce_loss_and_grad(logits, y, scale_t, kernel=kernels.fused_ce)
+        chunk_loss, dlogits = ce_loss_and_grad(logits, y, scale_t[a: a + chunk] if per_target else scale_t,
+                                               kernel=kernels.fused_ce)
         if tanh is not None:  # d(c·tanh(z/c))/dz = 1 - tanh²
             dlogits = dlogits * (1 - tanh * tanh)
         del logits, tanh
@@ -144,4 +166,4 @@ def head_loss(final_norm: Callable, h: torch.Tensor, target_index: torch.Tensor,
         norm_grad.add_(dnw)
         d_rows.index_copy_(0, index, dx)
         del dx, dnw
-    return loss * scale, dh
+    return (loss if per_target else loss * scale), dh

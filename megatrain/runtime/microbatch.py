@@ -19,6 +19,9 @@ class MicroBatch:
     targets: torch.Tensor  # [n] int64: the token each of those positions predicts
     packed: bool  # some row holds more than one document
     token_mask: torch.Tensor | None = None  # bool [B, T]: real tokens, False on padding (None: all real)
+    # A preference objective (objective.py): rows 2i / 2i+1 are pair i's chosen / rejected sequence, not packed.
+    ref_logps: torch.Tensor | None = None  # float32 [B]: the reference model's completion log-prob per row (dpo, ipo)
+    pair_ids: torch.Tensor | None = None  # int64 [B // 2]: each pair's example index (the key of stored ref_logps)
 
     @property
     def num_targets(self) -> int:
@@ -30,9 +33,11 @@ class MicroBatch:
 
     @classmethod
     def from_labels(cls, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
-                    attention_mask: torch.Tensor | None = None):
+                    attention_mask: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
+                    pair_ids: torch.Tensor | None = None):
         """From Hugging Face style (input_ids, labels): labels are unshifted, -100 where no loss is taken;
-        attention_mask (1 on real tokens, 0 on padding) only matters to MoE router statistics."""
+        attention_mask (1 on real tokens, 0 on padding) only matters to MoE router statistics. ref_logps, pair_ids:
+        a preference micro-batch's (passed through)."""
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T).repeat(B, 1)
@@ -43,7 +48,8 @@ class MicroBatch:
         packed = bool((position_ids != torch.arange(T)).any())
         mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool().contiguous()
         return cls(input_ids.long().contiguous(), position_ids.long().contiguous(), index, flat[index].long(), packed,
-                   mask)
+                   mask, None if ref_logps is None else ref_logps.float().contiguous(),
+                   None if pair_ids is None else pair_ids.long().contiguous())
 
     @property
     def real_tokens(self) -> int:
@@ -54,18 +60,25 @@ class MicroBatch:
         by the run's data prefetch; idempotent)."""
         if self.input_ids.is_pinned():
             return self
-        return MicroBatch(self.input_ids.pin_memory(), self.position_ids.pin_memory(),
-                          self.target_index.pin_memory(), self.targets.pin_memory(), self.packed,
-                          None if self.token_mask is None else self.token_mask.pin_memory())
+        return MicroBatch(*(_map(t, torch.Tensor.pin_memory) for t in self._tensors()[:4]), self.packed,
+                          *(_map(t, torch.Tensor.pin_memory) for t in self._tensors()[4:]))
 
     def to(self, device: torch.device) -> "MicroBatch":
         if device.type == "cpu":
             return self
         src = self.pin()
-        nb = dict(device=device, non_blocking=True)
-        return MicroBatch(src.input_ids.to(**nb), src.position_ids.to(**nb), src.target_index.to(**nb),
-                          src.targets.to(**nb), self.packed,
-                          None if src.token_mask is None else src.token_mask.to(**nb))
+        moved = [_map(t, lambda x: x.to(device=device, non_blocking=True)) for t in src._tensors()]
+        return MicroBatch(*moved[:4], self.packed, *moved[4:])
+
+    def _tensors(self) -> list[torch.Tensor | None]:
+        """The tensor fields in order, `packed` left out."""
+        return [self.input_ids, self.position_ids, self.target_index, self.targets, self.token_mask, self.ref_logps,
+                self.pair_ids]
+
+
+def _map(t: torch.Tensor | None, fn):
+    """fn(t) for a host tensor, t itself for None or one already on a device (reference log-probs scored there)."""
+    return t if t is None or t.device.type != "cpu" else fn(t)
 
 
 @dataclass
@@ -76,3 +89,7 @@ class StepOutput:
     num_tokens: int
     aux_loss: torch.Tensor | None = None  # MoE: the router loss included in loss_sum (coefficient applied)
     expert_counts: torch.Tensor | None = None  # MoE: [MoE layers, E] top-k assignments of the step's real tokens
+    # A preference objective: device scalars, each metric's sum over these micro-batches' pairs (objective.py:
+    # rewards/..., logps/...; orpo's nll_loss summed so that / pairs is the step's token mean) and "pairs", their
+    # count; the run divides each by the step's pairs (summed over ranks first)
+    metrics: dict[str, torch.Tensor] | None = None

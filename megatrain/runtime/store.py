@@ -12,6 +12,11 @@ GPU reads it every step): so the master can go to disk only beside a separate bf
 master *is* what the GPU reads, and a disk copy of it would save no RAM. Whole-unit access for initialisation,
 checkpoints and resume goes through `unit_state`, which stages a disk kind in a buffer of one unit.
 
+A preference objective's reference model can live here too (`freeze_reference`: the step-0 weights;
+`load_reference`: another model folder): a frozen copy in the compute dtype (bf16: +2 B/param), laid out like the
+streaming copy, which the engine's forward-only wave streams instead of the policy's (Engine.sequence_logps with
+weights="reference"). It always stays in RAM and is never updated.
+
 The store does not schedule: it only holds, loads and exposes views.
 """
 
@@ -69,7 +74,7 @@ class HostStore:
             starts.append(total)
             total += padded_numel(u.numel)
         self.total_elems = total
-        alloc = allocate or (lambda numel, dtype, zero, what: aligned_empty(numel, dtype, zero=zero))
+        alloc = self._alloc = allocate or (lambda numel, dtype, zero, what: aligned_empty(numel, dtype, zero=zero))
         self.separate_stream_copy = stream_dtype != torch.float32
         unknown = sorted(set(disk_states) - set(KIND_NAMES))
         if unknown or (disk_states and not disk_path):
@@ -88,6 +93,8 @@ class HostStore:
         self.stream = alloc(total, stream_dtype, False, "streaming copy") if self.separate_stream_copy \
             else self.master
         self.tiles: list[LayerTile] = []
+        self.reference: torch.Tensor | None = None  # the frozen reference copy (freeze_reference, load_reference)
+        self.reference_tiles: list[torch.Tensor] = []  # each unit's flat slice of it
         ends = [s + u.numel for u, s in zip(self.units, starts)]
         for a, b in zip(ends, starts[1:] + [total]):  # alignment padding: zero, so whole buffers are deterministic
             if "master" not in self.on_disk:
@@ -107,7 +114,36 @@ class HostStore:
     def host_bytes(self) -> int:
         """The store's host RAM: the states kept there, the streaming copy, the SSD tier's cache."""
         per = 4 * (3 - len(self.on_disk)) + (self.stream.element_size() if self.separate_stream_copy else 0)
-        return self.total_elems * per + (self.disk.cache_bytes if self.disk else 0)
+        ref = self.reference.numel() * self.reference.element_size() if self.reference is not None else 0
+        return self.total_elems * per + ref + (self.disk.cache_bytes if self.disk else 0)
+
+    # ---- the reference model of a preference objective -------------------------------------------------
+    def _reference_buffer(self) -> torch.Tensor:
+        if self.reference is None:
+            self.reference = self._alloc(self.total_elems, self.compute_dtype, True, "reference weights")
+            self.reference_tiles = [self.reference[s: s + t.numel]
+                                    for t, s in zip(self.tiles, self._tile_starts())]
+        return self.reference
+
+    def _tile_starts(self) -> list[int]:
+        return [t.stream.storage_offset() - self.stream.storage_offset() for t in self.tiles]
+
+    def freeze_reference(self) -> None:
+        """Keep a frozen copy of the weights as they are now (the step-0 policy) as the reference model: the
+        streaming copy, cast to the compute dtype where it is fp32 (the same rounding as the slots' cast)."""
+        self._reference_buffer().copy_(self.stream)
+
+    def load_reference(self, model_dir: str | Path, threads: int | None = None, progress: bool = True) -> dict:
+        """Fill the reference copy from another model folder of the same architecture (the checks and the parallel
+        loader of `load_safetensors`), one unit staged in fp32 at a time."""
+        self._reference_buffer()
+        return self.load_safetensors(model_dir, threads, progress, into=_ReferenceTarget(self))
+
+    def init_reference_random(self, seed: int, std: float) -> None:
+        """Fill the reference copy with what init_random(seed, std) gives the policy (the step-0 weights of a
+        randomly initialised run, on resume), one unit staged in fp32 at a time."""
+        self._reference_buffer()
+        self.init_random(seed, std, into=_ReferenceTarget(self))
 
     def close(self) -> None:
         """Remove the SSD tier's scratch files (its writes finished first); the RAM is freed with the store."""
@@ -142,13 +178,14 @@ class HostStore:
         return max(u.numel for u in self.units)
 
     # ---- initialisation -----------------------------------------------------------------------------
-    def init_random(self, seed: int, std: float, threads: int | None = None) -> None:
+    def init_random(self, seed: int, std: float, threads: int | None = None, into=None) -> None:
         """Deterministic per unit (its own generator, seeded by seed and unit position): the values do not depend
         on the loading order nor on `threads`. torch's CPU normal_ is serial (one generator's stream), 7 ns a
         parameter on the x4 host: 102 s for Qwen2.5-14B one unit after another. So the units' masters are filled
         by `threads` threads at once (default: the cores this process may use; the calls release the GIL), and
         the streaming copies are then cast on this thread with torch's own parallelism. A master on the SSD
-        tier is filled unit by unit through its staging buffer (one at a time, as unit_state allows)."""
+        tier is filled unit by unit through its staging buffer (one at a time, as unit_state allows). into: as for
+        load_safetensors."""
         def fill(i: int, master: torch.Tensor) -> None:
             t = self.tiles[i]
             g = torch.Generator().manual_seed(seed * 1_000_003 + i)
@@ -160,11 +197,12 @@ class HostStore:
                 else:
                     view.zero_()
 
-        if "master" in self.on_disk:
+        target = into or self
+        if "master" in target.on_disk:
             for i, t in enumerate(self.tiles):
-                with self.unit_state(i, ("master",), read=False, write=True) as st:
+                with target.unit_state(i, ("master",), read=False, write=True) as st:
                     fill(i, st["master"])
-                    self.refresh_stream_copy(t, st["master"])
+                    target.refresh_stream_copy(t, st["master"])
             return
         n = min(len(self.tiles), threads or len(os.sched_getaffinity(0)))
         with ThreadPoolExecutor(n, thread_name_prefix="megatrain-init") as pool:
@@ -173,9 +211,11 @@ class HostStore:
         for t in self.tiles:
             self.refresh_stream_copy(t)
 
-    def load_safetensors(self, model_dir: str | Path, threads: int | None = None, progress: bool = True) -> dict:
+    def load_safetensors(self, model_dir: str | Path, threads: int | None = None, progress: bool = True,
+                         into=None) -> dict:
         """Load every tensor in parallel (runtime/weights_load.py: shards, tensors and pieces of them on `threads`
-        threads, a few MiB per thread beyond the store). Returns (and keeps as `load_stats`) bytes and seconds."""
+        threads, a few MiB per thread beyond the store). Returns (and keeps as `load_stats`) bytes and seconds.
+        into: where the tensors go (default the store itself; load_reference: the reference copy)."""
         model_dir = Path(model_dir)
         weight_map = _weight_map(model_dir)
         # a tensor the checkpoint stores otherwise (quantized) is built from other tensors: the adapter says how
@@ -203,13 +243,32 @@ class HostStore:
                 raise MegatrainError(f"{model_dir}: tensor '{missing[0]}' ({t.unit.name}) is missing from the checkpoint")
         from .weights_load import load_units
 
-        self.load_stats = load_units(self, model_dir, weight_map, packed, _open_shard, threads, progress)
-        return self.load_stats
+        stats = load_units(into or self, model_dir, weight_map, packed, _open_shard, threads, progress)
+        if into is None:
+            self.load_stats = stats
+        return stats
 
     def refresh_stream_copy(self, tile: LayerTile, master: torch.Tensor | None = None) -> None:
         """Rewrite the tile's streaming copy from its master (`master`: where it is staged, when on disk)."""
         if self.separate_stream_copy:
             tile.stream.copy_(tile.master if master is None else master)
+
+
+class _ReferenceTarget:
+    """What weights_load.load_units fills, standing for the store when loading the reference copy: each unit's
+    master staged in one fp32 buffer, then cast into the unit's slice of the reference copy."""
+
+    def __init__(self, store: HostStore):
+        self.units, self.tiles, self.on_disk = store.units, store.tiles, ("master",)
+        self.staging = torch.empty(store.max_unit_numel, dtype=torch.float32)
+        self.reference_of = {id(t): r for t, r in zip(store.tiles, store.reference_tiles)}
+
+    @contextmanager
+    def unit_state(self, index: int, kinds=("master",), read: bool = True, write: bool = False):
+        yield {"master": self.staging[: self.tiles[index].numel]}
+
+    def refresh_stream_copy(self, tile: LayerTile, master: torch.Tensor | None = None) -> None:
+        self.reference_of[id(tile)].copy_(master)
 
 
 def _weight_map(model_dir: Path) -> dict[str, str]:

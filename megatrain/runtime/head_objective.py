@@ -1,0 +1,99 @@
+"""The LM head of a preference objective (objective.py), one micro-batch at a time, in two passes over its chunks:
+
+    pass 1   forward only: final norm + LM head + each target's log p (the cross-entropy kernel's first pass), summed
+             per row (row of a target = target_index // T): logp[r] and its token count n[r]
+    loss     pair_loss on the [B] vector, and d(loss)/d(logp[r]) by autograd on it (a few hundred numbers)
+    pass 2   the SFT head (lmhead.head_loss) with a per-target scale: a token's loss is -log p, so its weight is
+             -d(step loss)/d(logp[row]); orpo's SFT term adds 1/(the step's chosen tokens) on chosen rows
+
+The result is the exact gradient of the written-out loss (logp is a sum of token log-probs, so the chain rule
+through it is a weighted cross-entropy gradient), for any chunk size, with the logits never held beyond a chunk.
+The extra cost is pass 1: one more forward of the head (its GEMM and one read of the logits). Gemma-2's logit
+soft-capping is in both passes (lmhead.softcap_logits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .lmhead import HeadKernels, ce_token_losses, head_loss, softcap_logits
+from .microbatch import MicroBatch
+from .objective import Objective, pair_loss
+
+
+def token_logps(final_norm, h: torch.Tensor, target_index: torch.Tensor, targets: torch.Tensor,
+                norm_w: torch.Tensor, lm_w: torch.Tensor, chunk: int, kernels: HeadKernels,
+                softcap: float | None = None) -> torch.Tensor:
+    """log p(target) at each target position (fp32 [n]), forward only, `chunk` rows of logits at a time."""
+    rows = h.reshape(-1, h.shape[-1])
+    out = torch.empty(target_index.shape[0], dtype=torch.float32, device=h.device)
+    with torch.no_grad():
+        for a in range(0, target_index.shape[0], chunk):
+            x = final_norm(norm_w, rows.index_select(0, target_index[a: a + chunk]))
+            logits, _ = softcap_logits(x @ lm_w.t(), softcap)
+            out[a: a + chunk] = -ce_token_losses(logits, targets[a: a + chunk], kernel=kernels.fused_ce)
+    return out
+
+
+def target_rows(mb: MicroBatch) -> torch.Tensor:
+    """The row of each target position (rows are not packed)."""
+    return torch.div(mb.target_index, mb.input_ids.shape[1], rounding_mode="floor")
+
+
+def row_logps(final_norm, h: torch.Tensor, mb: MicroBatch, norm_w: torch.Tensor, lm_w: torch.Tensor, chunk: int,
+              kernels: HeadKernels, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp [B] fp32: each row's sum of its targets' log-probs, n [B] int64: its target count), on h's device."""
+    B, rows = mb.input_ids.shape[0], target_rows(mb)
+    tok = token_logps(final_norm, h, mb.target_index, mb.targets, norm_w, lm_w, chunk, kernels, softcap)
+    logp = torch.zeros(B, dtype=torch.float32, device=h.device).index_add_(0, rows, tok)
+    n = torch.zeros(B, dtype=torch.int64, device=h.device).index_add_(0, rows, torch.ones_like(rows))
+    return logp, n
+
+
+def chosen_targets(mb: MicroBatch) -> int:
+    """Target tokens on the chosen rows (even rows) of a host micro-batch (orpo's SFT term)."""
+    return int((target_rows(mb) % 2 == 0).sum())
+
+
+def check_pairs(obj: Objective, mbs: list[MicroBatch]) -> None:
+    for m, mb in enumerate(mbs):
+        B = mb.input_ids.shape[0]
+        if B % 2 or mb.packed:
+            raise ValueError(f"micro-batch {m}: a {obj.name} micro-batch holds (chosen, rejected) rows in pairs, "
+                             f"unpacked ({B} rows{', packed' if mb.packed else ''})")
+        if obj.needs_reference and (mb.ref_logps is None or mb.ref_logps.shape != (B,)):
+            raise ValueError(f"micro-batch {m}: objective {obj.name} needs ref_logps, the reference model's "
+                             f"log-prob of each of its {B} rows")
+
+
+class PreferenceStep:
+    """One train_step's preference head: its micro-batches' losses into the step's loss, their metric sums, the
+    gradient of every micro-batch's head. pairs, chosen: the step's (all micro-batches, all ranks)."""
+
+    def __init__(self, obj: Objective, pairs: int, chosen: int, device: torch.device):
+        self.obj, self.inv_pairs = obj, 1.0 / pairs
+        self.nll_scale = 1.0 / max(chosen, 1) if obj.name == "orpo" else 0.0
+        self.pairs_step = pairs
+        self.metrics: dict[str, torch.Tensor] = {"pairs": torch.zeros((), dtype=torch.float32, device=device)}
+
+    def head(self, final_norm, h: torch.Tensor, mb: MicroBatch, norm_w, lm_w, norm_grad, lm_grad, chunk: int,
+             kernels: HeadKernels, softcap: float | None, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Adds the micro-batch's share of the step's loss to `loss_sum`; returns d(loss)/d h."""
+        logp, n = row_logps(final_norm, h, mb, norm_w, lm_w, chunk, kernels, softcap)
+        leaf = logp.detach().requires_grad_(True)
+        with torch.enable_grad():
+            loss, metrics = pair_loss(self.obj, leaf, n, mb.ref_logps)
+            (dlogp,) = torch.autograd.grad(loss, leaf)
+        weight = dlogp * -self.inv_pairs  # d(step loss)/d(a token's loss) on each row
+        loss_sum += loss.detach() * self.inv_pairs
+        if self.nll_scale:  # orpo's SFT term: the chosen rows' token NLL, a mean over the step's chosen tokens
+            weight[0::2] += self.nll_scale
+            nll = -logp[0::2].sum() * self.nll_scale
+            loss_sum += nll
+            metrics["nll_loss"] = nll * self.pairs_step  # / pairs: the step's token mean
+        for k, v in metrics.items():
+            self.metrics[k] = self.metrics[k] + v if k in self.metrics else v
+        self.metrics["pairs"] += mb.input_ids.shape[0] // 2
+        _, dh = head_loss(final_norm, h, mb.target_index, mb.targets, norm_w, lm_w, norm_grad, lm_grad,
+                          weight.index_select(0, target_rows(mb)), chunk, kernels, softcap)
+        return dh
