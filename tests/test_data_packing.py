@@ -131,3 +131,16 @@ def test_packed_row_loss_and_grads_equal_the_sum_over_its_documents(tmp_path, fa
     # the test has teeth: the same row without document boundaries (attention across documents) differs
     leaky_loss, _, _ = _run(engine, sink, ids, labels, torch.arange(ids.shape[1])[None])
     assert abs(leaky_loss - loss_sum) > 1e-3 * abs(loss_sum)
+
+
+def test_a_steps_attention_span_is_its_documents():
+    """PreparedStep.attn_len, what MFU counts attention over: sum(d²)/sum(d) over a packed step's documents (the
+    padding after them not counted), the row's length for full plain rows."""
+    from megatrain.run.prefetch import PreparedStep, prepare_step
+
+    doc = lambda n: (np.arange(1, n + 1), np.arange(1, n + 1))  # noqa: E731
+    packed = [collate([[doc(3), doc(5)], [doc(4)]], pad_id=0, length=10)]
+    step = PreparedStep(packed, prepare_step(packed, pin=False), {})
+    assert step.attn_len == pytest.approx((9 + 25 + 16) / (3 + 5 + 4))
+    plain = [collate([[doc(6)], [doc(6)]], pad_id=0)]
+    assert PreparedStep(plain, prepare_step(plain, pin=False), {}).attn_len == 6

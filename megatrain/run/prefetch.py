@@ -26,6 +26,19 @@ class PreparedStep:
     wait_s: float = 0.0  # how long the training thread waited for it (0 when it was ready)
 
     @property
+    def attn_len(self) -> float:
+        """The step's attention span per real token, mean(2·position + 1): a document of d tokens attends over d
+        on average, so this is sum(d²)/sum(d) over its documents (or rows); the model FLOPs behind MFU scale with
+        it (planner.flops_per_token), and full plain rows give max_seq_len."""
+        num = den = 0
+        for mb in self.microbatches:
+            span = 2 * mb.position_ids + 1
+            if mb.token_mask is not None:
+                span = span[mb.token_mask]
+            num, den = num + int(span.sum()), den + span.numel()
+        return num / den if den else 0.0
+
+    @property
     def tokens(self) -> int:
         """Real (non-padding) tokens of the step."""
         return sum(int(b["num_real_tokens"]) if "num_real_tokens" in b else int(b["attention_mask"].sum())

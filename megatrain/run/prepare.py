@@ -125,6 +125,7 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
     """Every check that can fail on the user's input, before any large allocation. Writes nothing.
     ranks: the run's processes (default: one process on train.device)."""
     from ..planner import check_before_run
+    from ..planner.estimate import documents_span, retime_packed
     from ..planner.precision import resolve_precision
     from ..planner.profile import default_profile_path
 
@@ -181,6 +182,8 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
     loader = build_loader(cfg.data, tokenizer, seed=cfg.train.seed, micro_batch_size=cfg.train.micro_batch_size,
                           grad_accum_steps=cfg.train.grad_accum_steps, rank=world.rank, world=world.size)
     eval_batches = build_eval(cfg.data, tokenizer, micro_batch_size=cfg.train.micro_batch_size)
+    if cfg.data.packing and plan is not None:  # the documents are known now: attention timed over their span
+        retime_packed(plan, adapter, documents_span(loader.examples.lengths))
     reference = choose_reference(cfg, plan, adapter, loader, tokenizer, eval_batches, resumed) if pairs else \
         Reference()
     if exact and not tokenizer.chat_template:  # (the loader has set data.chat_template on it, when given)

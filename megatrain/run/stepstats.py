@@ -21,6 +21,7 @@ IDLE_GAPS = 3  # the longest idle stretches of the compute stream recorded per s
 class StepStats:
     def __init__(self, adapter, seq_len: int, timeline, peak_flops: float | None):
         """timeline: the runtime's (None on CPU, or when streams are not measured)."""
+        self.adapter, self.seq_len = adapter, seq_len
         self.fpt6, self.fpt_model = flops_per_token(adapter, seq_len)
         self.fpt6_active = 6.0 * active_params(adapter) if adapter.moe else None  # MoE: 6·N_active per token
         self.peak = peak_flops
@@ -41,13 +42,16 @@ class StepStats:
     def __call__(self, record: dict) -> dict:
         out = {}
         tokens, dt = record.get("tokens"), record.get("step_time_s")
+        fpt_model = self.fpt_model  # attention over the step's documents (packed) or rows, where the step says
+        if record.get("attn_len") and record["attn_len"] != self.seq_len:
+            fpt_model = flops_per_token(self.adapter, record["attn_len"])[1]
         if tokens and dt:
             out["tflops_6n"] = self.fpt6 * tokens / dt / 1e12
             if self.fpt6_active:
                 out["tflops_6n_active"] = self.fpt6_active * tokens / dt / 1e12
-            out["tflops_attn"] = self.fpt_model * tokens / dt / 1e12
+            out["tflops_attn"] = fpt_model * tokens / dt / 1e12
             if self.peak and self.cuda:
-                out["mfu"] = self.fpt_model * tokens / dt / self.peak
+                out["mfu"] = fpt_model * tokens / dt / self.peak
         out["host_rss_gib"] = rss_bytes() / GiB
         if self.cuda:
             out["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / GiB

@@ -219,6 +219,7 @@ def train_step(run: Run, step: int, data: PreparedStep, stats: StepStats | None 
     # included), waiting for the GPU to finish it
     record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "clipping": clipping,
               "tokens": tokens, "tokens_per_s": tokens / dt, "step_time_s": dt, "data_wait_s": data.wait_s,
+              "attn_len": data.attn_len,
               "queue_s": t_queued - t0, "gpu_wait_s": t_done - t_queued}
     if clipping:
         record["clip_coef"] = coef
