@@ -22,7 +22,7 @@ def free_port() -> int:
 
 def env(**extra) -> dict:
     """The workers' environment: the repository first on PYTHONPATH, ahead of what was there (the GPU machines put
-    the carried wheels there: replacing it hid pydantic from the workers, 2026-11-27 x4-h100-b)."""
+    the carried wheels there: replacing it hid pydantic from the workers)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     e = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     e.update({k: str(v) for k, v in extra.items()})

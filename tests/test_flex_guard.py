@@ -1,6 +1,6 @@
 """FlexAttention never runs uncompiled: past its shape limit the run stops with a clear error.
 
-Uncompiled, FlexAttention builds the full T x T score matrix in fp32 (on the H200, 2026-11-25: 256 GiB asked for at
+Uncompiled, FlexAttention builds the full T x T score matrix in fp32 (256 GiB asked for at
 32k tokens after a test file's earlier shapes had used up dynamo's default recompile limit of 8). Here, on CPU with
 the limit set to 2: two shapes compile and equal SDPA, the third raises MegatrainError naming the remedy.
 """

@@ -153,7 +153,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Att
 # So the backward runs the kernel pair by pair, summing in fp32, and its working set is one pair's plus the fp32
 # sums of d(k) and d(v) (kv heads only) and of one block's d(q). The forward is the kernel over the whole row (it
 # needs no more than q, k, v and its output). What differs from the fused kernel: each pair's gradient is rounded
-# to the input dtype before the fp32 sum (the fused kernel sums in fp32 and rounds once). Measured on the H100 in
+# to the input dtype before the fp32 sum (the fused kernel sums in fp32 and rounds once). In
 # bf16, 8,192 tokens in blocks of 1,024, against a float64 truth: d(q), d(k), d(v) off by 2.6e-3, 3.4e-3, 3.3e-3,
 # SDPA's by 2.5e-3, 3.0e-3, 2.9e-3 (tests/gpu/test_blockwise_cuda.py). On CUDA the kernels are the ones SDPA
 # itself picks for the whole row (`blocked_kernel`): cuDNN's fused attention on Hopper, whose backward takes the row's

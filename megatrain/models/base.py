@@ -96,7 +96,7 @@ class Unit:
 
 
 # Packed rows (and windows shorter than the row) with a plain score run FlexAttention up to this head_dim over rows
-# shorter than FLEX_PACKED_TOKENS, the variable-length kernel otherwise (bench/attention_kernels.py, on the H100,
+# shorter than FLEX_PACKED_TOKENS, the variable-length kernel otherwise (bench/attention_kernels.py,
 # forward + backward over 8 x 4096 packed tokens: FlexAttention 7.04 ms at head_dim 128 against varlen 8.30, and
 # 15.3 at 256 against 9.83; a window of 1024 at 128: 6.35 against 7.59). From FLEX_PACKED_TOKENS on, the varlen
 # kernel at any head_dim: its backward runs over block pairs (memory.attn_block), a kept attention
