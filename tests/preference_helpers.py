@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from megatrain.config import DEFAULT_CONFIG
+from test_checkpoint_helpers import losses as step_losses, records  # noqa: F401 (the run tests read them here)
 
 DEFAULTS = DEFAULT_CONFIG.parent
 
@@ -52,14 +53,3 @@ def pair_config(tmp: Path, objective: str = "dpo", *, train_pairs: int | None = 
     return path
 
 
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def step_losses(out: Path) -> dict[int, float]:
-    got = {}
-    for r in records(out):
-        if "loss" in r:
-            assert r["step"] not in got, f"step {r['step']} logged twice"
-            got[r["step"]] = r["loss"]
-    return got

@@ -9,11 +9,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 from megatrain.config import load_config
 from preference_helpers import pair_config, records, step_losses
 from test_checkpoint_helpers import unit_hashes
+from test_resume_signals import wait_until
 
 STEPS = 8
 
@@ -32,12 +32,7 @@ def start(cfg, *overrides: str, **env) -> subprocess.Popen:
 
 def kill_when(proc: subprocess.Popen, cond, timeout: float = 90.0) -> None:
     try:
-        t0 = time.time()
-        while not cond():
-            if proc.poll() is not None:
-                raise AssertionError(f"training ended early (rc {proc.returncode}): {proc.stderr.read()[-2000:]}")
-            assert time.time() - t0 < timeout, "timed out"
-            time.sleep(0.01)
+        wait_until(cond, proc, timeout)
         proc.kill()  # SIGKILL
         proc.wait()
     finally:
