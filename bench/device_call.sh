@@ -38,6 +38,11 @@ fi
 CALL=$(realpath "$1")
 cd "$(dirname "$0")/.."  # the repository root: call scripts name bench/... and $M relative to it
 export PYTHONUNBUFFERED=1 MEGATRAIN_REV=${MEGATRAIN_REV:-unknown}
+# The image's Python packages come without bytecode and Python does not cache it beside them: every process compiled
+# torch's and transformers' sources again (about 10 s of each start, 3,400 modules). A pip install compiles them once;
+# a bytecode cache under /tmp does the same for every process of this machine after the first.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
 # NVLink multicast stays off on the multi-GPU kinds (the device's KINDS.md: a program that uses it can take the host's
 # shared GPUs out of service); the machines set these, and every run of a call inherits them from here as well
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

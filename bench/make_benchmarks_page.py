@@ -146,6 +146,13 @@ def index_table() -> list[str]:
     return out
 
 
+def _moved(x: dict) -> str:
+    """An export from a checkpoint reads the fp32 master and writes bf16: its time against doing both at the disk's
+    rates, beside its output's rate."""
+    f = x.get("fraction_of_read_then_write")
+    return f"; {f:.0%} of reading the master then writing at the disk's rates" if f is not None else ""
+
+
 def io_table() -> list[str]:
     """bench/bench_io.py's runs: each operation's rate beside the disk's, measured in the same process."""
     out = []
@@ -159,7 +166,13 @@ def io_table() -> list[str]:
                 out.append(f"| `{name}` | {r.get('params', 0) / 1e9:.2f}B, {r.get('threads') or 'default'} threads "
                            f"| {op} | {x['bytes'] / 1e9:.1f} | {x['seconds']:.1f} | {x['gb_per_s']:.2f} | "
                            f"{d['read_bps'] / 1e9:.2f} / {d['write_bps'] / 1e9:.2f} | {x['fraction_of_disk']:.0%} of "
-                           f"{x['against']} |")
+                           f"{x['against']}{_moved(x)} |")
+            if isinstance(p := r.get("periodic"), dict) and "save_bytes" in p:
+                out.append(f"| `{name}` | {r.get('params', 0) / 1e9:.2f}B, {r.get('threads') or 'default'} threads "
+                           f"| save while training (checkpoint.every={p['every']}) | {p['save_bytes'] / 1e9:.1f} | "
+                           f"{p['save_seconds']:.1f} | {p['save_gb_per_s']:.2f} | {d['read_bps'] / 1e9:.2f} / "
+                           f"{d['write_bps'] / 1e9:.2f} | {p['save_fraction_of_write']:.0%} of write; wall-time "
+                           f"cost {p['cost_s']:.1f} s, bound {p['bound_s']:.1f} s |")
     head = ["| reference run | model, I/O threads | operation | GB | s | GB/s | disk read / write GB/s | share |",
             "| --- | --- | --- | ---: | ---: | ---: | --- | --- |"]
     return head + out if out else []

@@ -49,10 +49,11 @@ def check_steps(recs: list[dict], objective: str, steps: int, evals: list[int]) 
 
 
 @pytest.mark.parametrize("objective", ["ipo", "simpo", "orpo"])
-def test_each_objective_trains_and_logs_what_trl_logs(tmp_path, objective):
+def test_each_objective_trains_and_logs_what_trl_logs(tmp_path, capsys, objective):
     """(dpo: test_dpo_with_either_reference_strategy_gives_the_same_steps)"""
     cfg = pair_config(tmp_path, objective, train={"steps": 3})
     summary = train(cfg)
+    assert "(2 micro-batches of 4 pairs (8 rows) x" in capsys.readouterr().err  # the start summary counts rows
     steps = check_steps(records(tmp_path / "run"), objective, 3, [0, 3])
     assert summary["last_loss"] == steps[-1]["loss"]
     # ipo, auto: the run draws 24 of the 64 pairs, so it streams the reference; simpo, orpo have none

@@ -94,13 +94,16 @@ def attach(run, log) -> StepStats:
 def start_summary(run) -> str:
     cfg, plan = run.cfg, run.plan
     t = cfg.train
-    tokens = t.micro_batch_size * t.grad_accum_steps * cfg.data.max_seq_len
+    pairs = getattr(run, "preference", False)  # micro_batch_size counts pairs: two rows each
+    rows = t.micro_batch_size * (2 if pairs else 1)
+    tokens = rows * t.grad_accum_steps * cfg.data.max_seq_len
+    what = f"{t.micro_batch_size} pairs ({rows} rows)" if pairs else f"{rows} rows"
     lines = [f"tokens per step: up to {tokens:,} ({t.grad_accum_steps} micro-batch"
-             f"{'es' if t.grad_accum_steps > 1 else ''} of {t.micro_batch_size} rows x {cfg.data.max_seq_len} tokens)"]
+             f"{'es' if t.grad_accum_steps > 1 else ''} of {what} x {cfg.data.max_seq_len} tokens)"]
     if run.world_size > 1:
         w = run.ranks.world
         lines = [f"global batch: up to {tokens * w.size:,} tokens per step over {w.layout()}, each rank up to "
-                 f"{tokens:,} ({t.grad_accum_steps} x {t.micro_batch_size} rows x {cfg.data.max_seq_len} tokens: "
+                 f"{tokens:,} ({t.grad_accum_steps} x {what} x {cfg.data.max_seq_len} tokens: "
                  f"train.micro_batch_size and grad_accum_steps are per rank); one host store per node, each rank's "
                  f"CPU AdamW updates its shard with {run.ranks.threads} thread(s)"]
     lines.append(plan.precision_why if plan is not None and plan.precision_why else
