@@ -11,7 +11,7 @@ import pytest
 from data_fixtures.helpers import tokenizer, write_jsonl
 
 from megatrain.config import load_command_line
-from megatrain.data import build_prompt_source, is_prompt
+from megatrain.data import build_prompt_source, is_prompt, preview, render_prompt_preview, validate_inputs
 from megatrain.data.prompts import build_prompts
 from megatrain.errors import MegatrainError
 
@@ -196,3 +196,36 @@ def test_the_tokenised_prompts_are_cached(tmp_path):
     assert a.fingerprint() == b.fingerprint()
     files = [f["filename"] for f in a.parts[0].tokens.cache_files]
     assert files == [f["filename"] for f in b.parts[0].tokens.cache_files] and "tokens-" in files[0]
+
+
+def test_preview_shows_each_prompt_as_the_model_sees_it(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", ROWS[:3])
+    cfg = _cfg(tmp_path, path)
+    text = preview(cfg.data, tokenizer(), 2)  # what `megatrain data` prints from the data section alone
+    assert text.count("--- prompt ") == 2 and f"--- prompt 1 of 3: {path}:1 -- " in text
+    assert "<|im_start|>user\n  prompt 0<|im_end|>" in text and "row: prompt='prompt 0', answer='0'" in text
+    assert "--- statistics\nprompts: 3 from 1 source" in text and "rollout batches" not in text
+    full = render_prompt_preview(cfg, tokenizer(), 1)
+    assert "= 192 tokens skipped" in full and "rollout batches: 4 prompts x 8 completions; 0.75 rollout batches" in full
+    with pytest.raises(MegatrainError, match="data.datasets\\[1\\]: format 'alpaca' is not prompt data"):
+        validate_inputs(_cfg(tmp_path, path, "data.path=null", f"data.datasets=[{path}, {{path: {path}, "
+                                                                "format: alpaca}]").data)
+
+
+def test_parquet_rows_and_a_held_out_share(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}],
+             "answer": f"a{i}"} for i in range(8)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    cfg = _cfg(tmp_path, tmp_path / "p.parquet", "data.eval_fraction=0.25")
+    train = build_prompt_source(cfg, tokenizer(), seed=0)
+    held = build_prompt_source(cfg, tokenizer(), seed=0, side="eval")
+    assert (len(train), len(held), train.prompts.counts.held_out) == (6, 2, 2)
+    seen = train.next_prompts(8)[:6] + held.next_prompts(4)[:2]
+    assert sorted(p.row["answer"] for p in seen) == [f"a{i}" for i in range(8)]  # the rows whole, from parquet
+    for p in seen:
+        i = int(p.row["answer"][1:])
+        assert p.ids == _template_ids(tokenizer(), [{"role": "user", "content": f"q{i}"}])
+        assert p.where == f"{tmp_path / 'p.parquet'} row {i + 1}"

@@ -216,23 +216,28 @@ def _skip(cfg: DataConfig, counts: PromptCounts, where: str, msg: str, hint: str
         counts.bad_examples.append(f"{where}: {msg}")
 
 
+def _sections(cfg) -> tuple[DataConfig, object | None]:
+    """(the data section, the grpo section or None) of a megatrain Config, or of a bare DataConfig."""
+    return (cfg, None) if isinstance(cfg, DataConfig) else (cfg.data, cfg.grpo)
+
+
 def build_prompts(cfg, tok, side: str = "train") -> Prompts:
     """Load, tokenise (cached) and select the prompts of `side` ("train" or "eval") of a megatrain Config (its
-    data and grpo sections); MegatrainError for a bad, over-long or unscorable row (unless skipped) or when no
-    prompt is left."""
+    data and grpo sections; a bare DataConfig: no completion is counted against data.max_seq_len, no reward checks
+    a row); MegatrainError for a bad, over-long or unscorable row (unless skipped) or when no prompt is left."""
     from ..rl.config import FIELD_REWARDS
     from ..rl.rewards import row_problem
 
-    d, g = cfg.data, cfg.grpo
+    d, g = _sections(cfg)
     check_prompts(d)
-    limit = d.max_seq_len - g.max_new_tokens
+    limit = d.max_seq_len - (g.max_new_tokens if g is not None else 0)
     if limit < 1:
         raise MegatrainError(f"grpo.max_new_tokens: {g.max_new_tokens} leaves no room for a prompt in "
                              f"data.max_seq_len={d.max_seq_len}")
     counts = PromptCounts(cut_to=row_tokens(d.max_seq_len), limit=limit)
     sources, loaded = load_parts(d, tok, side, counts, encoder=encode_prompt_row, features=prompt_features,
                                  version=PROMPT_ENCODER_VERSION)
-    checked = [(i, s) for i, s in enumerate(g.rewards) if s.name in FIELD_REWARDS]  # the built-ins that read a row
+    checked = [(i, s) for i, s in enumerate(g.rewards if g is not None else []) if s.name in FIELD_REWARDS]  # the built-ins that read a row
     cols: dict[str, list] = {k: [] for k in ("part", "row", "source", "length")}
     for pi, (si, part, good) in enumerate(loaded):
         length = part.tokens.data.column("length").to_numpy().astype(np.int64)
@@ -335,7 +340,7 @@ class PromptSource:
 
 def prompt_lines(prompts: Prompts, cfg) -> list[str]:
     """The run-start summary of the prompts, like the SFT loader's count lines."""
-    c, d, g, q = prompts.counts, cfg.data, cfg.grpo, prompts.quotas()
+    (d, g), c, q = _sections(cfg), prompts.counts, prompts.quotas()
     per_src = ", ".join(f"{s.name}: {int((prompts.source == i).sum()):,}"
                         + (f" -> {q[i]:,}/epoch" if q[i] != int((prompts.source == i).sum()) else "")
                         for i, s in enumerate(prompts.sources))
@@ -347,7 +352,10 @@ def prompt_lines(prompts: Prompts, cfg) -> list[str]:
     lines += [f"  skipped: {b}" for b in c.bad_examples]
     L = prompts.lengths
     lines.append(f"prompt tokens: {c.tokens:,}; length min {L.min()}, median {int(np.median(L))}, mean {L.mean():.1f}, "
-                 f"p95 {int(np.percentile(L, 95))}, max {L.max()}; completions up to {g.max_new_tokens:,} tokens")
+                 f"p95 {int(np.percentile(L, 95))}, max {L.max()}"
+                 + (f"; completions up to {g.max_new_tokens:,} tokens" if g is not None else ""))
+    if g is None:
+        return lines
     per_epoch = sum(q)
     lines.append(f"rollout batches: {g.prompts_per_rollout:,} prompts x {g.num_generations} completions; "
                  f"{per_epoch / g.prompts_per_rollout:.2f} rollout batches per epoch")
@@ -364,9 +372,9 @@ def build_prompt_source(cfg, tokenizer, *, seed: int, rank: int = 0, world: int 
 
 
 def render_prompt_preview(cfg, tok, n: int) -> str:
-    """What `megatrain data CONFIG --preview N` prints for prompts: each prompt as the model sees it, then the
-    statistics."""
-    apply_chat_template_override(tok, cfg.data.chat_template)
+    """What `megatrain data CONFIG --preview N` prints for prompts (cfg: a megatrain Config, or its DataConfig):
+    each prompt as the model sees it and its row, then the statistics."""
+    apply_chat_template_override(tok, _sections(cfg)[0].chat_template)
     prompts = build_prompts(cfg, tok, "train")
     lines = []
     for k in range(min(n, len(prompts))):
