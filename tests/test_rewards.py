@@ -115,6 +115,13 @@ def batch_only(prompts, completions, rows):
         raise RuntimeError("cannot do batches\\nsecond line")
     return [0.0]
 
+def as_dict(prompts, completions, rows):
+    return {"a": 1.0}
+
+def scalar(prompts, completions, rows):
+    import torch
+    return torch.tensor(1.0)
+
 def tensors(prompts, completions, rows):
     import torch
     return torch.arange(len(completions), dtype=torch.float64)
@@ -209,6 +216,9 @@ def test_wrong_length_and_values_that_are_not_finite_numbers(user_file):
          "is a number")
     assert _failure(user_file, "nan", rows) == \
         "grpo.rewards[1] (nan) returned nan for the completion of /data/d.jsonl:3; a reward must be finite"
+    for fn, kind in (("as_dict", "dict"), ("scalar", "Tensor")):
+        assert _failure(user_file, fn, rows) == \
+            f"grpo.rewards[1] ({fn}) returned a {kind}, not a list of 3 floats (one per completion)"
 
 
 def test_a_builtin_on_a_row_without_its_field_names_the_row():

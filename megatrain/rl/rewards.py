@@ -279,8 +279,10 @@ def _values(r: Reward, out, wheres: list[str]) -> list[float]:
     n, who = len(wheres), f"{r.key} ({r.name})"
     if isinstance(out, (torch.Tensor,)) or type(out).__module__ == "numpy":
         out = out.tolist() if getattr(out, "ndim", 1) else out
-    if isinstance(out, (str, bytes, dict)) or not isinstance(out, (list, tuple)):
+    if not isinstance(out, (list, tuple)):
         try:
+            if isinstance(out, (str, bytes, dict)):
+                raise TypeError
             out = list(out)
         except TypeError:
             raise MegatrainError(f"{who} returned a {type(out).__name__}, not a list of {n} floats (one per "
@@ -330,7 +332,7 @@ def score(rewards: Sequence[Reward], prompts: Sequence[str], completions: Sequen
     total = torch.zeros(n, dtype=torch.float64)
     per: dict[str, torch.Tensor] = {}
     for r in rewards:
-        v = torch.tensor(_call(r, prompts, completions, dicts, wh), dtype=torch.float64)
+        v = torch.tensor(_call(r, list(prompts), list(completions), list(dicts), wh), dtype=torch.float64)
         per[r.name] = v.float()
         total += r.weight * v
     return total.float(), per
