@@ -340,7 +340,7 @@ class PromptSource:
 
 def prompt_lines(prompts: Prompts, cfg) -> list[str]:
     """The run-start summary of the prompts, like the SFT loader's count lines."""
-    (d, g), c, q = _sections(cfg), prompts.counts, prompts.quotas()
+    g, c, q = _sections(cfg)[1], prompts.counts, prompts.quotas()
     per_src = ", ".join(f"{s.name}: {int((prompts.source == i).sum()):,}"
                         + (f" -> {q[i]:,}/epoch" if q[i] != int((prompts.source == i).sum()) else "")
                         for i, s in enumerate(prompts.sources))
