@@ -137,8 +137,8 @@ def test_bad_rows_skipped_and_counted(tmp_path):
     assert (len(src), c.too_long, c.unscorable, c.bad, c.rows) == (2, 1, 1, 1, 5)
     assert [p.where.rsplit(":", 1)[1] for p in sorted(src.next_prompts(4)[:2], key=lambda p: p.index)] == ["1", "5"]
     text = src.summary
-    assert "prompts: 2 from 1 source" in text and "1 prompts longer than data.max_seq_len - grpo.max_new_tokens = 192" \
-        in text and f"  skipped: {tmp_path / 'p.jsonl'}:2: the prompt is" in text
+    assert "prompts: 2 from 1 source" in text and "1 over-long prompts (> data.max_seq_len - grpo.max_new_tokens = " \
+        "192 tokens) skipped" in text and f"  skipped: {tmp_path / 'p.jsonl'}:2: the prompt is" in text
     dropped = _source(tmp_path, rows[:2], "data.overlong=drop")
     assert len(dropped) == 1 and dropped.prompts.counts.dropped == 1
 
@@ -206,7 +206,7 @@ def test_preview_shows_each_prompt_as_the_model_sees_it(tmp_path):
     assert "<|im_start|>user\n  prompt 0<|im_end|>" in text and "row: prompt='prompt 0', answer='0'" in text
     assert "--- statistics\nprompts: 3 from 1 source" in text and "rollout batches" not in text
     full = render_prompt_preview(cfg, tokenizer(), 1)
-    assert "= 192 tokens skipped" in full and "rollout batches: 4 prompts x 8 completions; 0.75 rollout batches" in full
+    assert "= 192 tokens) skipped" in full and "(> data.max_seq_len = 256 tokens)" in text and "rollout batches: 4 prompts x 8 completions; 0.75 rollout batches" in full
     with pytest.raises(MegatrainError, match="data.datasets\\[1\\]: format 'alpaca' is not prompt data"):
         validate_inputs(_cfg(tmp_path, path, "data.path=null", f"data.datasets=[{path}, {{path: {path}, "
                                                                 "format: alpaca}]").data)

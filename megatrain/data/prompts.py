@@ -346,9 +346,11 @@ def prompt_lines(prompts: Prompts, cfg) -> list[str]:
                         for i, s in enumerate(prompts.sources))
     n = len(prompts.sources)
     lines = [f"prompts: {c.examples:,} from {n} source{'s' * (n > 1)} [{per_src}]",
-             f"rows: {c.rows:,} read, {c.bad:,} bad rows skipped, {c.too_long:,} prompts longer than data.max_seq_len"
-             f" - grpo.max_new_tokens = {c.limit:,} tokens skipped, {c.dropped:,} dropped, {c.unscorable:,} rows "
-             f"the rewards cannot score skipped, {c.held_out:,} held out for evaluation"]
+             f"rows: {c.rows:,} read, {c.bad:,} bad rows skipped, {c.too_long:,} over-long prompts (> "
+             + (f"data.max_seq_len - grpo.max_new_tokens = {c.limit:,}" if g is not None else
+                f"data.max_seq_len = {c.limit:,}")
+             + f" tokens) skipped, {c.dropped:,} dropped, {c.unscorable:,} rows the rewards cannot score skipped, "
+               f"{c.held_out:,} held out for evaluation"]
     lines += [f"  skipped: {b}" for b in c.bad_examples]
     L = prompts.lengths
     lines.append(f"prompt tokens: {c.tokens:,}; length min {L.min()}, median {int(np.median(L))}, mean {L.mean():.1f}, "
