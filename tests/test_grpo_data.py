@@ -206,7 +206,8 @@ def test_preview_shows_each_prompt_as_the_model_sees_it(tmp_path):
     assert "<|im_start|>user\n  prompt 0<|im_end|>" in text and "row: prompt='prompt 0', answer='0'" in text
     assert "--- statistics\nprompts: 3 from 1 source" in text and "rollout batches" not in text
     full = render_prompt_preview(cfg, tokenizer(), 1)
-    assert "= 192 tokens) skipped" in full and "(> data.max_seq_len = 256 tokens)" in text and "rollout batches: 4 prompts x 8 completions; 0.75 rollout batches" in full
+    assert "= 192 tokens) skipped" in full and "(> data.max_seq_len = 256 tokens)" in text
+    assert "rollout batches: 4 prompts x 8 completions; 0.75 rollout batches" in full
     with pytest.raises(MegatrainError, match="data.datasets\\[1\\]: format 'alpaca' is not prompt data"):
         validate_inputs(_cfg(tmp_path, path, "data.path=null", f"data.datasets=[{path}, {{path: {path}, "
                                                                 "format: alpaca}]").data)

@@ -237,7 +237,8 @@ def build_prompts(cfg, tok, side: str = "train") -> Prompts:
     counts = PromptCounts(cut_to=row_tokens(d.max_seq_len), limit=limit)
     sources, loaded = load_parts(d, tok, side, counts, encoder=encode_prompt_row, features=prompt_features,
                                  version=PROMPT_ENCODER_VERSION)
-    checked = [(i, s) for i, s in enumerate(g.rewards if g is not None else []) if s.name in FIELD_REWARDS]  # the built-ins that read a row
+    rewards = g.rewards if g is not None else []
+    checked = [(i, s) for i, s in enumerate(rewards) if s.name in FIELD_REWARDS]  # the built-ins that read a row
     cols: dict[str, list] = {k: [] for k in ("part", "row", "source", "length")}
     for pi, (si, part, good) in enumerate(loaded):
         length = part.tokens.data.column("length").to_numpy().astype(np.int64)
