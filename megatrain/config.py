@@ -21,10 +21,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from .data import is_preference
+from .data import is_preference, is_prompt
 from .data.config import DataConfig
 from .config_checks import TooLarge, check_overlaps, check_yaml_size, expand_home, objective_problems
 from .errors import ConfigError, MegatrainError, check_dir_target, decode_utf8, load_json
+from .rl.config import GRPOConfig, RewardSpec, resolve_reward_paths  # noqa: F401 (RewardSpec: grpo.rewards[i])
 from .runtime.knobs import Knob, knobs
 from .runtime.schedule import Placement
 
@@ -73,9 +74,11 @@ class TrainConfig(_Strict):
     exact_match_path: str | None = Field(None, description="alpaca JSONL whose answers greedy decoding must match")
     init_std: float | None = Field(None, gt=0, description="std of random init; default: config.json's "
                                                           "initializer_range")
-    objective: Literal["sft", "dpo", "ipo", "simpo", "orpo"] = Field(
+    objective: Literal["sft", "dpo", "ipo", "simpo", "orpo", "grpo"] = Field(
         "sft", description="sft: next-token loss; dpo, ipo, simpo, orpo: preference optimization on (prompt, chosen, "
-                           "rejected) pairs, as TRL names them (the preference section; docs/preference.md)")
+                           "rejected) pairs, as TRL names them (the preference section; docs/preference.md); grpo: "
+                           "online RL on completions sampled for prompts and scored by rewards (the grpo section; "
+                           "docs/grpo.md)")
 
     @field_validator("betas")
     @classmethod
@@ -205,6 +208,7 @@ class Config(_Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     export: ExportConfig = ExportConfig()
     preference: PreferenceConfig = PreferenceConfig()
+    grpo: GRPOConfig = GRPOConfig()
     resume: str | None = Field(None, description="'auto': continue from the newest complete checkpoint in "
                                                  "output.dir (none yet: start fresh); or a checkpoint directory")
 
@@ -311,6 +315,8 @@ def _resolve_inputs(raw: dict, base: Path, registry: bool | None = None) -> None
             sec[key] = str(base / v)
     if isinstance(raw.get("data"), dict):
         DataConfig.resolve_relative(raw["data"], base, registry)
+    if isinstance(raw.get("grpo"), dict):
+        resolve_reward_paths(raw["grpo"], base)
 
 
 def _set(d: dict, path: list[str], value: Any) -> None:
@@ -403,7 +409,7 @@ def _validate(raw: dict, lines: dict[tuple, int], path: Path | None, from_cli: s
         cfg = Config.model_validate(raw)
     except ValidationError as e:
         raise _problems([_describe(err, where(tuple(err["loc"]))) for err in e.errors()]) from None
-    if problems := objective_problems(cfg, is_preference(cfg.data)):  # train.objective and the data agree
+    if problems := objective_problems(cfg, is_preference(cfg.data), is_prompt(cfg.data)):  # objective and data agree
         raise _problems([where(loc) + msg for loc, msg in problems])
     return cfg
 

@@ -7,7 +7,8 @@ a run writes against the paths it reads.
   and the writes see the same folder (never one named `~` in the working directory).
 - No folder the run writes is, holds or lies inside a path it reads.
 - train.objective and the data agree: a preference objective trains on preference pairs and pairs need one; the
-  reference keys belong to the objectives with a reference (dpo, ipo).
+  reference keys belong to the objectives with a reference (dpo, ipo); grpo trains on prompts and prompts need it,
+  with rewards, room for a prompt beside grpo.max_new_tokens and a rollout batch of whole optimizer steps.
 """
 
 from __future__ import annotations
@@ -102,14 +103,16 @@ def check_overlaps(cfg) -> None:
 
 
 REFERENCE_OBJECTIVES = ("dpo", "ipo")  # the objectives whose loss holds the reference model's log-probs
+ROW_OBJECTIVES = ("sft", "grpo")  # the objectives that do not train on preference pairs
 
 
-def objective_problems(cfg, pairs: bool) -> list[tuple[tuple, str]]:
+def objective_problems(cfg, pairs: bool, prompts: bool = False) -> list[tuple[tuple, str]]:
     """Of a validated `megatrain.config.Config` whose data is preference pairs or not (`pairs`:
-    megatrain.data.is_preference): (the key's path, one line) for each disagreement between train.objective, the
-    data and the preference section (none: an empty list)."""
+    megatrain.data.is_preference) and prompts or not (`prompts`: megatrain.data.is_prompt): (the key's path, one line)
+    for each disagreement between train.objective, the data, the preference section and the grpo section (none: an
+    empty list)."""
     t, p, out = cfg.train, cfg.preference, []
-    if t.objective != "sft" and not pairs:
+    if t.objective not in ROW_OBJECTIVES and not pairs:
         out.append((("train", "objective"), f"train.objective: {t.objective} trains on preference pairs (prompt, "
                     f"chosen, rejected), but data.format is '{cfg.data.format}'; set data.format: preference (or a "
                     f"dataset_info.json entry with \"ranking\": true), or train.objective: sft"))
@@ -118,6 +121,57 @@ def objective_problems(cfg, pairs: bool) -> list[tuple[tuple, str]]:
                                         "objective; set train.objective: dpo, ipo, simpo or orpo"))
     for key, unset in (("reference", "auto"), ("reference_path", None)):
         if getattr(p, key) != unset and t.objective not in REFERENCE_OBJECTIVES:
-            out.append((("preference", key), f"preference.{key}: only dpo and ipo have a reference model; "
-                                             f"train.objective {t.objective} has none: remove the key"))
+            whose = ("grpo's KL reference (grpo.beta) is the policy at step 0" if t.objective == "grpo" else
+                     f"train.objective {t.objective} has none")
+            out.append((("preference", key), f"preference.{key}: only dpo and ipo have a reference model of this "
+                                             f"section; {whose}: remove the key"))
+    if t.objective == "grpo" or prompts:
+        out += grpo_problems(cfg, prompts)
     return out
+
+
+def grpo_problems(cfg, prompts: bool) -> list[tuple[tuple, str]]:
+    """The disagreements of train.objective grpo with its data, batch and grpo section (or of prompt data with
+    another objective): (the key's path, one line) each."""
+    t, d, g, out = cfg.train, cfg.data, cfg.grpo, []
+    if t.objective != "grpo":
+        return [(("data", "format"), f"data: prompts (data.format prompt: rows without a completion) train with "
+                                     f"train.objective: grpo, not {t.objective}")]
+    if not prompts:
+        out.append((("train", "objective"), f"train.objective: grpo samples completions for prompts, but "
+                                            f"data.format is '{d.format}'; set data.format: prompt (rows "
+                                            f"{{\"prompt\": ...}} or {{\"messages\": [...]}})"))
+    if not g.rewards:
+        out.append((("grpo", "rewards"), "grpo.rewards: give one or more rewards (exact_match, regex, numeric, or "
+                                         "path.py:function), e.g. [{name: exact_match, field: answer}]"))
+    if g.max_new_tokens >= d.max_seq_len:
+        out.append((("grpo", "max_new_tokens"), f"grpo.max_new_tokens: {g.max_new_tokens} leaves no room for a "
+                                                f"prompt in data.max_seq_len={d.max_seq_len} (prompt + completion); "
+                                                f"raise data.max_seq_len or lower grpo.max_new_tokens"))
+    if problem := batch_problem(cfg):
+        out.append((("grpo", "prompts_per_rollout"), problem))
+    if d.packing:
+        out.append((("data", "packing"), "data.packing: grpo's rows (a prompt and one completion) are right-padded, "
+                                         "not packed; set data.packing: false"))
+    if d.train_on_prompt:
+        out.append((("data", "train_on_prompt"), "data.train_on_prompt: grpo's loss is on the sampled completions "
+                                                 "only; set data.train_on_prompt: false"))
+    return out
+
+
+def batch_problem(cfg, world: int = 1) -> str | None:
+    """Why a rollout batch (grpo.prompts_per_rollout x grpo.num_generations completions) does not split into whole
+    optimizer steps of train.micro_batch_size x train.grad_accum_steps completions on each of `world` ranks, or
+    its prompts between the ranks (None: it does)."""
+    t, g = cfg.train, cfg.grpo
+    step = t.micro_batch_size * t.grad_accum_steps * world
+    n = g.prompts_per_rollout * g.num_generations
+    ranks = f" x {world} ranks" if world > 1 else ""
+    if n % step:
+        return (f"grpo.prompts_per_rollout: a rollout batch of {g.prompts_per_rollout} x {g.num_generations} = {n} "
+                f"completions does not split into optimizer steps of train.micro_batch_size x "
+                f"train.grad_accum_steps{ranks} = {step} completions; make it a multiple")
+    if g.prompts_per_rollout % world:
+        return (f"grpo.prompts_per_rollout: {g.prompts_per_rollout} prompts do not split between {world} ranks; "
+                f"make it a multiple of {world}")
+    return None

@@ -12,15 +12,16 @@ MODULES = sorted(p for p in ROOT.rglob("*.py"))
 # package -> the megatrain packages it may import (itself always; errors.py everywhere)
 ALLOWED = {
     "models": set(),
-    "data": set(),
+    "rl": set(),  # the grpo config section and the rewards: a leaf, like data
+    "data": {"rl"},  # rl: the built-in rewards' checks of each prompt row (data/prompts.py)
     "runtime": {"models"},
     "checkpoint": {"models", "runtime"},  # runtime: the SSD tier's request loop and aligned buffers (fastio.py)
     "planner": {"runtime", "models"},
     "distributed": {"runtime", "models"},
-    "run": {"runtime", "data", "checkpoint", "planner", "models", "config", "distributed"},
-    "config": {"data", "runtime", "config_checks"},  # runtime: the placement knobs' declarations (runtime/knobs.py)
+    "run": {"runtime", "data", "checkpoint", "planner", "models", "config", "distributed", "rl"},
+    "config": {"data", "runtime", "config_checks", "rl"},  # rl: the grpo section (rl/config.py)  # runtime: the placement knobs' declarations (runtime/knobs.py)
     "config_checks": set(),
-    "cli": {"run", "planner", "checkpoint", "data", "config", "models"},
+    "cli": {"run", "planner", "checkpoint", "data", "config", "models", "rl"},
     "__main__": {"cli"},
 }
 

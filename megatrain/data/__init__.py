@@ -18,6 +18,8 @@ Modules, one job each:
     preference.py          a (prompt, chosen, rejected) row -> a pair -> both sides' tokens and labels
     preference_examples.py tokenised pairs -> the pairs of a run (over-long pairs cut, counted); their batches, preview
     preference_loader.py   the pairs' interface for preference objectives (dpo, ipo, simpo, orpo; see there)
+    prompts.py    prompts for online RL (data.format prompt, train.objective grpo): rows -> tokenised prompts
+                  (chat template with the generation prompt) -> a seeded, resumable order of PromptRows
 
 Interface used by the trainer and the command line (and nothing else of this package):
     load_tokenizer(path) -> PreTrainedTokenizerBase     AutoTokenizer, MegatrainError if missing or unreadable
@@ -31,6 +33,9 @@ Interface used by the trainer and the command line (and nothing else of this pac
     load_exact_match(path) -> list[tuple[str, str]]     train.exact_match_path's (prompt, answer) pairs
     is_preference(cfg), build_pair_loader(...), build_pair_eval_batches(...), all_pair_batches(...),
     pair_fingerprint(...)                               preference pairs (preference_loader.py says how)
+    is_prompt(cfg), build_prompt_source(config, tokenizer, seed=, rank=0, world=1) -> PromptSource
+        .next_prompts(k) -> list[PromptRow], .state_dict(), .load_state_dict(state), .summary, .epoch
+                                                        prompts of train.objective grpo (prompts.py says how)
 The loader and preview functions set `data.chat_template`, when given, on the tokenizer object they receive, so a
 tokenizer saved with the exported model chats the way it was trained.
 
@@ -50,8 +55,10 @@ from .exact_match import load_exact_match
 from .loader import Batch, StepLoader, build_eval_batches, build_train_loader, preview, validate_inputs
 from .preference_loader import (PairBatches, PairLoader, all_pair_batches, build_pair_eval_batches, build_pair_loader,
                                 is_preference, pair_fingerprint)
+from .prompts import PromptRow, PromptSource, build_prompt_source, is_prompt, render_prompt_preview
 from .tokenizer import load_tokenizer
 
-__all__ = ["Batch", "DataConfig", "DatasetSpec", "PairBatches", "PairLoader", "StepLoader", "all_pair_batches",
-           "build_eval_batches", "build_pair_eval_batches", "build_pair_loader", "build_train_loader",
-           "is_preference", "load_exact_match", "load_tokenizer", "pair_fingerprint", "preview", "validate_inputs"]
+__all__ = ["Batch", "DataConfig", "DatasetSpec", "PairBatches", "PairLoader", "PromptRow", "PromptSource",
+           "StepLoader", "all_pair_batches", "build_eval_batches", "build_pair_eval_batches", "build_pair_loader",
+           "build_prompt_source", "build_train_loader", "is_preference", "is_prompt", "load_exact_match",
+           "load_tokenizer", "pair_fingerprint", "preview", "render_prompt_preview", "validate_inputs"]

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-Format = Literal["text", "alpaca", "sharegpt", "messages", "prompt_completion", "preference"]
+Format = Literal["text", "alpaca", "sharegpt", "messages", "prompt_completion", "preference", "prompt"]
 SampleBy = Literal["line", "paragraph", "document"]
 
 # Logical column of each format -> default column name in the data. `role`/`content` name the keys inside each
@@ -28,6 +28,9 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
     # (prompt, chosen, rejected) pairs (preference.py); input/history: LLaMA-Factory's alpaca ranking layout
     "preference": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "system": "system",
                    "tools": "tools", "input": "input", "history": "history", "role": "role", "content": "content"},
+    # prompts without a completion (train.objective grpo; prompts.py): a string or messages in prompt, or messages
+    "prompt": {"prompt": "prompt", "messages": "messages", "system": "system", "tools": "tools", "input": "input",
+               "history": "history", "role": "role", "content": "content"},
 }
 CANONICAL_ROLES = ("system", "user", "assistant", "tool")
 # Role names found in the data -> canonical role; `roles:` in the config is merged over these.
@@ -37,7 +40,7 @@ DEFAULT_ROLES: dict[str, dict[str, str]] = {
     "messages": {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
                  "tool": "tool"},
 }
-DEFAULT_ROLES["preference"] = {**DEFAULT_ROLES["sharegpt"], **DEFAULT_ROLES["messages"]}
+DEFAULT_ROLES["preference"] = DEFAULT_ROLES["prompt"] = {**DEFAULT_ROLES["sharegpt"], **DEFAULT_ROLES["messages"]}
 
 
 def _check_columns(fmt: str, columns: dict[str, str] | None) -> None:
@@ -90,7 +93,8 @@ class DataConfig(BaseModel):
     path: str | None = Field(None, description="training data: .json/.jsonl/.parquet/.csv/.txt file, a "
                                                "directory of them, or a datasets save_to_disk directory")
     format: Format = Field("text", description="row format: text, alpaca, sharegpt, messages, prompt_completion, "
-                                               "preference ((prompt, chosen, rejected) pairs)")
+                                               "preference ((prompt, chosen, rejected) pairs), prompt (prompts "
+                                               "without a completion, for train.objective grpo)")
     columns: dict[str, str] = Field(default_factory=dict, description="logical column -> column name in the data "
                                                                       "(e.g. {output: answer})")
     roles: dict[str, str] = Field(default_factory=dict, description="role name in the data -> system/user/"

@@ -101,7 +101,7 @@ def tokenise(part: RawPart, tok, opts: EncodeOptions, root: str, num_proc: int |
     version: the encoder's, in the cache key. Default: encode_row and its columns."""
     encoder, features = encoder or encode_row, features or _features
     src = part.source
-    if src.format not in ("text", "prompt_completion", "preference") and not tok.chat_template:
+    if src.format not in ("text", "prompt_completion", "preference", "prompt") and not tok.chat_template:
         raise MegatrainError(f"{src.key}: format '{src.format}' is rendered with the tokenizer's chat template, "
                              f"but the tokenizer has none; set data.chat_template")
     kwargs = dict(tok=tok, fmt=src.format, columns=src.columns, roles=src.roles,

@@ -7,6 +7,7 @@ from .config import DataConfig
 from .examples import Examples, build_examples
 from .packing import collate
 from .preference_examples import build_pairs, check_preference, is_preference, render_pair_preview
+from .prompts import check_prompts, is_prompt, render_prompt_preview
 from .preview import count_lines, efficiency_line, render_preview
 from .sampler import BatchShape, EpochPlanner, ResumableSampler, rank_share
 from .sources import resolve_sources, source_files
@@ -22,6 +23,8 @@ def validate_inputs(cfg: DataConfig) -> None:
         raise MegatrainError("data.path: no training data given (set data.path or data.datasets)")
     if is_preference(cfg):
         check_preference(cfg)
+    if is_prompt(cfg):
+        check_prompts(cfg)
     for src in sources + resolve_sources(cfg, eval=True):
         source_files(src)
     if cfg.chat_template:
@@ -93,6 +96,8 @@ def build_eval_batches(cfg: DataConfig, tokenizer, *, micro_batch_size: int) -> 
 
 def preview(cfg: DataConfig, tokenizer, n: int) -> str:
     apply_chat_template_override(tokenizer, cfg.chat_template)
+    if is_prompt(cfg):  # prompts as the model sees them (of the whole Config, grpo.max_new_tokens counts too)
+        return render_prompt_preview(cfg, tokenizer, n)
     if is_preference(cfg):  # each pair's two sides
         return render_pair_preview(cfg, tokenizer, build_pairs(cfg, tokenizer, "train"), n)
     return render_preview(cfg, tokenizer, build_examples(cfg, tokenizer, "train"), n)

@@ -123,6 +123,24 @@ def _ranking(cols: dict, tags: dict, sharegpt: bool) -> dict:
     return {"format": "preference", "columns": ours, "roles": _tag_roles(tags)}
 
 
+def _as_prompts(fields: dict) -> dict:
+    """A registry entry read as prompts (data.format prompt, train.objective grpo): its prompt side, the user turn of
+    an alpaca entry (instruction and input, with system and history), the conversation of a sharegpt entry (its last
+    assistant turn dropped), the text of a pretraining entry; the row's other columns stay for the rewards."""
+    cols, fmt = fields.get("columns", {}), fields["format"]
+    if fmt == "alpaca":
+        ours = {"prompt": cols.get("instruction", "instruction"), "input": cols.get("input", "input")}
+        ours.update({k: cols[k] for k in ("system", "history") if k in cols})
+    elif fmt == "sharegpt":
+        ours = {"messages": cols.get("messages", "conversations"), "role": cols.get("role", "from"),
+                "content": cols.get("content", "value"), **{k: cols[k] for k in ("system", "tools") if k in cols}}
+    elif fmt == "text":
+        ours = {"prompt": cols["text"]}
+    else:  # a ranking entry: its prompt columns are the prompt format's own
+        ours = {k: v for k, v in cols.items() if k not in ("chosen", "rejected")}
+    return {**fields, "format": "prompt", "columns": ours}
+
+
 def _tag_roles(tags: dict) -> dict[str, str]:
     """LLaMA-Factory's role tags (sharegpt layout) -> data role name -> canonical role."""
     return {tags[lf]: r for lf, r in (("user_tag", "user"), ("assistant_tag", "assistant"), ("observation_tag", "tool"),
@@ -142,6 +160,8 @@ def _source(cfg: DataConfig, key: str, spec: DatasetSpec | None, path: str | Non
             raise MegatrainError(f"{key}: dataset '{spec.name}' is not in {reg_file}{hint}")
         fields = _from_registry(reg_file, reg[spec.name], spec.name)
     explicit = spec.model_dump(exclude_none=True) if spec is not None else {}
+    if fields and (explicit.get("format") or cfg.format) == "prompt":
+        fields = _as_prompts(fields)
     fmt = explicit.get("format") or fields.get("format") or cfg.format
     inherits = "format" not in explicit and "format" not in fields
     columns = dict(DEFAULT_COLUMNS[fmt])

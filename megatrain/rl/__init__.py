@@ -1,0 +1,13 @@
+"""Online RL (train.objective grpo): the grpo config section and the rewards.
+
+    config.py    GRPOConfig, RewardSpec: the `grpo:` section (megatrain.config.Config.grpo)
+    rewards.py   load_rewards(specs, base_dir) -> [Reward]; score(rewards, prompts, completions, rows) ->
+                 (total [N], {name: [N]}); the built-ins exact_match, regex, numeric; numeric_answer(text)
+The prompts are data (megatrain/data/prompts.py); the sampler is megatrain/rollout; the loss runtime/objective.py.
+"""
+
+from .config import BUILTIN_REWARDS, GRPOConfig, RewardSpec
+from .rewards import Reward, load_rewards, numeric_answer, row_problem, score
+
+__all__ = ["BUILTIN_REWARDS", "GRPOConfig", "Reward", "RewardSpec", "load_rewards", "numeric_answer", "row_problem",
+           "score"]
