@@ -5,6 +5,7 @@ byte for byte a quiet save's files, while training goes on after the save; and a
 checkpoint. The plan reports the pool's bound and the save's predicted cost."""
 
 import json
+import threading
 
 import pytest
 import torch
@@ -25,10 +26,21 @@ def unit_bytes(store) -> list[int]:
 
 
 def train_through_a_save(tmp, monkeypatch, staging, clipping=True, seed=5):
-    """Two steps, a slow save of step 2 while steps 3 and 4 run; returns (saver, path, the state at step 2, after)."""
+    """Two steps, a slow save of step 2 while steps 3 and 4 run; returns (saver, path, the state at step 2, after).
+    The writer's first write waits until the optimizer is about to update its first unit after the save (a hook
+    that runs before the saver's), then the writer pauses after each unit: the optimizer always finds units not
+    yet written, whatever the machine's pace."""
     make_model_dir(tmp / "model", "llama", seed=seed)
     m = Megatrain(tmp / "model", dtype=torch.bfloat16, threaded_optimizer=True)  # as on CUDA: a worker thread
     take = step_after_backward if clipping else step_without_clipping
+    gate, original = threading.Event(), fastio.transfer
+    gate.set()
+    m.pipeline.add_before_update(lambda u: gate.set())
+
+    def gated(*a, **kw):
+        assert gate.wait(timeout=60)
+        return original(*a, **kw)
+    monkeypatch.setattr(fastio, "transfer", gated)
     saver = CheckpointSaver(tmp / "ckpt", m.store, m.pipeline, keep=0, staging_bytes=staging(m.store))
     try:
         for s in range(2):
@@ -37,6 +49,7 @@ def train_through_a_save(tmp, monkeypatch, staging, clipping=True, seed=5):
         m.pipeline.drain()
         at_save = snapshot(m.store)  # a copy of the state at the save step
         monkeypatch.setenv("MEGATRAIN_TEST_SAVE_DELAY_S", "0.05")  # the writer pauses after each unit
+        gate.clear()
         saver.save(2, state(2))
         for s in range(2, 4):  # the optimizer reaches units the writer has not written
             take(m, random_batches(2, 2, 97, [9, 12], seed=s), 1e-3)
