@@ -34,18 +34,18 @@ Each result gives GB/s and the fraction of the disk's rate it is measured agains
 the store, read for resume and the cold load, min(read, write) for the export of a checkpoint). --layers keeps the
 first N layers of the config (the disk must hold one checkpoint: 12 B/param, and the export beside it).
 
-Then (unless --no-train; --only-train: after the disk's probe, only these) periodic saves through the real command line: bench/bench_cli.py runs `megatrain train`
-twice in --dir, the same --train-steps steps of --train-seqs x --train-seq tokens (random init, no compile), once
-without checkpoints and once with checkpoint.every=--every (one save, after step --every, overlapping the steps
-after it). `periodic` reports each step's wall time in both runs and their difference, the wall-time cost of the
-save (the steps after it, summed, minus the same steps without it), the save's bytes and its rate (its manifest
-written after its run state: the writer's seconds), and the issue's bound: max(0, bytes / the probe's write rate -
-the step it overlaps (the run without saves' step time of step --every + 1)) + 5% of bytes / write rate. `saver` is
-the save's own record (checkpoint/saver.py, through MEGATRAIN_SAVE_STATS): the writer's seconds and its I/O threads'
-seconds per phase, the optimizer's waits on the writer (count, seconds, seconds per step), the units and bytes staged,
-the staging pool's peak and limit (the plan's: half its host headroom), the optimizer's seconds copying into it.
-`host_available_gib`: the host RAM free before the runs (this process's store released first: the runs' plans
-bound the staging pool by it).
+Then (unless --no-train; --only-train: after the disk's probe, only these) periodic saves through the real command
+line: bench/bench_cli.py runs `megatrain train` twice in --dir, the same --train-steps steps of --train-seqs x
+--train-seq tokens (random init, no compile), once without checkpoints and once with checkpoint.every=--every (one
+save, after step --every, overlapping the steps after it). `periodic` reports each step's wall time in both runs and
+their difference, the wall-time cost of the save (the steps after it, summed, minus the same steps without it), the
+save's bytes and its rate (its manifest written after its run state: the writer's seconds), and the issue's bound:
+max(0, bytes / the probe's write rate - the step it overlaps (the run without saves' step time of step --every + 1))
++ 5% of bytes / write rate. `saver` is the save's own record (checkpoint/saver.py, through MEGATRAIN_SAVE_STATS):
+the writer's seconds and its I/O threads' seconds per phase, the optimizer's waits on the writer (count, seconds,
+seconds per step), the units and bytes staged, the staging pool's peak and limit (the plan's: half its host
+headroom), the optimizer's seconds copying into it. `host_available_gib`: the host RAM free before the runs (this
+process's store released first: the runs' plans bound the staging pool by it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Saving step N's state from the live store, in the background, while step N+1 trains.
 
-No copy of the host state is made: each unit file's 16 MiB chunks (fp32 master, Adam m and v, Adam step, in
+No copy of the host state is made up front: each unit file's 16 MiB chunks (fp32 master, Adam m and v, Adam step, in
 forward order) are gathered from the store, hashed and written with O_DIRECT by a pool of I/O threads
 (fastio.py: several requests in flight, a sha256 per chunk). A state kind on the SSD tier is read from it into a
 buffer of one unit and one kind first and written by this thread (the same bytes and checksums). The pipeline calls
@@ -9,12 +9,12 @@ state (master, m and v as saved, its step) is copied into a staging pool of at m
 RAM (the plan's headroom, planner/io_time.py) and the update goes on; the writer takes the unit's chunks not yet
 gathered from that copy (chunks being gathered from the store finish first) and frees it once the file is written.
 Without room (no headroom, or the pool full of units not yet written) the call waits until unit u's file is
-complete, or until the unit fits. Either way the files hold exactly step N's state, byte for byte the same. The units are written in the order the optimizer updated them in the last
-step (`before_update` records it): forward order with clipping (all updates after backward), head first without
-(each update as its gradient is complete, during backward). So step N+1's first update waits only for its own
-unit's bytes, and each later one for the bytes not yet written before it: never for the whole save. The save is
-started at a step boundary after `pipeline.drain()` (every update of step N written), with the run state (data
-position, RNG, ...) captured at that same boundary.
+complete, or until the unit fits. Either way the files hold exactly step N's state, byte for byte the same. The
+units are written in the order the optimizer updated them in the last step (`before_update` records it): forward
+order with clipping (all updates after backward), head first without (each update as its gradient is complete,
+during backward). So step N+1's first update waits only for its own unit's bytes, and each later one for the bytes
+not yet written before it: never for the whole save. The save is started at a step boundary after `pipeline.drain()`
+(every update of step N written), with the run state (data position, RNG, ...) captured at that same boundary.
 
 Crash safety: everything goes into `.step-N.tmp/`; each file is fsynced, the manifest (sha256 and size of every
 file) is written last, the directory is fsynced and then atomically renamed to `step-N/`. A killed save leaves
