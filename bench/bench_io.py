@@ -20,17 +20,32 @@ In order, on one host store of the model (random weights, bf16 streaming copy as
   export_store  the end of a run's export: bf16 from the store (writes 2 B/param)
   load_cold     pretrained bf16 safetensors (that export) into the store, its pages evicted (POSIX_FADV_DONTNEED)
   load_cached   the same files again, now in the page cache
+  save_busy     the save again while a thread runs AdamW over the store's tiles with the optimizer's threads (torch's
+                default, as in a run; --busy-threads also with others), no GPU: the writer's rate beside the
+                optimizer's, and the optimizer's rate beside the writer's (`adamw_gparams_per_s`, alone:
+                `adamw_alone_gparams_per_s`). A save's `io_threads_s` splits its I/O threads' seconds (summed) into
+                gathering the bytes from the store, hashing, the disk's writes and fsync: which one grows when the
+                optimizer runs beside it tells why a save is slower while training.
+  save_gil      the save again beside a thread of pure Python (one core, holding the GIL as a run's main thread
+                does between its waits), with Python's switch interval (5 ms), then 0.5 ms (`save_gil_fast`): the
+                I/O threads take the GIL back several times a chunk; a large drop here with a core to spare says the
+                GIL, not the cores, paces a save while training.
 Each result gives GB/s and the fraction of the disk's rate it is measured against (write for save and export from
 the store, read for resume and the cold load, min(read, write) for the export of a checkpoint). --layers keeps the
 first N layers of the config (the disk must hold one checkpoint: 12 B/param, and the export beside it).
 
-Then (unless --no-train) periodic saves through the real command line: bench/bench_cli.py runs `megatrain train`
-twice in --dir, the same --train-steps steps of --train-seqs x --train-seq tokens (random init, no compile), once
-without checkpoints and once with checkpoint.every=--every (one save, after step --every, overlapping the steps
-after it). `periodic` reports each step's wall time in both runs and their difference, the wall-time cost of the
-save (the steps after it, summed, minus the same steps without it), the save's bytes and its rate (its manifest
-written after its run state: the writer's seconds), and the issue's bound: max(0, bytes / the probe's write rate -
-the step it overlaps (the run without saves' step time of step --every + 1)) + 5% of bytes / write rate.
+Then (unless --no-train; --only-train: after the disk's probe, only these) periodic saves through the real command
+line: bench/bench_cli.py runs `megatrain train` twice in --dir, the same --train-steps steps of --train-seqs x
+--train-seq tokens (random init, no compile), once without checkpoints and once with checkpoint.every=--every (one
+save, after step --every, overlapping the steps after it). `periodic` reports each step's wall time in both runs and
+their difference, the wall-time cost of the save (the steps after it, summed, minus the same steps without it), the
+save's bytes and its rate (its manifest written after its run state: the writer's seconds), and the issue's bound:
+max(0, bytes / the probe's write rate - the step it overlaps (the run without saves' step time of step --every + 1))
++ 5% of bytes / write rate. `saver` is the save's own record (checkpoint/saver.py, through MEGATRAIN_SAVE_STATS):
+the writer's seconds and its I/O threads' seconds per phase, the optimizer's waits on the writer (count, seconds,
+seconds per step), the units and bytes staged, the staging pool's peak and limit (the plan's: half its host
+headroom), the optimizer's seconds copying into it. `host_available_gib`: the host RAM free before the runs (this
+process's store released first: the runs' plans bound the staging pool by it).
 """
 
 from __future__ import annotations
@@ -147,10 +162,101 @@ def files_write(folder: Path, nbytes: int, threads: int | None) -> tuple[int, fl
     return n * CHUNK, seconds
 
 
+def adamw_loop(store, threads: int | None, stop, out: dict) -> None:
+    """AdamW over the store's tiles (a zero gradient, one tile after another) until `stop` is set: the optimizer's
+    load beside a save. out: params updated and seconds."""
+    from megatrain.runtime.adamw import CpuAdamW
+
+    if threads:
+        torch.set_num_threads(threads)
+    opt, grads, n, t0 = CpuAdamW((0.9, 0.95), 1e-8, 0.0), {}, 0, time.perf_counter()
+    while not stop.is_set():
+        for t in store.tiles:
+            g = grads.setdefault(t.numel, torch.zeros(t.numel))
+            opt.update(t, g, lr=0.0)
+            n += t.numel
+            if stop.is_set():
+                break
+    out.update(params=n, seconds=time.perf_counter() - t0)
+
+
+def save_busy(store, root: Path, a, threads: int | None) -> dict:
+    """A save while a thread runs AdamW with `threads` intra-op threads (None: torch's default); then AdamW alone for
+    as long (at most 20 s). Returns the save's rate and phases and both AdamW rates."""
+    import threading
+
+    from megatrain.checkpoint.fastio import io_threads
+
+    def adamw(seconds=None, until=None):
+        stop, res = threading.Event(), {}
+        worker = threading.Thread(target=adamw_loop, args=(store, threads, stop, res))
+        worker.start()
+        until() if until else time.sleep(seconds)
+        stop.set()
+        worker.join()
+        return res["params"] / res["seconds"] / 1e9
+
+    saver, took = CheckpointSaver(root / "busy", store, threads=a.threads), {}
+
+    def save():
+        t0 = time.perf_counter()
+        saver.save(1, {"step": 1, "loader": {}, "rng": {}, "config": {}})
+        took["path"], took["seconds"] = saver.wait(), time.perf_counter() - t0
+    busy = adamw(until=save)
+    nbytes = size(took["path"])
+    shutil.rmtree(root / "busy")
+    alone = adamw(seconds=min(took["seconds"], 20.0))
+    return {"bytes": nbytes, "seconds": took["seconds"], "gb_per_s": nbytes / took["seconds"] / 1e9,
+            "adamw_threads": threads or torch.get_num_threads(), "io_threads": io_threads(a.threads),
+            "io_threads_s": saver.stats["io_threads_s"], "adamw_gparams_per_s": busy,
+            "adamw_alone_gparams_per_s": alone}
+
+
+def save_gil(store, root: Path, a, switch_s: float | None) -> dict:
+    """A save beside a pure-Python thread (the GIL held but for Python's switches), with the switch interval
+    `switch_s` (None: Python's)."""
+    import threading
+
+    stop, old = threading.Event(), sys.getswitchinterval()
+
+    def hog():
+        x = 0
+        while not stop.is_set():
+            for i in range(1000):
+                x += i
+    saver, worker = CheckpointSaver(root / "gil", store, threads=a.threads), threading.Thread(target=hog)
+    if switch_s:
+        sys.setswitchinterval(switch_s)
+    worker.start()
+    try:
+        t0 = time.perf_counter()
+        saver.save(1, {"step": 1, "loader": {}, "rng": {}, "config": {}})
+        path = saver.wait()
+        seconds = time.perf_counter() - t0
+    finally:
+        stop.set()
+        worker.join()
+        sys.setswitchinterval(old)
+    nbytes = size(path)
+    shutil.rmtree(root / "gil")
+    return {"bytes": nbytes, "seconds": seconds, "switch_interval_s": switch_s or old,
+            "io_threads_s": saver.stats["io_threads_s"]}
+
+
+def phases(st: dict) -> str:
+    return ", ".join(f"{k[:-2]} {v:.1f}" for k, v in st.items())
+
+
 def periodic(a, root: Path, write_bps: float, log) -> dict:
     """Two `megatrain train` runs through bench_cli.py, without and with checkpoint.every (see the docstring)."""
-    runs = {}
+    from megatrain.planner.sysmem import host_memory
+
+    runs, stats_file = {}, root / "save-stats.jsonl"
+    avail = host_memory().available
+    log(f"host RAM available before the runs: {avail / 2**30:.1f} GiB")
     for name, extra in (("base", []), ("every", [f"checkpoint.every={a.every}"])):
+        if name == "every":
+            os.environ["MEGATRAIN_SAVE_STATS"] = str(stats_file)  # the save's own record (checkpoint/saver.py)
         work, js = root / f"train-{name}", root / f"train-{name}.json"
         cmd = [sys.executable, str(Path(__file__).resolve().parent / "bench_cli.py"), "--model", a.model,
                "--seq", str(a.train_seq), "--seqs", str(a.train_seqs), "--micro", str(a.train_micro),
@@ -159,6 +265,7 @@ def periodic(a, root: Path, write_bps: float, log) -> dict:
         cmd += (["--layers", str(a.layers)] if a.layers else []) + [x for o in extra + a.set for x in ("--set", o)]
         log("running: " + " ".join(cmd))
         rc = subprocess.run(cmd, stdout=subprocess.DEVNULL if a.quiet_train else None).returncode
+        os.environ.pop("MEGATRAIN_SAVE_STATS", None)
         res = json.loads(js.read_text())["result"] if js.is_file() else {}
         if rc or not res.get("steps"):
             raise SystemExit(f"bench_io: the {name} run failed (exit {rc}): {res.get('error', 'no result')}")
@@ -182,8 +289,11 @@ def periodic(a, root: Path, write_bps: float, log) -> dict:
            "save_fraction_of_write": save["bytes"] / save["seconds"] / write_bps, "save_at_write_rate_s": disk_s,
            "overlapped_step_s": overlap, "cost_s": cost, "bound_s": max(0.0, disk_s - overlap) + 0.05 * disk_s,
            "all_steps_difference_s": sum(r["difference_s"] for r in steps),
-           "cli_total_difference_s": runs["every"]["cli_total_s"] - runs["base"]["cli_total_s"]}
+           "cli_total_difference_s": runs["every"]["cli_total_s"] - runs["base"]["cli_total_s"],
+           "host_available_gib": avail / 2**30}
     out["within_bound"] = out["cost_s"] <= out["bound_s"]
+    saves = [json.loads(x) for x in stats_file.read_text().splitlines()] if stats_file.is_file() else []
+    out["saver"] = next((x for x in saves if x["step"] == a.every), None)
     for r in steps:
         log(f"  step {r['step']:3d}: wall {r['wall_s']:7.2f}s, with saves {r['wall_s_every']:7.2f}s "
             f"({r['difference_s']:+.2f}s)")
@@ -192,37 +302,18 @@ def periodic(a, root: Path, write_bps: float, log) -> dict:
         f"{cost:.1f}s (all steps {out['all_steps_difference_s']:+.1f}s, whole command "
         f"{out['cli_total_difference_s']:+.1f}s); bound max(0, {disk_s:.1f} - {overlap:.1f}) + 5% = "
         f"{out['bound_s']:.1f}s: {'within' if out['within_bound'] else 'ABOVE'}")
+    st = out["saver"]
+    if st:
+        log(f"  the writer: {st['seconds']:.1f}s, its I/O threads' seconds {phases(st['io_threads_s'])}; the "
+            f"optimizer waited {st['waits']} times, {st['wait_s']:.1f}s (by step: "
+            f"{', '.join(f'{k}: {v:.1f}s' for k, v in st['wait_s_by_step'].items()) or 'none'}); staged "
+            f"{st['staged_units']} units, {st['staged_bytes'] / 1e9:.2f} GB (peak {st['staged_peak_bytes'] / 1e9:.2f} "
+            f"of {st['staging_limit_bytes'] / 1e9:.2f} GB allowed), copying {st['stage_copy_s']:.1f}s")
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="a folder with config.json")
-    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers")
-    ap.add_argument("--dir", default="/tmp/bench-io", help="folder on the disk measured")
-    ap.add_argument("--probe-gib", type=float, default=8.0)
-    ap.add_argument("--threads", type=int, default=None, help="I/O threads (default: the code's)")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--no-train", action="store_true", help="skip the periodic saves through megatrain train")
-    ap.add_argument("--every", type=int, default=3, help="checkpoint.every of the run with saves")
-    ap.add_argument("--train-steps", type=int, default=5, help="steps of each run (at least --every + 2)")
-    ap.add_argument("--train-seq", type=int, default=1024)
-    ap.add_argument("--train-seqs", type=int, default=158)
-    ap.add_argument("--train-micro", type=int, default=79)
-    ap.add_argument("--train-device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more overrides of the runs")
-    ap.add_argument("--quiet-train", action="store_true", help="hide the runs' output")
-    a = ap.parse_args()
-    if not a.no_train and a.train_steps < a.every + 2:
-        ap.error("--train-steps must be at least --every + 2 (the save overlaps the steps after it)")
-    cfg = hf_config(a.model, num_hidden_layers=a.layers)
-    root = Path(a.dir)
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    log = lambda s: print(s, flush=True)  # noqa: E731
-    disk = measure_disk(root, int(a.probe_gib * 2**30), key="--dir")
-    log(describe(disk))
-    rd, wr = disk["read_bps"], disk["write_bps"]
+def io_ops(a, cfg, root: Path, rd: float, wr: float, out: dict, log) -> None:
+    """Every operation but the runs (the module's docstring), into out['results']; the store is freed after."""
     out_hash = hash_rate(a.threads)
     log(f"sha256 on the I/O threads: {out_hash / 1e9:.2f} GB/s")
     adapter = get_adapter(cfg)
@@ -233,8 +324,7 @@ def main() -> int:
         t.exp_avg.copy_(t.master)
         t.exp_avg_sq.copy_(t.master).abs_()
     log(f"{store.num_params / 1e9:.2f}B params, store filled in {time.perf_counter() - t0:.1f}s")
-    out = {"model": a.model, "layers": cfg.num_hidden_layers, "params": store.num_params, "disk": disk,
-           "threads": a.threads, "sha256_bps": out_hash, "cpus": len(os.sched_getaffinity(0)), "results": {}}
+    out.update(params=store.num_params, sha256_bps=out_hash)
 
     def record(name: str, nbytes: int, seconds: float, against: float, what: str) -> None:
         r = {"bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9,
@@ -249,6 +339,8 @@ def main() -> int:
     saver.save(1, {"step": 1, "loader": {}, "rng": {}, "config": {}}, lambda d: cfg.to_json_file(d / "config.json"))
     ckpt = saver.wait()
     record("save", size(ckpt), time.perf_counter() - t0, wr, "write")
+    out["results"]["save"]["io_threads_s"] = saver.stats["io_threads_s"]
+    log(f"{'':13s} its I/O threads' seconds: {phases(saver.stats['io_threads_s'])}")
 
     evict(ckpt)
     record("files_read", *files_read(ckpt, a.threads), rd, "read")
@@ -286,16 +378,68 @@ def main() -> int:
     record("load_cold", r["bytes"], r["seconds"], rd, "read")
     r = store.load_safetensors(model, threads=a.threads, progress=False)
     record("load_cached", r["bytes"], r["seconds"], rd, "read")
+    shutil.rmtree(model)
+    for threads in [None] + a.busy_threads:  # the room of one checkpoint again
+        name = "save_busy" + (f"_{threads}" if threads else "")
+        b = save_busy(store, root, a, threads)
+        record(name, b["bytes"], b["seconds"], wr, "write")
+        out["results"][name].update(b, fraction_of_save=b["gb_per_s"] / out["results"]["save"]["gb_per_s"])
+        log(f"{'':13s} beside AdamW on {b['adamw_threads']} threads ({b['adamw_gparams_per_s']:.2f} Gparam/s, alone "
+            f"{b['adamw_alone_gparams_per_s']:.2f}), {b['io_threads']} I/O threads: {phases(b['io_threads_s'])}")
+    for name, switch in (("save_gil", None), ("save_gil_fast", 0.0005)):
+        g = save_gil(store, root, a, switch)
+        record(name, g["bytes"], g["seconds"], wr, "write")
+        out["results"][name].update(g, fraction_of_save=out["results"][name]["gb_per_s"]
+                                    / out["results"]["save"]["gb_per_s"])
+        log(f"{'':13s} beside a Python thread, switch interval {g['switch_interval_s'] * 1e3:.1f} ms: "
+            f"{phases(g['io_threads_s'])}")
     shutil.rmtree(root, ignore_errors=True)
-    del store, saver, r  # the runs below need the host memory
+    del store, saver, r  # the runs need the host memory
     gc.collect()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a folder with config.json")
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers")
+    ap.add_argument("--dir", default="/tmp/bench-io", help="folder on the disk measured")
+    ap.add_argument("--probe-gib", type=float, default=8.0)
+    ap.add_argument("--threads", type=int, default=None, help="I/O threads (default: the code's)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-train", action="store_true", help="skip the periodic saves through megatrain train")
+    ap.add_argument("--only-train", action="store_true", help="the disk's probe and the periodic saves only")
+    ap.add_argument("--every", type=int, default=3, help="checkpoint.every of the run with saves")
+    ap.add_argument("--train-steps", type=int, default=5, help="steps of each run (at least --every + 2)")
+    ap.add_argument("--train-seq", type=int, default=1024)
+    ap.add_argument("--train-seqs", type=int, default=158)
+    ap.add_argument("--train-micro", type=int, default=79)
+    ap.add_argument("--train-device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more overrides of the runs")
+    ap.add_argument("--quiet-train", action="store_true", help="hide the runs' output")
+    ap.add_argument("--busy-threads", type=int, action="append", default=[],
+                    help="save_busy also with this many AdamW threads (repeatable)")
+    a = ap.parse_args()
+    if not a.no_train and a.train_steps < a.every + 2:
+        ap.error("--train-steps must be at least --every + 2 (the save overlaps the steps after it)")
+    cfg = hf_config(a.model, num_hidden_layers=a.layers)
+    root = Path(a.dir)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    disk = measure_disk(root, int(a.probe_gib * 2**30), key="--dir")
+    log(describe(disk))
+    rd, wr = disk["read_bps"], disk["write_bps"]
+    out = {"model": a.model, "layers": cfg.num_hidden_layers, "disk": disk, "threads": a.threads,
+           "cpus": len(os.sched_getaffinity(0)), "results": {}}
+    if not a.only_train:
+        io_ops(a, cfg, root, rd, wr, out, log)
     out["command"] = "python3 bench/bench_io.py " + " ".join(sys.argv[1:])
     if os.environ.get("BENCH_REV"):  # a copy without .git: the revision it was copied from
         out["git"] = os.environ["BENCH_REV"]
     write_json(a.json, out)  # the I/O results kept whatever happens to the runs below
     if a.no_train:
         return 0
-    root.mkdir(parents=True)
+    root.mkdir(parents=True, exist_ok=True)
     try:
         out["periodic"] = periodic(a, root, wr, log)
     except (SystemExit, OSError, KeyError, ValueError) as e:

@@ -1,6 +1,7 @@
 """Resume is exact: a run interrupted after N steps and resumed gives the same losses and bit-identical final
 parameters and Adam states as the run that was never interrupted; and resume refuses what it cannot continue."""
 
+import json
 import shutil
 
 import pytest
@@ -14,10 +15,15 @@ from test_checkpoint_helpers import losses, records, run, setup_run, unit_hashes
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_resume_is_bit_exact_with_accumulation_and_packing(tmp_path, monkeypatch, precision):
     cfg = setup_run(tmp_path, train={"precision": precision}, checkpoint={"every": 3, "keep": 0})
-    # Slow writer: step 4's optimizer catches up with the step-3 save and must wait for it unit by unit.
+    # Slow writer: step 4's optimizer catches up with the step-3 save; with the plan's staging pool (this host's
+    # headroom) it copies the units not yet written instead of waiting for the writer.
     monkeypatch.setenv("MEGATRAIN_TEST_SAVE_DELAY_S", "0.03")
+    monkeypatch.setenv("MEGATRAIN_SAVE_STATS", str(tmp_path / "saves.jsonl"))
     run(cfg)
     monkeypatch.delenv("MEGATRAIN_TEST_SAVE_DELAY_S")
+    monkeypatch.delenv("MEGATRAIN_SAVE_STATS")
+    saves = {r["step"]: r for r in map(json.loads, (tmp_path / "saves.jsonl").read_text().splitlines())}
+    assert saves[3]["staging_limit_bytes"] > 0 and saves[3]["waits"] == 0  # staged, or written first
     full = tmp_path / "run"
     assert losses(full).keys() == set(range(1, 7))
 

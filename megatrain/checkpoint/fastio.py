@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -123,6 +124,20 @@ class Pool:
         self.close()  # waits for those running: no file is closed under a task
 
 
+class IOStats:
+    """Seconds of a pool's tasks per phase, summed over its threads (where a save's time goes: gathering the bytes
+    from the store, hashing them, the disk's writes, fsync)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.seconds: dict[str, float] = {}
+
+    def add(self, **seconds: float) -> None:
+        with self._lock:
+            for k, v in seconds.items():
+                self.seconds[k] = self.seconds.get(k, 0.0) + v
+
+
 def direct_ok(folder: Path) -> bool:
     return probe_direct(folder) is None
 
@@ -134,8 +149,12 @@ class ChunkWriter:
     no manifest lists: the time goes to the disk)."""
 
     def __init__(self, path: Path, parts: list, direct: bool, on_done: Callable | None = None,
-                 checksums: bool = True):
+                 checksums: bool = True, source=None, stats: IOStats | None = None):
+        """source: where each chunk's parts are taken at the time it is gathered (`enter()` -> parts, `leave(parts)`
+        after: a checkpoint unit whose bytes move to a staged copy mid-write, checkpoint/saver.py), else `parts`.
+        stats: an IOStats, told each chunk's seconds of gather, hash and write, and the file's fsync."""
         self.path, self.parts, self.on_done, self.checksums = Path(path), parts, on_done, checksums
+        self.source, self.stats = source, stats
         self.size = sum(part_bytes(p) for p in parts)
         self.n = max(1, -(-self.size // CHUNK))
         self.hashes: list[str | None] = [None] * self.n
@@ -150,22 +169,37 @@ class ChunkWriter:
     def _chunk(self, pool: Pool, k: int) -> None:
         a, b = k * CHUNK, min(self.size, (k + 1) * CHUNK)
         buf = pool.bounce()
-        gather(self.parts, a, b, buf)
+        t0 = time.perf_counter()
+        if self.source is None:
+            gather(self.parts, a, b, buf)
+        else:
+            parts = self.source.enter()
+            try:
+                gather(parts, a, b, buf)
+            finally:
+                self.source.leave(parts)
+        t1 = time.perf_counter()
         if self.checksums:
             self.hashes[k] = hashlib.sha256(_mv(buf[:b - a])).hexdigest()
+        t2 = time.perf_counter()
         n = b - a
         if self.direct and n % PAGE:
             m = -(-n // PAGE) * PAGE
             buf[n:m].zero_()
             n = m
         transfer(self.fd, _mv(buf[:n]), a, True)
+        t3 = time.perf_counter()
         with self._lock:
             self._left -= 1
             last = self._left == 0
+        if self.stats is not None:
+            self.stats.add(gather_s=t1 - t0, hash_s=t2 - t1, write_s=t3 - t2)
         if last:
             if self.direct and self.size % PAGE:
                 os.ftruncate(self.fd, self.size)
             os.fsync(self.fd)
+            if self.stats is not None:
+                self.stats.add(fsync_s=time.perf_counter() - t3)
             self.close()
             self.info = {"bytes": self.size, "chunk_bytes": CHUNK}
             if self.checksums:

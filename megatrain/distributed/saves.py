@@ -3,8 +3,9 @@
 Rank 0 runs the ordinary CheckpointSaver (checkpoint/saver.py) with the node's NodeFlags as its listener: the save
 step is announced before the writer starts and each unit is marked as the writer finishes it. The other ranks run
 a `FollowerSaver`, which writes nothing: on rank 0's node, before its rank's optimizer modifies its shard of unit
-u, it waits until the save in progress has written unit u, so the files hold exactly one step's state, as in a
-single-process run (the ranks of other nodes update their own replica and never wait).
+u, it waits until the save in progress has written unit u, or rank 0 has staged it (copied the whole unit, every
+rank's shard, into its staging pool before its own update of it), so the files hold exactly one step's state, as in
+a single-process run (the ranks of other nodes update their own replica and never wait).
 """
 
 from __future__ import annotations

@@ -88,8 +88,9 @@ def plan_for_config(cfg, adapter, device: str, profile: Profile | None = None, w
     plan.model = f"{adapter.model_type} ({cfg.model.path})"
     plan_objective(plan, cfg, adapter)  # a preference objective's head pass and reference (objective.py)
     file_dtype = None if cfg.model.init == "random" else _file_dtype(adapter.hf_config)
+    headroom = None if plan.host_available is None else plan.host_available - plan.host_total
     plan.io = io_times(plan.params, prof.disk_read_bps, prof.disk_write_bps, plan.step_s, cfg.checkpoint.every,
-                       file_dtype, prof.disk_source, load_bytes(adapter, file_dtype))
+                       file_dtype, prof.disk_source, load_bytes(adapter, file_dtype), headroom, prof.adamw_params_per_s)
     slow = prof.cpu_flops / prof.cpu_bf16_flops if device == "cpu" and len(prof.cpu_measured) == 2 else None
     plan.precision_why = precision_line(w.precision, device, slow)
     if stale:

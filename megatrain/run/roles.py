@@ -35,8 +35,9 @@ def open_log(run, total_steps: int, start_step: int, tensorboard: bool):
 def open_saver(run, *, keep: int, every: int, final_step: int | None):
     root = run.out_dir / "checkpoints"
     if run.writes:
+        staging = int((run.plan.io if run.plan is not None else {}).get("staging_bytes", 0))  # the plan's bound
         return CheckpointSaver(root, run.store, run.pipeline, keep=keep, every=every, final_step=final_step,
-                               world=run.world_info, listener=run.ranks.flags)
+                               world=run.world_info, listener=run.ranks.flags, staging_bytes=staging)
     from ..distributed import FollowerSaver
 
     on_writer_node = run.ranks.world.node == 0
