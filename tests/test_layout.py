@@ -17,7 +17,8 @@ ALLOWED = {
     "checkpoint": {"models", "runtime"},  # runtime: the SSD tier's request loop and aligned buffers (fastio.py)
     "planner": {"runtime", "models"},
     "distributed": {"runtime", "models"},
-    "run": {"runtime", "data", "checkpoint", "planner", "models", "config", "distributed"},
+    "rollout": {"runtime", "models", "planner"},  # the GRPO sampler: the store's weights, the machine profile
+    "run": {"runtime", "data", "checkpoint", "planner", "models", "config", "distributed", "rollout"},
     "config": {"data", "runtime", "config_checks"},  # runtime: the placement knobs' declarations (runtime/knobs.py)
     "config_checks": set(),
     "cli": {"run", "planner", "checkpoint", "data", "config", "models"},
