@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import torch
 from torch.func import functional_call
 
-from .weights import UnitWeights, WeightSource, as_param
+from .weights import UnitWeights, WeightSource, as_param, unit_key
 
 
 @contextmanager
@@ -173,7 +173,7 @@ class RolloutModel:
             self.streamer.before(i)
         return hook
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, **kwargs):
         params = self._bound[0] if self.streamer is None else self._bound[self.streamer.parity()]
         return functional_call(self.model, params, args=(), kwargs=kwargs, strict=False)
@@ -188,3 +188,43 @@ class RolloutModel:
             self.streamer.slots = []
         self.fixed.clear()
         self._bound = []
+
+
+class RandomWeights(WeightSource):
+    """Random weights in the shapes of transformers' model for `hf_config` (benchmarks): matrices N(0, std) from a
+    block of random values, shifted windows of it repeated (filling tens of GB with fresh draws would take minutes), norms 1, biases 0.
+    pin: page-locked buffers (CUDA hosts)."""
+
+    RANDOM_BLOCK = 1 << 22
+
+    def __init__(self, hf_config, dtype: torch.dtype = torch.bfloat16, seed: int = 0, std: float = 0.02,
+                 pin: bool = False):
+        model = build_meta_model(hf_config, dtype, torch.device("cpu"))
+        B = self.RANDOM_BLOCK
+        block = (torch.randn(2 * B, generator=torch.Generator().manual_seed(seed)) * std).to(dtype)
+        groups: dict = {}
+        for name, p in model.named_parameters():
+            groups.setdefault(unit_key(name), []).append((name, tuple(p.shape)))
+
+        def pack(key):
+            items = groups.get(key, [])
+            total = sum(torch.Size(s).numel() for _, s in items)
+            flat = torch.empty(total, dtype=dtype, pin_memory=pin)
+            entries, off = [], 0
+            for name, shape in items:
+                n = torch.Size(shape).numel()
+                dst = flat[off: off + n]
+                if "norm" in name and len(shape) == 1:
+                    dst.fill_(1.0)
+                elif name.endswith("bias"):
+                    dst.zero_()
+                else:
+                    for i in range(0, n, B):  # each chunk a shifted window of the block
+                        k, start = min(B, n - i), (off + i) // B * 7919 % B
+                        dst[i: i + k].copy_(block[start: start + k])
+                entries.append((name, shape, off))
+                off += n
+            return UnitWeights(key, flat, tuple(entries))
+
+        layers = sorted(k for k in groups if isinstance(k, int))
+        self.embed, self.layers, self.head = pack("embed"), [pack(i) for i in layers], pack("head")

@@ -56,7 +56,7 @@ class Sampler:
                                  logits_to_keep=1)
         return out.logits[:, -1].float()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, tokenizer=None,
                  generator: torch.Generator | None = None) -> Completions:
         if not isinstance(params, SamplingParams):

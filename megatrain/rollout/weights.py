@@ -81,6 +81,12 @@ class StoreWeights(WeightSource):
             raise ValueError("the store's units are not embed, layers 0..L-1, head")
 
 
+def unit_key(hf_name: str) -> str | int:
+    """The unit a tensor belongs to: `...layers.{i}.` is layer i, the input embedding "embed", the rest "head"."""
+    m = _LAYER.match(hf_name)
+    return int(m.group(1)) if m else ("embed" if "embed_tokens" in hf_name else "head")
+
+
 class DictWeights(WeightSource):
     """{hf_name: tensor} packed into one flat buffer per unit (in `dtype`, default the tensors'), grouped by name:
     `...layers.{i}.` is layer i, the input embedding is `embed`, everything else `head`. pin: page-lock the buffers
@@ -89,9 +95,7 @@ class DictWeights(WeightSource):
     def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None, pin: bool = False):
         groups: dict = {}
         for name, t in tensors.items():
-            m = _LAYER.match(name)
-            key = int(m.group(1)) if m else ("embed" if "embed_tokens" in name else "head")
-            groups.setdefault(key, []).append((name, t))
+            groups.setdefault(unit_key(name), []).append((name, t))
         dtype = dtype or next(iter(tensors.values())).dtype
         layers = sorted(k for k in groups if isinstance(k, int))
         if layers != list(range(len(layers))) or "embed" not in groups:
@@ -118,3 +122,4 @@ def as_param(t: torch.Tensor, shape: torch.Size, name: str) -> torch.Tensor:
     if t.numel() != torch.Size(shape).numel():
         raise ValueError(f"weights: {name} has shape {tuple(t.shape)}, the model's parameter {tuple(shape)}")
     return t.view(shape)
+
