@@ -50,9 +50,9 @@ def eos_mid_batch(model, prompts, max_new):
     raise AssertionError("no token ends some rows but not all")
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mixtral"])
-def test_greedy_equals_transformers_generate(family):
-    cfg, model = tiny_model(family)
+@pytest.mark.parametrize("family,tied", [("qwen2", False), ("mixtral", False), ("llama", True)])
+def test_greedy_equals_transformers_generate(family, tied):
+    cfg, model = tiny_model(family, tied=tied)
     max_new = 12
     eos = eos_mid_batch(model, PROMPTS, max_new)
     want = reference_generate(model, PROMPTS, max_new, eos)
