@@ -1,6 +1,6 @@
 """The rollout sampler (megatrain/rollout, issue 38): greedy decoding equals transformers' generate token for token,
-resident and streamed, dense and MoE, over uneven prompts with EOS mid-batch; the modes and kv_on_host agree when
-sampling; the kept log-probs equal a plain full forward's."""
+resident and streamed (the KV cache on the device or the host), dense and MoE, over uneven prompts with EOS
+mid-batch (finished rows leave the batch); the modes and kv_on_host agree when sampling; the kept log-probs equal a plain full forward's."""
 
 import pytest
 import torch
@@ -58,11 +58,11 @@ def test_greedy_equals_transformers_generate(family, tied):
     want = reference_generate(model, PROMPTS, max_new, eos)
     assert any(len(r) < max_new for r in want) and any(len(r) == max_new and eos not in r for r in want)
     weights = DictWeights(dict(model.state_dict()))
-    for mode in ("resident", "streamed"):
-        s = Sampler(cfg, weights, "cpu", mode=mode, dtype=torch.float32)
+    for mode, host in (("resident", False), ("streamed", False), ("streamed", True)):
+        s = Sampler(cfg, weights, "cpu", mode=mode, dtype=torch.float32, kv_on_host=host)
         out = s.generate(PROMPTS, SamplingParams(max_new_tokens=max_new, top_k=1, eos_token_ids=(eos,)))
         s.close()
-        assert out.completion_ids == want, mode
+        assert out.completion_ids == want, (mode, host)
         assert out.finished == [r[-1] == eos for r in want]
         assert out.prompt_index == [0, 1, 2, 3]
 

@@ -2,8 +2,9 @@
 the longest row (prompt + max_new_tokens), so a decode step writes one position instead of concatenating the whole
 cache (transformers' DynamicLayer grows by torch.cat, which copies every cached token at every step).
 
-A slab lives on the device, or in pinned host memory (kv_on_host): then each step copies the layer's cached keys
-and values to the device for the attention and writes the new position back. Dropping finished rows compacts the
+A slab lives on the device, or in pinned host memory (kv_on_host, position-major so that the cached prefix is one
+contiguous copy): then each step copies the layer's cached keys and values to the device for the attention and
+writes the new position back. Dropping finished rows compacts the
 slab in place (`batch_select_indices`). Sliding-window layers keep transformers' own layer (bounded by the window).
 """
 
@@ -24,16 +25,22 @@ class SlabLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        B, Hk, _, D = key_states.shape
-        pin = self.on_host and key_states.device.type == "cuda"
-        where = "cpu" if self.on_host else key_states.device
-
-        def slab(x):
-            return torch.empty((B, x.shape[1], self.capacity, x.shape[3]), dtype=x.dtype, device=where,
-                               pin_memory=pin)
-
-        self.k_slab, self.v_slab = slab(key_states), slab(value_states)
+        B = key_states.shape[0]
+        if self.on_host:  # position-major [capacity, B, heads, head_dim]: the cached prefix is one contiguous copy
+            pin = key_states.device.type == "cuda"
+            self.k_slab, self.v_slab = (torch.empty((self.capacity, B, *x.shape[1:2], x.shape[3]), dtype=x.dtype,
+                                                    pin_memory=pin) for x in (key_states, value_states))
+        else:
+            self.k_slab, self.v_slab = (torch.empty((B, x.shape[1], self.capacity, x.shape[3]), dtype=x.dtype,
+                                                    device=x.device) for x in (key_states, value_states))
         self.rows, self.length, self.is_initialized = B, 0, True
+
+    def _host_view(self, slab: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """The host slab's first capacity x rows entries as [capacity, rows, heads, head_dim] (compaction packs
+        the live rows there, so every prefix of positions stays contiguous)."""
+        c, _, h, d = slab.shape
+        rows = self.rows if rows is None else rows
+        return slab.view(-1)[: c * rows * h * d].view(c, rows, h, d)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -41,13 +48,15 @@ class SlabLayer(DynamicLayer):
         n, T, B = self.length, key_states.shape[-2], self.rows
         if n + T > self.capacity:
             raise RuntimeError(f"KV cache: {n + T} positions exceed the slab's {self.capacity}")
-        nb = key_states.device.type == "cuda"
         if self.on_host:
-            past_k = self.k_slab[:B, :, :n].to(key_states.device, non_blocking=nb)
-            past_v = self.v_slab[:B, :, :n].to(key_states.device, non_blocking=nb)
-            self.keys, self.values = torch.cat([past_k, key_states], -2), torch.cat([past_v, value_states], -2)
-            self.k_slab[:B, :, n:n + T].copy_(key_states, non_blocking=nb)
-            self.v_slab[:B, :, n:n + T].copy_(value_states, non_blocking=nb)
+            nb = key_states.device.type == "cuda"
+            out = []
+            for slab, new in ((self.k_slab, key_states), (self.v_slab, value_states)):
+                view = self._host_view(slab)
+                past = view[:n].to(new.device, non_blocking=nb).permute(1, 2, 0, 3)
+                out.append(torch.cat([past, new], -2))
+                view[n:n + T].copy_(new.permute(2, 0, 1, 3), non_blocking=nb)
+            self.keys, self.values = out
         else:
             self.k_slab[:B, :, n:n + T] = key_states
             self.v_slab[:B, :, n:n + T] = value_states
@@ -62,11 +71,19 @@ class SlabLayer(DynamicLayer):
         if not self.is_initialized:
             return
         m, n = len(indices), self.length
+        if self.on_host:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the last step's writes into the slab
+            idx, slabs = indices.cpu(), (self.k_slab, self.v_slab)
+            kept = [self._host_view(slab)[:n, idx].clone() for slab in slabs]
+            for slab, k in zip(slabs, kept):
+                self._host_view(slab, m)[:n] = k
+            self.rows = m
+            return
         for slab in (self.k_slab, self.v_slab):
             slab[:m, :, :n] = slab[indices.to(slab.device), :, :n]
         self.rows = m
-        if not self.on_host:
-            self.keys, self.values = self.k_slab[:m, :, :n], self.v_slab[:m, :, :n]
+        self.keys, self.values = self.k_slab[:m, :, :n], self.v_slab[:m, :, :n]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("the rollout repeats prompts before the prefill")
