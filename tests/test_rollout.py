@@ -88,3 +88,16 @@ def test_logprobs_equal_a_full_forward_and_modes_agree_when_sampling():
             want = torch.log_softmax(logits, -1)[len(p) - 1: len(p) + len(c) - 1].gather(-1, torch.tensor(c)[:, None])
             got = torch.tensor(out.logprobs[r], dtype=torch.float64)
             assert (got - want.squeeze(-1)).abs().max().item() <= 1e-5, r
+
+
+def test_prefill_in_row_chunks_equals_generate(monkeypatch):
+    """A prefill over row chunks (sampler.PREFILL_TOKENS) writes each chunk's keys and values into its rows."""
+    from megatrain.rollout import sampler
+
+    monkeypatch.setattr(sampler, "PREFILL_TOKENS", 15)  # two rows of 7 tokens a chunk
+    cfg, model = tiny_model("qwen2", seed=6)
+    want = reference_generate(model, PROMPTS, 8, eos=model.config.vocab_size)
+    weights = DictWeights(dict(model.state_dict()))
+    for mode, host in (("resident", False), ("streamed", True)):
+        s = Sampler(cfg, weights, "cpu", mode=mode, dtype=torch.float32, kv_on_host=host)
+        assert s.generate(PROMPTS, SamplingParams(max_new_tokens=8, top_k=1)).completion_ids == want, (mode, host)

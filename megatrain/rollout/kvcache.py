@@ -22,10 +22,12 @@ class SlabLayer(DynamicLayer):
         super().__init__()
         self.capacity, self.on_host, self.rows, self.length = capacity, on_host, 0, 0
         self.k_slab = self.v_slab = None
+        self.expect_rows: int | None = None  # the batch's rows when a prefill comes in row chunks
+        self.window: tuple[int, int] | None = None  # the rows a chunked prefill writes now
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        B = key_states.shape[0]
+        B = self.expect_rows or key_states.shape[0]
         if self.on_host:  # position-major [capacity, B, heads, head_dim]: the cached prefix is one contiguous copy
             pin = key_states.device.type == "cuda"
             self.k_slab, self.v_slab = (torch.empty((self.capacity, B, *x.shape[1:2], x.shape[3]), dtype=x.dtype,
@@ -45,23 +47,25 @@ class SlabLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n, T, B = self.length, key_states.shape[-2], self.rows
+        n, T = self.length, key_states.shape[-2]
+        r0, r1 = self.window or (0, self.rows)
         if n + T > self.capacity:
             raise RuntimeError(f"KV cache: {n + T} positions exceed the slab's {self.capacity}")
         if self.on_host:
             nb = key_states.device.type == "cuda"
             out = []
             for slab, new in ((self.k_slab, key_states), (self.v_slab, value_states)):
-                view = self._host_view(slab)
+                view = self._host_view(slab)[:, r0:r1]
                 past = view[:n].to(new.device, non_blocking=nb).permute(1, 2, 0, 3)
                 out.append(torch.cat([past, new], -2))
                 view[n:n + T].copy_(new.permute(2, 0, 1, 3), non_blocking=nb)
             self.keys, self.values = out
         else:
-            self.k_slab[:B, :, n:n + T] = key_states
-            self.v_slab[:B, :, n:n + T] = value_states
-            self.keys, self.values = self.k_slab[:B, :, :n + T], self.v_slab[:B, :, :n + T]
-        self.length = n + T
+            self.k_slab[r0:r1, :, n:n + T] = key_states
+            self.v_slab[r0:r1, :, n:n + T] = value_states
+            self.keys, self.values = self.k_slab[r0:r1, :, :n + T], self.v_slab[r0:r1, :, :n + T]
+        if self.window is None:  # a chunked prefill sets the length once every chunk is in
+            self.length = n + T
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -102,6 +106,26 @@ def make_cache(hf_config, capacity: int, kv_on_host: bool) -> DynamicCache:
         cache.layer_class_to_replicate = None
     cache.layers = [SlabLayer(capacity, kv_on_host) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def slabs_only(cache: DynamicCache) -> bool:
+    return all(isinstance(layer, SlabLayer) for layer in cache.layers)
+
+
+def chunked_prefill(cache: DynamicCache, rows: int, length: int, chunks: list[tuple[int, int]], run) -> list:
+    """Prefills a batch of `rows` rows of `length` positions in row `chunks` [(r0, r1), ...]: `run(r0, r1)` runs
+    the forward over those rows with this cache (each chunk's keys and values land in its rows of the slabs);
+    returns run's results. A cache of slabs alone (slabs_only)."""
+    for layer in cache.layers:
+        layer.expect_rows = rows
+    out = []
+    for r0, r1 in chunks:
+        for layer in cache.layers:
+            layer.window = (r0, r1)
+        out.append(run(r0, r1))
+    for layer in cache.layers:
+        layer.window, layer.expect_rows, layer.length = None, None, length
+    return out
 
 
 def cache_bytes(cache: DynamicCache) -> int:

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .kvcache import cache_bytes, make_cache
+from .kvcache import cache_bytes, chunked_prefill, make_cache, slabs_only
 from .model import RolloutModel
 from .params import Completions, SamplingParams, draw, make_generator
 from .stops import StopStrings
@@ -28,6 +28,9 @@ from .weights import WeightSource
 
 MODES = ("resident", "streamed")
 COMPACT_FRACTION = 8  # finished rows are dropped once they are 1/8 of the batch (or at once in batches under 16)
+# A prefill runs over row chunks of at most this many tokens (the MLP's activations of a whole GRPO batch at once
+# would outgrow the device beside the cache); families with sliding-window layers prefill the batch at once.
+PREFILL_TOKENS = 32768
 
 
 class Sampler:
@@ -86,7 +89,13 @@ class Sampler:
         pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         cache = make_cache(self.hf_config, P + params.max_new_tokens, self.kv_on_host)
 
-        logits = self._forward(ids, mask, pos, cache)
+        per = max(1, PREFILL_TOKENS // P)
+        if N > per and slabs_only(cache):
+            chunks = [(r, min(N, r + per)) for r in range(0, N, per)]
+            logits = torch.cat(chunked_prefill(cache, N, P, chunks, lambda a, b: self._forward(
+                ids[a:b], mask[a:b], pos[a:b], cache)))
+        else:
+            logits = self._forward(ids, mask, pos, cache)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t_prefill = time.perf_counter() - t0
