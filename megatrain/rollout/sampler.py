@@ -10,8 +10,8 @@ live rows). The KV cache (kvcache.py) on the device, or in pinned host memory wi
 A row's tokens, in order: drawn from the filtered logits (params.draw), its log-prob taken from the raw logits'
 log_softmax (the sampling policy's, what GRPO's ratio starts from), then EOS and stop strings checked. Rows that
 finish stay in the batch until they are an eighth of it (COMPACT_FRACTION: dropping copies the whole cache), their
-later tokens ignored; the draws of the others do not depend on when that happens, since each row's draw uses only
-its own logits but the generator's sequence does: a given batch, seed and mode always give the same completions.
+later tokens ignored. Which rows a step draws for depends only on the tokens so far, so a given batch and seed give
+the same completions in either mode, with the cache on the device or the host.
 """
 
 from __future__ import annotations
