@@ -18,8 +18,9 @@ ALLOWED = {
     "checkpoint": {"models", "runtime"},  # runtime: the SSD tier's request loop and aligned buffers (fastio.py)
     "planner": {"runtime", "models"},
     "distributed": {"runtime", "models"},
-    "run": {"runtime", "data", "checkpoint", "planner", "models", "config", "distributed", "rl"},
-    "config": {"data", "runtime", "config_checks", "rl"},  # rl: the grpo section (rl/config.py)  # runtime: the placement knobs' declarations (runtime/knobs.py)
+    "rollout": {"runtime", "models", "planner"},  # the GRPO sampler: the store's weights, the machine profile
+    "run": {"runtime", "data", "checkpoint", "planner", "models", "config", "distributed", "rl", "rollout"},
+    "config": {"data", "runtime", "config_checks", "rl"},  # runtime: the placement knobs (runtime/knobs.py); rl: grpo
     "config_checks": set(),
     "cli": {"run", "planner", "checkpoint", "data", "config", "models", "rl"},
     "__main__": {"cli"},

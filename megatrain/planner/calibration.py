@@ -315,3 +315,23 @@ ALL_CORES_UP_TO = _fit(
     "with 32, and a run with all 64 waited for its optimizer 40% of each step; on a 32-vCPU host 32 threads updated "
     "fastest alone (3.58 against 3.14 with 16) but kept the GPU only 65-77% busy; the 16-vCPU hosts run best with all",
     f"{_BENCH} --compile --adam-threads T for T = cores, 3/4, 1/2 (GPU busy share)")
+
+# ---- rollouts (megatrain/rollout/plan.py, GRPO's sampling phase) --------------------------------------------
+_ROLLOUT = ("python3 bench/bench_rollout.py --model bench/model-configs/qwen2.5-7b --prompts 64 --n 8 "
+            "--prompt-len 128 --max-new 512 --json OUT.json")
+ROLLOUT_HBM_BPS = _fit(
+    "ROLLOUT_HBM_BPS", {"H200": 4.8e12 * 0.75, "H100": 3.35e12 * 0.75, "A100": 2.0e12 * 0.75, "default": 2.5e12},
+    "bytes/s, by GPU name",
+    "what a resident decode step reads from HBM per second (the weights once, the live rows' KV cache): the "
+    "data-sheet bandwidth times 0.75, the share batched bf16 GEMV-like matmuls reach (not yet measured here)",
+    f"{_ROLLOUT} (resident decode_s against the bytes a step reads)")
+ROLLOUT_MATMUL_EFFICIENCY = _fit(
+    "ROLLOUT_MATMUL_EFFICIENCY", 0.5, "share of the peak bf16 FLOP/s",
+    "what a decode step's or a prefill's matmuls reach through transformers' eager modules (small per-layer GEMMs, "
+    "SDPA over a padded cache): assumed until the rollout benchmark refits it",
+    f"{_ROLLOUT} (prefill_s; resident decode_s at many rows)")
+ROLLOUT_STEP_OVERHEAD_S = _fit(
+    "ROLLOUT_STEP_OVERHEAD_S", 0.01, "seconds per decode step",
+    "a decode step's fixed cost besides its bytes and FLOPs: transformers' module calls and mask building on the "
+    "host, the draw, the finished-row check that syncs the GPU each step",
+    f"{_ROLLOUT} --prompts 1 --n 1 (decode_s / steps at one row)")

@@ -1,0 +1,36 @@
+"""rollout_estimate (megatrain/rollout/plan.py): the KV cache and the bounds written out for a real config."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from megatrain.models import load_hf_config
+from megatrain.planner.calibration import ROLLOUT_HBM_BPS, ROLLOUT_MATMUL_EFFICIENCY, ROLLOUT_STEP_OVERHEAD_S
+from megatrain.planner.profile import DEFAULTS
+from megatrain.rollout.plan import rollout_estimate
+
+CONFIGS = Path(__file__).resolve().parents[1] / "bench" / "model-configs"
+
+
+def test_qwen25_7b_resident_and_streamed_bounds():
+    cfg = load_hf_config(CONFIGS / "qwen2.5-7b")
+    prof = replace(DEFAULTS, gpu_name="NVIDIA H100 80GB HBM3", h2d_bps=50e9)
+    seqs, prompt, new = 512, 128, 512
+    # 28 layers x 4 KV heads x 128 x (K and V) x bf16, per position
+    assert rollout_estimate(cfg, seqs, prompt, new, "resident", prof)["kv_bytes"] == \
+        seqs * (prompt + new) * 28 * 4 * 128 * 2 * 2
+    st = rollout_estimate(cfg, 8, prompt, new, "streamed", prof)
+    assert st["bound"] == "bus"
+    assert st["decode_step_s"] == pytest.approx(st["layer_bytes"] / 50e9 + ROLLOUT_STEP_OVERHEAD_S)
+    one = rollout_estimate(cfg, 1, prompt, new, "resident", prof)
+    assert one["bound"] == "hbm"
+    kv = (prompt + new // 2) * 28 * 4 * 128 * 2 * 2
+    assert one["decode_step_s"] == pytest.approx((one["weight_bytes"] + kv) / ROLLOUT_HBM_BPS["H100"]
+                                                 + ROLLOUT_STEP_OVERHEAD_S)
+    big = rollout_estimate(cfg, 4096, prompt, new, "resident", prof)
+    assert big["bound"] == "compute" and big["tokens_per_s"] > one["tokens_per_s"]
+    assert big["decode_step_s"] > 4096 * 2 * 7e9 / (prof.peak_bf16 * ROLLOUT_MATMUL_EFFICIENCY)
+    assert st["resident_bytes"] < rollout_estimate(cfg, 8, prompt, new, "resident", prof)["resident_bytes"]
+    with pytest.raises(ValueError, match="rollout mode"):
+        rollout_estimate(cfg, 8, prompt, new, "auto", prof)
