@@ -129,23 +129,24 @@ def check_params(mt: Megatrain, model, steps) -> None:
         assert rel(p, ref_params[k].detach()) <= TOL, f"{k} after {steps} steps"
 
 
-CASES = [("dapo", "llama"), ("grpo", "qwen3_moe"), ("dr_grpo", "llama"), ("dapo", "qwen3_moe")]
+CASES = [("dapo", "llama"), ("grpo", "qwen3_moe"), ("dr_grpo", "llama")]
 
 
 @pytest.mark.parametrize("loss_type,family", CASES, ids=[f"{t}-{f}" for t, f in CASES])
 def test_on_policy_steps_equal_trl(tmp_path, loss_type, family):
     """num_iterations 1: no old log-probs (the ratio is 1, its gradient the policy gradient), each aggregation's
-    weighting, 3 micro-batches a step; epsilon_high != epsilon."""
+    weighting, 3 micro-batches a step (2 for MoE); epsilon_high != epsilon."""
     make_model_dir(tmp_path, family, tied=family == "llama", seed=61)
     model = load_reference(tmp_path)
     opt = reference_optimizer(model)
     obj = Objective("grpo", epsilon=0.2, epsilon_high=0.28, loss_type=loss_type)
     mt = Megatrain(tmp_path, objective=obj)
-    for step in range(4):
-        batches, advs = rollout(3, seed=900 + step)
+    steps, n_micro = 3, 2 if family == "qwen3_moe" else 3
+    for step in range(steps):
+        batches, advs = rollout(n_micro, seed=900 + step)
         m = check_step(mt, model, opt, batches, advs, obj, step)
         assert m["clip_ratio/region_mean"].item() == 0.0  # on-policy: nothing clips
-    check_params(mt, model, 4)
+    check_params(mt, model, steps)
     mt.close()
 
 
@@ -159,7 +160,8 @@ def test_clipped_ratio_low_and_high(tmp_path, family, loss_type):
     obj = Objective("grpo", epsilon=0.2, epsilon_high=0.25, loss_type=loss_type)
     mt = Megatrain(tmp_path, objective=obj)
     low = high = 0.0
-    for step in range(3):
+    steps = 2 if family == "qwen3_moe" else 3
+    for step in range(steps):
         batches, advs = rollout(2, seed=950 + step)
         g = torch.Generator().manual_seed(step)
         with torch.no_grad():
@@ -170,13 +172,13 @@ def test_clipped_ratio_low_and_high(tmp_path, family, loss_type):
         low, high = low + m["clip_ratio/low_mean"].item(), high + m["clip_ratio/high_mean"].item()
         assert m["clip_ratio/region_mean"].item() < m["tokens"].item()  # and some are not
     assert low > 0 and high > 0
-    check_params(mt, model, 3)
+    check_params(mt, model, steps)
     mt.close()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_two_iterations_with_kl_and_token_logps(tmp_path, family):
-    """Two rollout batches of 2 optimizer steps each, every batch trained twice (num_iterations 2): the old
+    """Two rollout batches of 2 optimizer steps each (1 for MoE), every batch trained twice (num_iterations 2): the old
     log-probs from Engine.token_logps at the batch's start, the KL reference (beta > 0) the store's frozen step-0
     copy through token_logps(weights="reference"); both equal the reference model's per-token log_softmax."""
     make_model_dir(tmp_path, family, tied=family == "llama", seed=63)
@@ -188,7 +190,7 @@ def test_two_iterations_with_kl_and_token_logps(tmp_path, family):
     mt.store.freeze_reference()
     step, clipped = 0, 0.0
     for batch in range(2):
-        steps = [rollout(2, seed=1000 + 10 * batch + s) for s in range(2)]
+        steps = [rollout(2, seed=1000 + 10 * batch + s) for s in range(1 if family == "qwen3_moe" else 2)]
         logps = {}
         for weights, net in (("policy", model), ("reference", frozen)):
             got = [mt.engine.token_logps(Megatrain.microbatches(b), weights=weights) for b, _ in steps]
