@@ -294,3 +294,19 @@ def test_bad_grpo_microbatches_are_refused(tmp_path):
     with pytest.raises(ValueError, match="unpacked"):
         mt.engine.train_step([MicroBatch.from_labels(b["input_ids"], b["labels"], pos, **full)])
     mt.close()
+
+
+def test_microbatch_carries_the_grpo_fields():
+    """from_labels passes them as float32; the device copy (MicroBatch.to rebuilds from _tensors) keeps each in place."""
+    batches, advs = rollout(1, seed=1300)
+    b = batches[0]
+    n = int((b["labels"][:, 1:] != -100).sum())
+    old, ref = torch.randn(n, dtype=torch.float64), torch.randn(n)
+    mb = MicroBatch.from_labels(b["input_ids"], b["labels"], None, b["attention_mask"], advantages=advs[0],
+                                row_weight=torch.ones(6, dtype=torch.float64), old_logps=old, ref_token_logps=ref)
+    assert mb.num_targets == n and mb.old_logps.dtype == mb.row_weight.dtype == torch.float32
+    t = mb._tensors()
+    again = MicroBatch(*t[:4], mb.packed, *t[4:])  # the order MicroBatch.to and pin rebuild in
+    for k in ("advantages", "row_weight", "old_logps", "ref_token_logps", "token_mask", "targets"):
+        assert torch.equal(getattr(again, k), getattr(mb, k)), k
+    assert torch.equal(mb.old_logps, old.float()) and torch.equal(mb.ref_token_logps, ref)
