@@ -297,7 +297,7 @@ def test_bad_grpo_microbatches_are_refused(tmp_path):
 
 
 def test_microbatch_carries_the_grpo_fields():
-    """from_labels passes them as float32; the device copy (MicroBatch.to rebuilds from _tensors) keeps each in place."""
+    """from_labels passes them as float32; the device copy (MicroBatch.to rebuilds from _tensors) keeps their order."""
     batches, advs = rollout(1, seed=1300)
     b = batches[0]
     n = int((b["labels"][:, 1:] != -100).sum())
