@@ -65,11 +65,12 @@ class Megatrain:
             engine=EngineOptions(**engine_options), threaded_optimizer=threaded_optimizer))
         self.engine, self.pipeline = self.runtime.engine, self.runtime.pipeline
 
-    def train_step(self, batches, max_norm=MAX_NORM, lr=LR, keep_grads: bool = False, ref_logps=None):
+    def train_step(self, batches, max_norm=MAX_NORM, lr=LR, keep_grads: bool = False, ref_logps=None, mbs=None):
         """One step as the trainer takes it: the engine's waves, the norm, the pipeline's update. Returns
         (loss, grad norm, {HF name: gradient} when keep_grads); the engine's StepOutput is kept as `last`.
-        ref_logps: each micro-batch's reference log-probs (a preference objective)."""
-        mbs = self.microbatches(batches, ref_logps)
+        ref_logps: each micro-batch's reference log-probs (a preference objective). mbs: the step's MicroBatches
+        as given (grpo's carry their advantages, weights and log-probs), instead of built from `batches`."""
+        mbs = self.microbatches(batches, ref_logps) if mbs is None else mbs
         out = self.last = self.engine.train_step(mbs)
         norm = out.grad_sq_norm.sqrt().item()
         grads = {}
@@ -152,3 +153,34 @@ def row_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
     mask = y != -100
     lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, y.clamp_min(0)[..., None]).squeeze(-1)
     return (lp * mask).sum(-1), mask.sum(-1)
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(label) of each labelled token, flat in row-major order (a MicroBatch's target order), from a model's
+    logits [B, T, V] and the unshifted labels [B, T]."""
+    y = labels[:, 1:]
+    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, y.clamp_min(0)[..., None]).squeeze(-1)
+    return lp[y != -100]
+
+
+def completion_batches(n_micro: int, groups: int, per_group: int, vocab: int, lengths: list[int], seed: int,
+                       pad_id: int = 0):
+    """GRPO micro-batches: `groups` prompts per micro-batch, each with `per_group` completions (rows; the prompt
+    masked in the labels, the completion labelled, right-padded), of unequal lengths; every completion has at least
+    one token."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for m in range(n_micro):
+        T = lengths[m % len(lengths)]
+        B = groups * per_group
+        ids = torch.full((B, T), pad_id, dtype=torch.long)
+        labels = torch.full((B, T), -100, dtype=torch.long)
+        for i in range(groups):
+            prompt = torch.randint(3, vocab, (int(torch.randint(1, T // 2, (1,), generator=g)),), generator=g)
+            for r in range(i * per_group, (i + 1) * per_group):
+                real = int(torch.randint(len(prompt) + 1, T + 1, (1,), generator=g))
+                ids[r, :len(prompt)] = prompt
+                ids[r, len(prompt):real] = torch.randint(3, vocab, (real - len(prompt),), generator=g)
+                labels[r, len(prompt):real] = ids[r, len(prompt):real]
+        out.append({"input_ids": ids, "labels": labels, "attention_mask": (ids != pad_id).long()})
+    return out

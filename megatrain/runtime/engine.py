@@ -4,7 +4,7 @@ Order of work in `train_step` (every micro-batch goes through unit u before unit
 
     forward wave   embed -> layer 0 .. layer L-1      (no autograd; each layer's input is checkpointed)
     head           final norm + LM head + cross-entropy in token chunks, fused with its backward (lmhead.py);
-                   a preference objective: a forward-only pass for each row's log-prob first (head_objective.py)
+                   a preference or grpo objective: a forward-only pass for the log-probs first (head_objective.py)
     backward wave  layer L-1 .. layer 0               (recompute the layer from its checkpoint, local autograd,
                                                        fp32 gradient accumulated over micro-batches: layer.py)
     embed          index_add of the input gradient into the embedding gradient
@@ -41,7 +41,7 @@ from ..models import ModelAdapter
 from .accumulators import GroupAccumulators
 from .activation_spill import ActivationSpill
 from .forward_only import ForwardOnly
-from .head_objective import PreferenceStep, check_pairs, chosen_targets
+from .head_objective import GRPOStep, PreferenceStep, check_grpo, check_pairs, chosen_targets
 from .layer import layer_backward, layer_template
 from .lmhead import HeadKernels, default_chunk, head_loss
 from .router_loss import RouterStats, group_router_loss
@@ -89,7 +89,7 @@ class EngineOptions:
     compile_layers: bool = False  # torch.compile the layer template
     placement: Placement = Placement()  # checkpoint interval, spill, gradients to host, wave groups (schedule.py)
     head_kernels: HeadKernels | None = None  # None: HeadKernels.for_device
-    objective: Objective = SFT  # the loss: next-token (sft) or a preference objective over pairs (head_objective.py)
+    objective: Objective = SFT  # the loss: next-token (sft), a preference objective or grpo (head_objective.py)
 
 
 @dataclass
@@ -260,7 +260,8 @@ class Engine(ForwardOnly):
     def train_step(self, microbatches: list[MicroBatch], totals: tuple[int, ...] | None = None) -> StepOutput:
         """totals: (target tokens, micro-batches) of the whole step when these micro-batches are one rank's share
         of it (megatrain/distributed): the loss is the step's mean over all of them. A preference objective: (target
-        tokens, micro-batches, pairs[, chosen target tokens (orpo)]); the loss is the mean over the step's pairs."""
+        tokens, micro-batches, pairs[, chosen target tokens (orpo)]); the loss is the mean over the step's pairs. grpo:
+        the loss is Σ w_r·l_t over the micro-batches' completion tokens (head_objective.GRPOStep)."""
         obj = self.options.objective
         num_targets, num_micro = totals[:2] if totals else (sum(mb.num_targets for mb in microbatches),
                                                             len(microbatches))
@@ -272,6 +273,9 @@ class Engine(ForwardOnly):
             pairs = totals[2] if totals and len(totals) > 2 else sum(mb.input_ids.shape[0] // 2 for mb in microbatches)
             chosen = totals[3] if totals and len(totals) > 3 else sum(chosen_targets(mb) for mb in microbatches)
             pref = PreferenceStep(obj, pairs, chosen, self.device)
+        elif obj.grpo:  # each row's weight w_r carries the step's aggregation: no totals beyond the SFT ones
+            check_grpo(obj, microbatches)
+            pref = GRPOStep(obj, self.device)
         self.weights_version += 1
         run = _StepRun(self, microbatches, num_targets, num_micro, pref)
         walk(run.uses, run)
@@ -303,7 +307,7 @@ class Engine(ForwardOnly):
     def _head(self, w, mbs, hidden, head_grad, embed_grad, scale: float, loss_sum: torch.Tensor,
               pref: PreferenceStep | None = None) -> list[torch.Tensor]:
         """The LM head over a group's micro-batches: adds their losses to `loss_sum`; d(hidden) per micro-batch.
-        pref: a preference objective's head instead of the token loss (head_objective.py)."""
+        pref: a preference or grpo objective's head instead of the token loss (head_objective.py)."""
         norm_w, lm_w = self._head_weights(w)
         head_tile = self.tiles[self.head_units[0]]
         lm_grad = self.tiles[0].views(embed_grad)["weight"] if self.adapter.tied \

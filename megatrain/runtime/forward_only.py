@@ -1,5 +1,6 @@
 """The engine's forward-only uses: evaluation loss, sequence log-probs (a preference objective's reference pass and
-evaluation; of the policy's weights or of the store's frozen reference copy) and next-token logits for decoding.
+evaluation; of the policy's weights or of the store's frozen reference copy), token log-probs (grpo's old and
+reference log-probs) and next-token logits for decoding.
 
 `ForwardOnly` is a base of `Engine` (engine.py): each method runs the engine's forward wave alone
 (`Engine._forward_only`: embed and layers, no autograd, no checkpoints) and then the head's forward with the
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .head_objective import row_logps
+from .head_objective import row_logps, token_logps
 from .lmhead import softcap_logits
 from .microbatch import MicroBatch
 from .schedule import group_sizes
@@ -42,6 +43,22 @@ class ForwardOnly:
         'reference' (the store's frozen copy, HostStore.freeze_reference / load_reference). The micro-batches go
         through in the placement's wave groups, one wave each: no more of them on the device at once than a step
         holds."""
+        out = self._head_forward(microbatches, weights, lambda h, mb, norm_w, lm_w: row_logps(
+            self.adapter.final_norm, h, mb, norm_w, lm_w, self.loss_chunk, self.head_kernels,
+            self.adapter.logit_softcap))
+        return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
+
+    @torch.no_grad()
+    def token_logps(self, microbatches: list[MicroBatch], weights: str = "policy") -> list[torch.Tensor]:
+        """Each micro-batch's log-prob of each of its targets (float32 [num_targets] on the device, in target
+        order): grpo's old log-probs (weights 'policy') and reference log-probs ('reference'), as sequence_logps
+        runs them."""
+        return self._head_forward(microbatches, weights, lambda h, mb, norm_w, lm_w: token_logps(
+            self.adapter.final_norm, h, mb.target_index, mb.targets, norm_w, lm_w, self.loss_chunk,
+            self.head_kernels, self.adapter.logit_softcap))
+
+    def _head_forward(self, microbatches: list[MicroBatch], weights: str, fn) -> list:
+        """fn(h, mb, norm_w, lm_w) of each micro-batch after the forward wave of `weights`, in wave groups."""
         if weights not in ("policy", "reference") or (weights == "reference" and self.store.reference is None):
             raise ValueError(f"weights={weights!r}: 'policy', or 'reference' once the store holds a reference copy")
         reference = weights == "reference"
@@ -52,11 +69,10 @@ class ForwardOnly:
             hidden, mbs = self._forward_only([microbatches[m] for m in group], reference)
             loaded = self._fetch(self.head_units, reference)
             norm_w, lm_w = self._head_weights(self._acquire(loaded))
-            out += [row_logps(self.adapter.final_norm, h, mb, norm_w, lm_w, self.loss_chunk, self.head_kernels,
-                              self.adapter.logit_softcap) for mb, h in zip(mbs, hidden)]
+            out += [fn(h, mb, norm_w, lm_w) for mb, h in zip(mbs, hidden)]
             del hidden, mbs
             self._release(loaded)
-        return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
+        return out
 
     @torch.no_grad()
     def next_token_logits(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

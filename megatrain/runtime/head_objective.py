@@ -10,6 +10,11 @@ The result is the exact gradient of the written-out loss (logp is a sum of token
 through it is a weighted cross-entropy gradient), for any chunk size, with the logits never held beyond a chunk.
 The extra cost is pass 1: one more forward of the head (its GEMM and one read of the logits). Gemma-2's logit
 soft-capping is in both passes (lmhead.softcap_logits).
+
+GRPO (`GRPOStep`) is the same two passes with a loss per token instead of per row: pass 1 keeps each target's
+log p, objective.grpo_token_loss runs on that [num_targets] vector, and pass 2 scales each token's cross-entropy
+gradient by -d(step loss)/d(logp_t). Each row's advantage and weight w_r are given (MicroBatch), so a micro-batch's
+share of the step's loss needs nothing of the other micro-batches.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 
 from .lmhead import HeadKernels, ce_token_losses, head_loss, softcap_logits
 from .microbatch import MicroBatch
-from .objective import Objective, pair_loss
+from .objective import GRPO_METRICS, Objective, grpo_token_loss, pair_loss
 
 
 def token_logps(final_norm, h: torch.Tensor, target_index: torch.Tensor, targets: torch.Tensor,
@@ -96,4 +101,53 @@ class PreferenceStep:
         self.metrics["pairs"] += mb.input_ids.shape[0] // 2
         _, dh = head_loss(final_norm, h, mb.target_index, mb.targets, norm_w, lm_w, norm_grad, lm_grad,
                           weight.index_select(0, target_rows(mb)), chunk, kernels, softcap)
+        return dh
+
+
+def check_grpo(obj: Objective, mbs: list[MicroBatch]) -> None:
+    """A grpo micro-batch: unpacked rows, each row's advantage and weight, the targets' old (optional) and reference
+    (kl_beta > 0) log-probs."""
+    for m, mb in enumerate(mbs):
+        B, n = mb.input_ids.shape[0], mb.num_targets
+        if mb.packed:
+            raise ValueError(f"micro-batch {m}: a grpo micro-batch holds one completion per row, unpacked")
+        need = {"advantages": (mb.advantages, (B,), f"each of its {B} rows' advantage"),
+                "row_weight": (mb.row_weight, (B,), f"each of its {B} rows' loss weight w_r")}
+        if obj.kl_beta > 0:
+            need["ref_token_logps"] = (mb.ref_token_logps, (n,), f"the reference's log-prob of each of its {n} "
+                                                                  "target tokens (beta > 0)")
+        if mb.old_logps is not None:
+            need["old_logps"] = (mb.old_logps, (n,), f"the rollout weights' log-prob of each of its {n} target tokens")
+        for name, (t, shape, what) in need.items():
+            if t is None or tuple(t.shape) != shape:
+                got = "none" if t is None else f"shape {tuple(t.shape)}"
+                raise ValueError(f"micro-batch {m}: objective grpo needs {name}, {what} (got {got})")
+
+
+class GRPOStep:
+    """One train_step's grpo head: each micro-batch's Σ w_r·l_t into the step's loss, the metric sums (objective.
+    GRPO_METRICS, kl with kl_beta > 0, and "tokens": the completion tokens they are sums over), the gradient of every
+    micro-batch's head."""
+
+    def __init__(self, obj: Objective, device: torch.device):
+        self.obj = obj
+        keys = ("tokens", *GRPO_METRICS, *(("kl",) if obj.kl_beta > 0 else ()))
+        self.metrics: dict[str, torch.Tensor] = {k: torch.zeros((), dtype=torch.float32, device=device) for k in keys}
+
+    def head(self, final_norm, h: torch.Tensor, mb: MicroBatch, norm_w, lm_w, norm_grad, lm_grad, chunk: int,
+             kernels: HeadKernels, softcap: float | None, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Adds the micro-batch's share of the step's loss to `loss_sum`; returns d(loss)/d h."""
+        logp = token_logps(final_norm, h, mb.target_index, mb.targets, norm_w, lm_w, chunk, kernels, softcap)
+        rows = target_rows(mb)
+        leaf = logp.detach().requires_grad_(True)
+        with torch.enable_grad():
+            loss, metrics = grpo_token_loss(self.obj, leaf, mb.old_logps, mb.ref_token_logps,
+                                            mb.advantages.index_select(0, rows), mb.row_weight.index_select(0, rows))
+            (dlogp,) = torch.autograd.grad(loss, leaf)
+        loss_sum += loss.detach()
+        for k, v in metrics.items():
+            self.metrics[k] += v
+        self.metrics["tokens"] += mb.num_targets
+        _, dh = head_loss(final_norm, h, mb.target_index, mb.targets, norm_w, lm_w, norm_grad, lm_grad, -dlogp,
+                          chunk, kernels, softcap)  # a token's loss is -logp_t
         return dh

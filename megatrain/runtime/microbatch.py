@@ -22,6 +22,11 @@ class MicroBatch:
     # A preference objective (objective.py): rows 2i / 2i+1 are pair i's chosen / rejected sequence, not packed.
     ref_logps: torch.Tensor | None = None  # float32 [B]: the reference model's completion log-prob per row (dpo, ipo)
     pair_ids: torch.Tensor | None = None  # int64 [B // 2]: each pair's example index (the key of stored ref_logps)
+    # grpo (objective.grpo_token_loss): each row a prompt + its completion, the completion's tokens the targets
+    advantages: torch.Tensor | None = None  # float32 [B]: each row's advantage
+    row_weight: torch.Tensor | None = None  # float32 [B]: each row's w_r (objective.grpo_row_weights)
+    old_logps: torch.Tensor | None = None  # float32 [num_targets]: log-probs at the rollout's weights (None: on-policy)
+    ref_token_logps: torch.Tensor | None = None  # float32 [num_targets]: the reference's log-probs (kl_beta > 0)
 
     @property
     def num_targets(self) -> int:
@@ -34,10 +39,13 @@ class MicroBatch:
     @classmethod
     def from_labels(cls, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
                     attention_mask: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
-                    pair_ids: torch.Tensor | None = None):
+                    pair_ids: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
+                    row_weight: torch.Tensor | None = None, old_logps: torch.Tensor | None = None,
+                    ref_token_logps: torch.Tensor | None = None):
         """From Hugging Face style (input_ids, labels): labels are unshifted, -100 where no loss is taken;
         attention_mask (1 on real tokens, 0 on padding) only matters to MoE router statistics. ref_logps, pair_ids:
-        a preference micro-batch's (passed through)."""
+        a preference micro-batch's; advantages, row_weight, old_logps, ref_token_logps: a grpo micro-batch's (passed
+        through as float32)."""
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T).repeat(B, 1)
@@ -48,8 +56,8 @@ class MicroBatch:
         packed = bool((position_ids != torch.arange(T)).any())
         mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool().contiguous()
         return cls(input_ids.long().contiguous(), position_ids.long().contiguous(), index, flat[index].long(), packed,
-                   mask, None if ref_logps is None else ref_logps.float().contiguous(),
-                   None if pair_ids is None else pair_ids.long().contiguous())
+                   mask, _float(ref_logps), None if pair_ids is None else pair_ids.long().contiguous(),
+                   *(_float(t) for t in (advantages, row_weight, old_logps, ref_token_logps)))
 
     @property
     def real_tokens(self) -> int:
@@ -73,7 +81,11 @@ class MicroBatch:
     def _tensors(self) -> list[torch.Tensor | None]:
         """The tensor fields in order, `packed` left out."""
         return [self.input_ids, self.position_ids, self.target_index, self.targets, self.token_mask, self.ref_logps,
-                self.pair_ids]
+                self.pair_ids, self.advantages, self.row_weight, self.old_logps, self.ref_token_logps]
+
+
+def _float(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float().contiguous()
 
 
 def _map(t: torch.Tensor | None, fn):
