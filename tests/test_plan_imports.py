@@ -85,3 +85,84 @@ print(measure(needs_more), "torch._dynamo" in sys.modules)
 """
     out = _run(code).split()
     assert out[1] == "True" and int(out[0]) > 0
+
+
+def _configs():
+    dirs = sorted(CONFIGS.iterdir()) + sorted(Path("/work/shared/model-configs").glob("*"))
+    return [d for d in dirs if (d / "config.json").is_file()]
+
+
+def test_plan_fields_build_the_adapter_autoconfig_builds():
+    """For every real config here whose family the planner reads without transformers (models/fields.py): the same
+    adapter (every attribute, units, layer kinds) and the same figures the planner reads (dtype, quantization) as
+    from AutoConfig; the others fall back to AutoConfig."""
+    from megatrain.models import get_adapter, load_hf_config
+    from megatrain.models.fields import FAMILIES, PlanFields
+    from megatrain.planner.plan import _file_dtype
+
+    light = 0
+    for d in _configs():
+        fields, full = load_hf_config(d, plan_only=True), load_hf_config(d)
+        if not isinstance(fields, PlanFields):
+            raw = json.loads((d / "config.json").read_text())
+            assert fields.model_type not in FAMILIES or raw.get("use_sliding_window") or raw.get("rope_scaling"), d
+            continue
+        light += 1
+        a, b = get_adapter(fields), get_adapter(full)
+        assert {k: v for k, v in vars(a).items() if k != "hf_config"} == \
+               {k: v for k, v in vars(b).items() if k != "hf_config"}, d
+        assert a.units() == b.units() and a.layer_kinds == b.layer_kinds, d
+        assert _file_dtype(fields) == _file_dtype(full), d
+        assert fields.rope_parameters == full.rope_parameters, d
+        assert getattr(full, "quantization_config", None) is None and getattr(fields, "quantization_config", None) is None
+        for k in ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings", "rms_norm_eps"):
+            assert getattr(fields, k) == getattr(full, k), (d, k)
+    assert light >= 10
+
+
+def test_plan_fields_fall_back_when_the_file_asks_for_more(tmp_path):
+    """A rope scaling, a quantization, qwen2's sliding window or a size left to its default: AutoConfig reads it."""
+    from megatrain.models.fields import plan_fields
+
+    raw = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
+    assert plan_fields(raw) is not None
+    assert plan_fields({**raw, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}) is None
+    assert plan_fields({**raw, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}) is None
+    assert plan_fields({**raw, "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}}) is None
+    assert plan_fields({**raw, "quantization_config": {"quant_method": "fp8"}}) is None
+    assert plan_fields({k: v for k, v in raw.items() if k != "rms_norm_eps"}) is None
+    assert plan_fields({**raw, "model_type": "gemma2"}) is None
+    qwen = json.loads((CONFIGS / "qwen2.5-7b" / "config.json").read_text())
+    assert plan_fields(qwen).sliding_window is None
+    assert plan_fields({**qwen, "use_sliding_window": True}) is None
+    mistral = json.loads((CONFIGS / "mistral-7b-v0.3" / "config.json").read_text())
+    assert plan_fields({k: v for k, v in mistral.items() if k != "sliding_window"}) is None
+
+
+_PLAN_IMPORTS = """
+import json, sys
+from megatrain.cli import main
+import torch._library.custom_ops as ops
+registered = []
+original = ops.CustomOpDef._register_to_dispatcher
+def count(self, *a, **kw):
+    registered.append(self._name)
+    return original(self, *a, **kw)
+ops.CustomOpDef._register_to_dispatcher = count
+status = main(sys.argv[1:])
+heavy = sorted(m for m in sys.modules if m == "torch._dynamo" or m.startswith(("torch._dynamo.", "torch._inductor",
+               "transformers", "triton", "torch.distributed.tensor", "torch.distributed.fsdp")))
+print(json.dumps({"status": status, "heavy": heavy, "custom_ops": registered}))
+"""
+
+
+@pytest.mark.parametrize("model,seq", [("qwen2.5-7b", 1024), ("llama-3.1-8b", 131072)])
+def test_megatrain_plan_imports_neither_dynamo_nor_transformers(tmp_path, model, seq):
+    """`megatrain plan` of a llama or qwen2 model for a GPU: no torch._dynamo (and what it pulls in: FSDP, DTensor,
+    Inductor, triton), no transformers, no custom op registered (sys.modules after the plan, in a fresh process)."""
+    argv = ["plan", f"model.path={CONFIGS / model}", f"data.path={ROOT / 'megatrain' / 'defaults' / 'reverse-train.jsonl'}",
+            "data.format=alpaca", "train.device=cuda", "train.micro_batch_size=1", f"data.max_seq_len={seq}",
+            f"output.dir={tmp_path / 'out'}", "checkpoint.at_end=false", "memory.host_budget_gb=125",
+            f"plan.profile={ROOT / 'bench' / 'results' / 'probe-h100' / 'profile.json'}"]
+    got = json.loads(_run(_PLAN_IMPORTS, *argv).splitlines()[-1])
+    assert got["status"] in (0, 1) and got["heavy"] == [] and got["custom_ops"] == [], got

@@ -3,7 +3,7 @@ without bytecode caches), for the families whose config class only stores what t
 
 `plan_fields(raw)`: the dict as attributes, with the defaults transformers' LlamaConfig, MistralConfig and
 Qwen2Config give the keys the adapters and the planner read, or None when the file asks for more than storing
-(a rope scaling, a quantization, qwen2's sliding window, a size key left to its default): the caller then
+(a rope type other than default, linear and llama3, a quantization, qwen2's sliding window, a size key left to its default): the caller then
 reads it with AutoConfig. tests/test_plan_imports.py checks, for every real config here, that the adapter built from
 these fields equals the one built from AutoConfig's.
 """
@@ -22,6 +22,20 @@ DEFAULTS = {"hidden_act": "silu", "num_key_value_heads": None, "head_dim": None,
 FAMILIES = {"llama": {}, "mistral": {}, "qwen2": {"use_sliding_window": False}}
 
 
+# rope types stored as given (rope_parameters, as transformers 5 writes it), with the keys transformers' validation
+# reads: the planner needs only the type (the adapters check it; its tables are computed when a layer runs)
+ROPE_KEYS = {"default": ("rope_theta",), "linear": ("rope_theta", "factor"),
+             "llama3": ("rope_theta", "factor", "low_freq_factor", "high_freq_factor")}
+
+
+def _plain_rope(rope) -> bool:
+    if not isinstance(rope, dict) or rope.get("rope_type") not in ROPE_KEYS:
+        return False
+    nums = [rope.get(k) for k in ROPE_KEYS[rope["rope_type"]]]
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in nums) and \
+        isinstance(rope.get("original_max_position_embeddings", 1), int)
+
+
 class PlanFields(SimpleNamespace):
     """config.json's keys as attributes (a PretrainedConfig's read-only surface the planner uses)."""
 
@@ -35,8 +49,7 @@ def plan_fields(raw: dict) -> PlanFields | None:
     if family is None or any(k not in raw for k in REQUIRED):
         return None
     rope = raw.get("rope_parameters")
-    if raw.get("rope_scaling") or raw.get("quantization_config") or rope is not None and not (
-            isinstance(rope, dict) and rope.get("rope_type") == "default" and set(rope) <= {"rope_type", "rope_theta"}):
+    if raw.get("rope_scaling") or raw.get("quantization_config") or rope is not None and not _plain_rope(rope):
         return None
     if raw["model_type"] == "mistral" and "sliding_window" not in raw:
         return None  # (MistralConfig's default window)
@@ -48,6 +61,9 @@ def plan_fields(raw: dict) -> PlanFields | None:
     if fields.get("num_key_value_heads") is None:
         fields["num_key_value_heads"] = fields["num_attention_heads"]
     fields["dtype"] = raw.get("dtype") or raw.get("torch_dtype")
-    fields["rope_parameters"] = rope or {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0)}
+    fields["rope_parameters"] = dict(rope) if rope else {"rope_type": "default",
+                                                         "rope_theta": raw.get("rope_theta", 10000.0)}
+    if fields["rope_parameters"]["rope_type"] == "llama3":  # (as transformers' standardize_rope_params)
+        fields["rope_parameters"].setdefault("original_max_position_embeddings", fields["max_position_embeddings"])
     fields.pop("torch_dtype", None)
     return PlanFields(**fields)
