@@ -73,6 +73,25 @@ print(float(f(torch.ones(3)).sum()))
     assert abs(float(out.split()[-1]) - 3 * float(torch.cos(torch.tensor(2.0)))) < 1e-6
 
 
+def test_no_stand_in_while_another_thread_runs():
+    """The stand-in is process-wide: with a second Python thread alive (a start-up phase running beside the plan),
+    the meta run imports the real torch._dynamo."""
+    code = """
+import sys, threading, torch
+from megatrain.planner.meta_trace import without_dynamo
+stop = threading.Event()
+t = threading.Thread(target=stop.wait)
+t.start()
+with without_dynamo() as state:
+    assert sys.modules.get("torch._dynamo") is None
+    (torch.empty(4, device="meta").float() * 2).cos()
+stop.set()
+t.join()
+print(not state and "torch._dynamo" in sys.modules)
+"""
+    assert _run(code).split()[-1] == "True"
+
+
 def test_a_tripped_stand_in_measures_again_with_the_real_module():
     """A run that needs more of torch._dynamo than `disable` is run again with the real one: the same result."""
     code = """

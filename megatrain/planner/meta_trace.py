@@ -4,7 +4,8 @@ torch's Python meta kernels (elementwise type promotion, most shape functions) a
 whose first call imports torch._dynamo only to mark the kernel as one dynamo must not trace. That import takes
 seconds (tens on a host without bytecode caches: it pulls in FSDP, DTensor, sympy and registers custom ops), and
 `megatrain plan` never compiles: while torch._dynamo is not loaded, no dynamo can trace anything, and the mark is
-moot. `without_dynamo` runs the planner's meta-device measurements with a stand-in for torch._dynamo whose
+moot. `without_dynamo` runs the planner's meta-device measurements (in a process with one Python thread: `megatrain
+plan`; `megatrain train`, which compiles, and any process with threads import the real one) with a stand-in for torch._dynamo whose
 `disable(fn)` returns `fn` itself, then removes the stand-in and every mark torch cached with it, so that a later
 torch.compile sees torch's own wrappers and imports the real module.
 
@@ -18,6 +19,7 @@ stand-in to a name is given the real module afterwards.
 from __future__ import annotations
 
 import sys
+import threading
 import types
 from contextlib import contextmanager
 
@@ -44,9 +46,10 @@ class _NoDynamoImports:
 @contextmanager
 def without_dynamo():
     """Yields a dict whose "tripped" key says what needed the real torch._dynamo (the run under it is then void);
-    with torch._dynamo already loaded, an empty dict and nothing replaced."""
+    with torch._dynamo already loaded, or another Python thread alive (the stand-in is process-wide: a thread
+    compiling or running torch meanwhile must see the real module), an empty dict and nothing replaced."""
     state: dict = {}
-    if "torch._dynamo" in sys.modules:
+    if "torch._dynamo" in sys.modules or threading.active_count() > 1:
         yield state
         return
     import torch
