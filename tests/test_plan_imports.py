@@ -3,6 +3,7 @@ the same sizes as with it, and no import of torch._dynamo, transformers' modelin
 in a plan's process."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +39,7 @@ print(json.dumps({"sizes": out, "tripped": tripped}))
 
 def _run(code: str, *args: str) -> str:
     p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT,
-                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=600)
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return p.stdout
 
@@ -133,7 +134,8 @@ def test_plan_fields_build_the_adapter_autoconfig_builds():
         assert a.units() == b.units() and a.layer_kinds == b.layer_kinds, d
         assert _file_dtype(fields) == _file_dtype(full), d
         assert fields.rope_parameters == full.rope_parameters, d
-        assert getattr(full, "quantization_config", None) is None and getattr(fields, "quantization_config", None) is None
+        assert getattr(full, "quantization_config", None) is None
+        assert getattr(fields, "quantization_config", None) is None
         for k in ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings", "rms_norm_eps"):
             assert getattr(fields, k) == getattr(full, k), (d, k)
     assert light >= 10
@@ -179,8 +181,9 @@ print(json.dumps({"status": status, "heavy": heavy, "custom_ops": registered}))
 def test_megatrain_plan_imports_neither_dynamo_nor_transformers(tmp_path, model, seq):
     """`megatrain plan` of a llama or qwen2 model for a GPU: no torch._dynamo (and what it pulls in: FSDP, DTensor,
     Inductor, triton), no transformers, no custom op registered (sys.modules after the plan, in a fresh process)."""
-    argv = ["plan", f"model.path={CONFIGS / model}", f"data.path={ROOT / 'megatrain' / 'defaults' / 'reverse-train.jsonl'}",
-            "data.format=alpaca", "train.device=cuda", "train.micro_batch_size=1", f"data.max_seq_len={seq}",
+    data = ROOT / "megatrain" / "defaults" / "reverse-train.jsonl"
+    argv = ["plan", f"model.path={CONFIGS / model}", f"data.path={data}", "data.format=alpaca", "train.device=cuda",
+            "train.micro_batch_size=1", f"data.max_seq_len={seq}",
             f"output.dir={tmp_path / 'out'}", "checkpoint.at_end=false", "memory.host_budget_gb=125",
             f"plan.profile={ROOT / 'bench' / 'results' / 'probe-h100' / 'profile.json'}"]
     got = json.loads(_run(_PLAN_IMPORTS, *argv).splitlines()[-1])

@@ -2,10 +2,10 @@
 without bytecode caches), for the families whose config class only stores what the file says.
 
 `plan_fields(raw)`: the dict as attributes, with the defaults transformers' LlamaConfig, MistralConfig and
-Qwen2Config give the keys the adapters and the planner read, or None when the file asks for more than storing
-(a rope type other than default, linear and llama3, a quantization, qwen2's sliding window, a size key left to its default): the caller then
-reads it with AutoConfig. tests/test_plan_imports.py checks, for every real config here, that the adapter built from
-these fields equals the one built from AutoConfig's.
+Qwen2Config give the keys the adapters and the planner read, or None when the file asks for more than storing (a
+rope type other than default, linear and llama3, a quantization, qwen2's sliding window, a size key left to its
+default): the caller then reads it with AutoConfig. tests/test_plan_imports.py checks, for every real config here,
+that the adapter built from these fields equals the one built from AutoConfig's.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from types import SimpleNamespace
 # the keys each family needs in the file (their transformers defaults are those of a tiny test model, never a real
 # one's), and the defaults of those the adapters read when the file leaves them out
 REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
-            "rms_norm_eps")
+            "rms_norm_eps", "max_position_embeddings")
 DEFAULTS = {"hidden_act": "silu", "num_key_value_heads": None, "head_dim": None, "tie_word_embeddings": False,
-            "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 2048}
+            "attention_bias": False, "mlp_bias": False}
 FAMILIES = {"llama": {}, "mistral": {}, "qwen2": {"use_sliding_window": False}}
 
 

@@ -2,12 +2,12 @@
 
 torch's Python meta kernels (elementwise type promotion, most shape functions) are wrapped by torch._disable_dynamo,
 whose first call imports torch._dynamo only to mark the kernel as one dynamo must not trace. That import takes
-seconds (tens on a host without bytecode caches: it pulls in FSDP, DTensor, sympy and registers custom ops), and
-`megatrain plan` never compiles: while torch._dynamo is not loaded, no dynamo can trace anything, and the mark is
-moot. `without_dynamo` runs the planner's meta-device measurements (in a process with one Python thread: `megatrain
-plan`; `megatrain train`, which compiles, and any process with threads import the real one) with a stand-in for torch._dynamo whose
-`disable(fn)` returns `fn` itself, then removes the stand-in and every mark torch cached with it, so that a later
-torch.compile sees torch's own wrappers and imports the real module.
+seconds (tens on a host without bytecode caches: it pulls in FSDP, DTensor, Inductor's pieces and registers custom
+ops), and `megatrain plan` never compiles: while torch._dynamo is not loaded, no dynamo can trace anything, and the
+mark is moot. `without_dynamo` runs the planner's meta-device measurements (in a process with one Python thread, as
+`megatrain plan`; with threads alive, the real module) with a stand-in for torch._dynamo whose `disable(fn)` returns
+`fn` itself, then removes the stand-in and every mark torch cached with it, so that a later torch.compile sees
+torch's own wrappers and imports the real module.
 
 The stand-in answers nothing else: any other attribute of it, and any of torch._dynamo's submodules imported while it
 is in place, trips it (`Tripped`), and `measure` then runs the measurement again with the real torch._dynamo. The
