@@ -143,7 +143,7 @@ def _run(args) -> int:
         from .planner.profile import load_profile
 
         prof = load_profile(cfg.plan.profile)  # the batch bounded before the planner walks it
-        check_run_batch(cfg, load_hf_config(cfg.model.path).hidden_size, target_device(cfg, prof),
+        check_run_batch(cfg, load_hf_config(cfg.model.path, plan_only=True).hidden_size, target_device(cfg, prof),
                         args.nnodes * args.nproc_per_node, args.nproc_per_node, prof)
         return plan_command(cfg, as_json=args.json, world=World(args.nnodes, args.nproc_per_node))
     elif args.command == "data":

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from ..errors import MegatrainError, load_json
 from .base import ModelAdapter, PackedTensor, TensorSpec, Unit
 from .decoder import DecoderAdapter
+from .fields import plan_fields
 from .gemma import GemmaAdapter
 from .gpt_oss import GptOssAdapter
 from .limits import check_model_config
@@ -35,10 +36,9 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {
 }
 
 
-def load_hf_config(model_path: str | Path) -> PretrainedConfig:
-    """Read and validate `config.json` of a model directory, with errors that name the file."""
-    from transformers import AutoConfig
-
+def load_hf_config(model_path: str | Path, plan_only: bool = False) -> PretrainedConfig:
+    """Read and validate `config.json` of a model directory, with errors that name the file. plan_only: what the
+    planner reads of it, without transformers where the family allows (fields.py), else AutoConfig's."""
     path = Path(model_path)
     if not path.is_dir():
         raise MegatrainError(f"model.path: directory {path} does not exist")
@@ -56,6 +56,12 @@ def load_hf_config(model_path: str | Path) -> PretrainedConfig:
             f"{cfg_file}: model_type '{raw['model_type']}' is not supported; supported: {', '.join(sorted(ADAPTERS))}"
         )
     check_model_config(raw, cfg_file)  # sizes bounded and heads consistent before anything is built from them
+    fields = plan_fields(raw) if plan_only else None
+    if fields is not None:
+        check_model_config(fields, cfg_file)
+        return fields
+    from transformers import AutoConfig
+
     try:
         hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)  # never the folder's code
     except Exception as e:  # transformers raises many types for a bad config, some over several lines

@@ -9,6 +9,8 @@ is read; and `megatrain probe`, which measures the machine it plans for. Modules
     memory.py       host RAM by component and the GPU phase by phase, walking the runtime's step schedule
     activations.py  one layer's and the LM head's activation memory, measured by running the runtime's own
                     functions on the meta device
+    meta_trace.py   those meta-device runs without importing torch._dynamo (seconds; `megatrain plan` never
+                    compiles)
     timing.py       executed FLOPs and step time: an event simulation of the runtime's step schedule and of the
                     CPU optimizer pipeline
     suggest.py      what would fit when the run does not

@@ -30,6 +30,7 @@ from ..models import attention
 from ..runtime.layer import can_stash, layer_backward, layer_template
 from ..runtime.lmhead import HeadKernels, default_chunk, head_loss
 from .calibration import COMPILED_ACTIVATIONS
+from .meta_trace import measure
 from .profile import FLEX_BLOCK, Profile, layer_shape
 from .workload import Workload
 
@@ -235,7 +236,7 @@ def head_memory(adapter, batch: int, seq: int, targets: int, chunk: int, dtype: 
     return mode.peak
 
 
-# ---- GPU: one micro-batch's work, measured on the meta device ------------------------------------------------
+# ---- GPU: one micro-batch's work, measured on the meta device (without importing torch._dynamo: meta_trace.py) ---
 # adapter -> {shape: sizes}: suggestions re-plan the same shapes many times
 _ACTIVATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -284,18 +285,18 @@ def _activation_sizes(adapter, w: Workload, notes: list[str], prof: Profile | No
         # attention's (the split template's: not shrunk by compiling, full-length kernel buffers), the LM head's
         key = (b, w.seq_len, dtype, w.packed, w.device, tile, block)
         if key not in cache:
-            layer = layer_memory(adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda",
-                                 seq_tile=tile, attn_block=block)
+            layer = measure(layer_memory, adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda",
+                            seq_tile=tile, attn_block=block)
             cache[key] = {"forward": layer["forward_peak"], "backward": layer["backward_peak"]}
         if stash and ("stash",) + key not in cache:
-            layer = layer_memory(adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda",
-                                 seq_tile=tile, stash=True, attn_block=block, plain=False)
+            layer = measure(layer_memory, adapter, b, w.seq_len, dtype, w.packed, cuda_attention=w.device == "cuda",
+                            seq_tile=tile, stash=True, attn_block=block, plain=False)
             cache[("stash",) + key] = {"stash": layer["stash"], "forward_stash": layer["forward_stash_peak"],
                                        "backward_stash": layer["backward_stash_peak"]} if "stash" in layer else {}
         head = ("head", b, w.seq_len, dtype, w.device, chunk, targets, w.head_kernels)
         if head not in cache:
-            cache[head] = head_memory(adapter, b, w.seq_len, b * targets, chunk, dtype,
-                                      cuda=w.device == "cuda" and w.head_kernels)
+            cache[head] = measure(head_memory, adapter, b, w.seq_len, b * targets, chunk, dtype,
+                                  cuda=w.device == "cuda" and w.head_kernels)
         out[b] = {**cache[key], "head": cache[head], **(cache[("stash",) + key] if stash else {})}
         # compiling fuses a whole layer's elementwise work; a tiled layer's peak is its full-length buffers (q, k, v,
         # the attention's output and gradients), which compiling does not shrink: no discount

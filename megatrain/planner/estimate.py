@@ -16,6 +16,7 @@ from .memory import (DEVICE_WORK, TUNE_COPY, autotune_host, checkpoint_bytes, gp
                      peak_phase, pinned_bytes)
 from .placement import choose, describe
 from .profile import COMPILED_SPEEDUP, GiB, Profile
+from .tally import sized
 from .timing import executed_flops, step_time
 from .tune_copy import copy_host
 from .workload import Workload
@@ -145,7 +146,7 @@ def estimate(adapter, w: Workload, profile: Profile, *, host_available: float | 
     the others are the workload's. world: the ranks; `w` is one rank's step, host_available the node's.
     disk_path: memory.disk_path (the planner may then put states on the SSD tier when host RAM is short, unless the
     workload fixes them); ssd_free: the free bytes there."""
-    units = adapter.units()
+    units = sized(adapter.units())  # (each unit summed once: the search and the timing read them often)
     params = sum(u.numel for u in units)
     notes = []
     if w.placement.reuse_attention and not can_stash(adapter):

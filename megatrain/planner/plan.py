@@ -133,9 +133,10 @@ def plan_command(cfg, as_json: bool = False, world: World = World()) -> int:
     from ..models import get_adapter, load_hf_config
     from .profile import load_profile
 
-    adapter = get_adapter(load_hf_config(cfg.model.path))
     prof = load_profile(cfg.plan.profile)
     device = target_device(cfg, prof)
+    # config.json without transformers where it can be (models/fields.py), unless a CPU layer is run to time it here
+    adapter = get_adapter(load_hf_config(cfg.model.path, plan_only=device == "cuda"))
     if device == "cuda" and torch_cuda_available() or device == "cpu":
         # this machine is the one that trains: plan with what `megatrain train` will measure at its start (the
         # CPU AdamW rate, when no probed profile says it; on a CPU, its rates), so that both plan alike

@@ -322,9 +322,9 @@ def _updates_in_forward_order(units, w: Workload, piece: int, d2h_rate: float, a
     d2h_end, upd_end, prev_upd_end = 0.0, 0.0, 0.0
     d2h_busy = opt_busy = copied = 0.0
     for i in update_order(n):
-        u = units[i]
-        for a in range(0, u.numel, piece):
-            k = min(piece, u.numel - a)
+        numel = units[i].numel
+        for a in range(0, numel, piece):
+            k = min(piece, numel - a)
             start = max(d2h_end, prev_upd_end)  # issued when the update before last has freed its buffer
             copy = 0.0 if i in to_host else 4.0 * k / d2h_rate  # sent to host during the last backward
             d2h_busy += copy

@@ -56,10 +56,10 @@ def ce_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: torch.T
     kernel: use the fused CUDA kernel where it can run (it writes the gradient over `logits`); on the meta device
     (the planner's memory simulation) its allocations are mimicked."""
     if kernel and not _triton_failed:
-        from . import ce_triton
-
         if logits.is_meta:  # what the kernel allocates: one fp32 loss per row; the gradient reuses the logits
             return torch.empty(logits.shape[0], dtype=torch.float32, device="meta").sum(), logits
+        from . import ce_triton  # (imports triton: not for the planner's meta runs)
+
         if ce_triton.available(logits):
             try:
                 return ce_triton.ce_loss_and_grad_(logits, targets, scale)
