@@ -10,9 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import one_thread
 from megatrain.config import load_config
 from megatrain.errors import MegatrainError
 from megatrain.run.metrics import MetricsLogger
+
+pytestmark = pytest.mark.one_thread
 
 
 def default_cfg(tmp_path, *overrides):
@@ -27,7 +30,7 @@ def demo_run(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("demo")
     err = io.StringIO()
-    with contextlib.redirect_stderr(err):
+    with one_thread(), contextlib.redirect_stderr(err):
         train(default_cfg(tmp))
     return tmp, err.getvalue()
 
