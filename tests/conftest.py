@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 import torch
 
@@ -87,6 +90,45 @@ def make_model_dir(path, family: str, tied: bool = False, seed: int = 0, layers:
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "one_thread: on a CPU-only machine, one torch intra-op thread in the test's "
+                                       "process and the processes it starts (OMP_NUM_THREADS)")
+
+
+@contextlib.contextmanager
+def one_thread():
+    """One torch intra-op thread on a CPU-only machine, in this process and, through OMP_NUM_THREADS, in the
+    processes started meanwhile, so that both sides of a bit-for-bit comparison run alike. For long runs of tiny
+    models (tests marked `one_thread`, and module fixtures of such runs): at this size a second OpenMP thread per op
+    only adds synchronisation and competes with the runtime's own threads (the CPU optimizer's, the prefetch's) for
+    CI's two cores, about half the wall time. Not suite-wide: the 1e-5 twenty-step comparisons of two fp32
+    implementations (test_equivalence) sit near their rounding noise, which the thread count changes (qwen3 and
+    olmoe exceed 1e-5 with one thread)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        if env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(request):
+    if request.node.get_closest_marker("one_thread") is None:
+        yield
+        return
+    with one_thread():
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

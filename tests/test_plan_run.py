@@ -1,6 +1,7 @@
 """The plan in the run: the start summary carries its figures, each step's record the measured ones, and running
 out of GPU or host memory ends with one message naming the component, not a traceback."""
 
+import contextlib
 import io
 import json
 import sys
@@ -9,9 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import one_thread
 from megatrain.config import load_config
 from megatrain.errors import MegatrainError
 from megatrain.run.metrics import MetricsLogger
+
+pytestmark = pytest.mark.one_thread
 
 
 def default_cfg(tmp_path, *overrides):
@@ -19,11 +23,20 @@ def default_cfg(tmp_path, *overrides):
                               "train.exact_match_path=", *overrides])
 
 
-def test_start_summary_and_step_records(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """One 3-step run of the demo (its folder and what it wrote to stderr), read by the two tests below."""
     from megatrain.run.trainer import train
 
-    train(default_cfg(tmp_path))
-    err = capsys.readouterr().err
+    tmp = tmp_path_factory.mktemp("demo")
+    err = io.StringIO()
+    with one_thread(), contextlib.redirect_stderr(err):
+        train(default_cfg(tmp))
+    return tmp, err.getvalue()
+
+
+def test_start_summary_and_step_records(demo_run):
+    tmp_path, err = demo_run
     assert "tokens per step: up to 2,048 (2 micro-batches of 32 rows x 32 tokens)" in err
     assert "plan: host RAM" in err and "s/step" in err and "bound by" in err
     assert "eta=" in err and "tok/s=" in err and "host=" in err  # plain lines (not a terminal)
@@ -42,16 +55,13 @@ def test_start_summary_and_step_records(tmp_path, capsys):
     assert "start-up: inputs checked and planned " in err and "store filled (random init) " in err
 
 
-def test_the_run_saves_its_plan_and_the_benchmark_holds_it_against_the_measurement(tmp_path):
+def test_the_run_saves_its_plan_and_the_benchmark_holds_it_against_the_measurement(demo_run, tmp_path):
     """`megatrain train` writes the plan it made at its start to output.dir/plan.json (`megatrain plan --json`'s
     object: placement, predicted step time and memory); bench/bench_cli.py records it with the run, and
     bench/plan_vs_measured.py compares that plan with what the run measured."""
     from pathlib import Path
 
-    from megatrain.run.trainer import train
-
-    train(default_cfg(tmp_path))
-    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    plan = json.loads((demo_run[0] / "run" / "plan.json").read_text())
     assert plan["fits"] and plan["step_time_s"] > 0 and plan["host_peak_gib"] > 0
     assert {"checkpoint_every", "seq_tile", "attn_block", "wave_groups"} <= set(plan["placement"])
     bench = Path(__file__).resolve().parents[1] / "bench"
@@ -59,7 +69,7 @@ def test_the_run_saves_its_plan_and_the_benchmark_holds_it_against_the_measureme
     from bench_cli import planned
     from plan_vs_measured import compare, load_results
 
-    got = planned(tmp_path / "run" / "plan.json")
+    got = planned(demo_run[0] / "run" / "plan.json")
     assert got["placement"] == plan["placement"] and got["plan"]["step_time_s"] == plan["step_time_s"]
     assert planned(tmp_path / "nothing.json") == {}
     result = {"label": "tiny-cli", "step_s": 2 * plan["step_time_s"], "gpu_peak_gib": 1.0, "gpu_idle": 0.1,
