@@ -355,17 +355,32 @@ def cli(*args, cwd=None):
                           env=env, cwd=cwd, timeout=300)
 
 
-def test_plan_refuses_70b_on_a_24_gib_machine(tmp_path):
+def in_process(capsys, monkeypatch, tmp_path, *args) -> tuple[int, str, str]:
+    """`megatrain ARGS` in this process (the entry point's own process start is test_default_config_plans_and_fits'
+    and test_train_refuses_before_loading_weights'): (exit status, stdout, stderr)."""
+    from megatrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "no-cache"))
+    capsys.readouterr()
+    status = main(list(args))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_plan_refuses_70b_on_a_24_gib_machine(tmp_path, capsys, monkeypatch):
     cfg = write_70b_run(tmp_path)
-    r = cli("plan", str(cfg), "memory.host_budget_gb=24", "train.device=cuda", cwd=tmp_path)
-    assert r.returncode == 1, r.stderr
-    assert "DOES NOT FIT" in r.stdout and "Traceback" not in r.stderr
-    assert "host RAM: needs 92" in r.stdout and "24.0 GiB available (memory.host_budget_gb)" in r.stdout
-    assert "12 B/param" in r.stdout  # the suggestion says what the floor is
-    assert r.stderr.startswith("megatrain: the run will not fit: host RAM")
+    status, out, err = in_process(capsys, monkeypatch, tmp_path, "plan", str(cfg), "memory.host_budget_gb=24",
+                                  "train.device=cuda")
+    assert status == 1, err
+    assert "DOES NOT FIT" in out and "Traceback" not in err
+    assert "host RAM: needs 92" in out and "24.0 GiB available (memory.host_budget_gb)" in out
+    assert "12 B/param" in out  # the suggestion says what the floor is
+    assert err.startswith("megatrain: the run will not fit: host RAM")
     # the same on a CPU run
-    r = cli("plan", str(cfg), "memory.host_budget_gb=24", "train.device=cpu", cwd=tmp_path)
-    assert r.returncode == 1 and "host RAM: needs" in r.stderr
+    status, out, err = in_process(capsys, monkeypatch, tmp_path, "plan", str(cfg), "memory.host_budget_gb=24",
+                                  "train.device=cpu")
+    assert status == 1 and "host RAM: needs" in err
 
 
 def test_train_refuses_before_loading_weights(tmp_path, monkeypatch):
@@ -392,7 +407,7 @@ def test_train_refuses_before_loading_weights(tmp_path, monkeypatch):
                                                          "plan.check=false"]))
 
 
-def test_default_config_plans_and_fits(tmp_path):
+def test_default_config_plans_and_fits(tmp_path, capsys, monkeypatch):
     from megatrain.planner.precision import precision_line, resolve_precision
 
     r = cli("plan", cwd=tmp_path)
@@ -404,12 +419,12 @@ def test_default_config_plans_and_fits(tmp_path):
     assert ("bf16 streaming copy" in r.stdout) == (precision == "bf16")  # fp32: the master is streamed
     from megatrain.config import DEFAULT_CONFIG
 
-    r = cli("plan", str(DEFAULT_CONFIG), "train.device=cuda", cwd=tmp_path)  # for a GPU: the GPU section
-    assert r.returncode == 0, r.stderr
+    status, out, err = in_process(capsys, monkeypatch, tmp_path, "plan", str(DEFAULT_CONFIG), "train.device=cuda")
+    assert status == 0, err  # for a GPU: the GPU section
     for part in ("GPU memory at the peak", "weight slots", "layer-boundary checkpoints", "layer activations",
                  "gradient landing buffers (pinned)", "no machine profile", "bf16 streaming copy",
                  "precision: bf16: planned for the profile's GPU"):
-        assert part in r.stdout
+        assert part in out
 
 
 def test_suggestions_fit_what_does_not():
