@@ -59,6 +59,7 @@ class Plan:
     precision_why: str = ""  # the resolved train.precision and why, one line (precision.precision_line)
     io: dict = field(default_factory=dict)  # load, save, resume, export seconds (io_time.io_times; set by the caller)
     objective: dict = field(default_factory=dict)  # a preference objective's figures (objective.plan_objective)
+    rollout: dict = field(default_factory=dict)  # a grpo run's rollout phase (rollout_plan.plan_rollout)
 
     @property
     def ssd(self) -> dict:
@@ -120,7 +121,8 @@ class Plan:
                 "precision": self.workload.precision, "precision_why": self.precision_why,
                 "notes": self.notes, "world": self.world_json(), "profile": self.profile.source,
                 "cpu_adamw_params_per_s": self.profile.adamw_params_per_s,
-                "objective": {k: v for k, v in self.objective.items() if k != "sft_time"} or None}
+                "objective": {k: v for k, v in self.objective.items() if k != "sft_time"} or None,
+                "rollout": self.rollout or None}
 
     def world_json(self) -> dict:
         w, c = self.world, self.comm

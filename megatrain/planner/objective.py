@@ -53,7 +53,7 @@ def plan_objective(plan, cfg, adapter, set_pairs: int | None = None, eval_pairs:
     base, scaled = plan.time["step_s"], ("step_s", "tokens_per_s", "executed_tflops", "tflops_6n", "tflops_6n_active",
                                          "mfu")
     sft_time = {k: plan.time[k] for k in scaled if k in plan.time}
-    if objective == "sft":
+    if objective in ("sft", "grpo"):  # (grpo's head pass and rollouts: rollout_plan.py)
         plan.objective = {}
         return
     w, t, prof = plan.workload, plan.time, plan.profile

@@ -20,6 +20,7 @@ from __future__ import annotations
 from .estimate import Plan, estimate
 from .io_time import io_times, load_bytes
 from .objective import plan_objective
+from .rollout_plan import plan_rollout
 from .precision import precision_line
 from .profile import GiB, Profile
 from .report import refusal, render
@@ -87,6 +88,7 @@ def plan_for_config(cfg, adapter, device: str, profile: Profile | None = None, w
                      disk_path=cfg.memory.disk_path, ssd_free=ssd_free)
     plan.model = f"{adapter.model_type} ({cfg.model.path})"
     plan_objective(plan, cfg, adapter)  # a preference objective's head pass and reference (objective.py)
+    plan_rollout(plan, cfg, adapter)  # grpo's rollout phase (rollout_plan.py)
     file_dtype = None if cfg.model.init == "random" else _file_dtype(adapter.hf_config)
     headroom = None if plan.host_available is None else plan.host_available - plan.host_total
     plan.io = io_times(plan.params, prof.disk_read_bps, prof.disk_write_bps, plan.step_s, cfg.checkpoint.every,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from .estimate import Plan
 from .io_time import io_lines
 from .objective import objective_lines
+from .rollout_plan import rollout_lines
 from .profile import GiB
 
 
@@ -81,6 +82,7 @@ def render(p: Plan) -> str:
                  f"{_flops(t['tflops_6n'] * 1e12)} (6N){active}{mfu}")
     lines += render_world(p)
     lines += objective_lines(p)
+    lines += rollout_lines(p)
     for n in p.notes:
         lines.append(f"note: {n}")
     if p.problems:

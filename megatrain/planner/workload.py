@@ -112,7 +112,8 @@ def workload_from_config(cfg, device: str, distributed: bool = False) -> Workloa
                              f"train.precision: auto is fp32 on {device} (planner/precision.py); set "
                              f"train.precision: bf16 or use [v, m]")
     return Workload(
-        micro_batches=(t.micro_batch_size * (1 if t.objective == "sft" else 2),) * t.grad_accum_steps,  # pairs: 2 rows
+        micro_batches=(t.micro_batch_size * (1 if t.objective in ("sft", "grpo") else 2),) * t.grad_accum_steps,
+        # (pairs: 2 rows)
         seq_len=cfg.data.max_seq_len, device=device,
         precision=precision, loss_chunk_tokens=eng.loss_chunk_tokens, num_slots=eng.num_slots,
         compile=compiles_layers(eng, device), packed=cfg.data.packing,

@@ -55,7 +55,7 @@ def check_batch(cfg, hidden_size: int, device_memory: int, device_name: str, hos
         raise MegatrainError(f"train.grad_accum_steps: {t.grad_accum_steps:,}{f' x {ranks} ranks' if ranks > 1 else ''}"
                              f" micro-batches per step is more than megatrain plans and draws (at most "
                              f"{MAX_MICRO_BATCHES:,}); raise train.micro_batch_size instead")
-    tokens = t.micro_batch_size * seq * (1 if t.objective == "sft" else 2)  # a pair is two rows
+    tokens = t.micro_batch_size * seq * (1 if t.objective in ("sft", "grpo") else 2)  # a pair is two rows
     elem = 4 if t.precision == "fp32" else 2  # (auto: the smaller)
     need = tokens * hidden_size * elem
     if device_memory and need > device_memory:

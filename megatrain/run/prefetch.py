@@ -5,7 +5,8 @@ target positions) and pinning them for the device take host time between two ste
 one worker thread does it for step t+1 during step t. The order is the loader's own (one worker, sequential), and
 each prepared step carries the loader's state after it, so a checkpoint records the position of the steps
 actually trained, not of the one prepared ahead. A preference step's micro-batches carry their pairs' ids and,
-when the reference log-probs were precomputed, those log-probs (`lookup`: run/reference.py).
+when the reference log-probs were precomputed, those log-probs (`lookup`: run/reference.py); a grpo step's,
+their advantages, row weights and old and reference log-probs (run/grpo.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class PreparedStep:
     microbatches: list[MicroBatch]
     loader_state: dict  # the loader's state once this step has been drawn
     wait_s: float = 0.0  # how long the training thread waited for it (0 when it was ready)
+    fields: dict | None = None  # a grpo step's log fields (its rollout batch's rewards, lengths, times: run/grpo.py)
 
     @property
     def attn_len(self) -> float:
@@ -45,10 +47,13 @@ class PreparedStep:
                    if "attention_mask" in b else b["input_ids"].numel() for b in self.batches)
 
 
+GRPO_KEYS = ("advantages", "row_weight", "old_logps", "ref_token_logps")  # a grpo micro-batch's (run/grpo.py)
+
+
 def prepare_step(batches: list[dict], pin: bool, lookup=None) -> list[MicroBatch]:
     """lookup(batch): the reference log-probs of a preference batch's rows (None: none)."""
-    extra = [{} if "pair_ids" not in b else {"pair_ids": b["pair_ids"], "ref_logps": lookup(b) if lookup else None}
-             for b in batches]
+    extra = [{k: b[k] for k in GRPO_KEYS if k in b} if "advantages" in b else {} if "pair_ids" not in b else
+             {"pair_ids": b["pair_ids"], "ref_logps": lookup(b) if lookup else None} for b in batches]
     mbs = [MicroBatch.from_labels(b["input_ids"], b["labels"], b.get("position_ids"), b.get("attention_mask"), **x)
            for b, x in zip(batches, extra)]
     return [mb.pin() for mb in mbs] if pin else mbs
@@ -57,7 +62,8 @@ def prepare_step(batches: list[dict], pin: bool, lookup=None) -> list[MicroBatch
 class StepPrefetcher:
     """`next()` returns the next PreparedStep, drawing up to `ahead` steps in advance on a worker thread
     (ahead=0: drawn when asked, on the caller's thread). Stops at `last_step` steps drawn in all. lookup: a
-    preference batch's reference log-probs (prepare_step)."""
+    preference batch's reference log-probs (prepare_step). A grpo run's loader (run/grpo.Rollouts) is drawn with
+    ahead=0: its rollouts need the weights of the step just trained."""
 
     def __init__(self, loader, *, pin: bool, steps: int, ahead: int = 1, lookup=None):
         self.loader, self.pin, self.ahead, self.lookup = loader, pin, ahead, lookup
@@ -72,7 +78,9 @@ class StepPrefetcher:
 
     def _draw(self) -> PreparedStep:
         batches = self.loader.next_step()
-        return PreparedStep(batches, prepare_step(batches, self.pin, self.lookup), self.loader.state_dict())
+        fields = dict(self.loader.last) if hasattr(self.loader, "last") else None  # (grpo: run/grpo.Rollouts)
+        return PreparedStep(batches, prepare_step(batches, self.pin, self.lookup), self.loader.state_dict(),
+                            fields=fields)
 
     def _run(self) -> None:
         try:

@@ -176,13 +176,22 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
     if len(tokenizer) > adapter.vocab_size:
         raise MegatrainError(f"model.tokenizer: the tokenizer has {len(tokenizer)} tokens but config.json's "
                              f"vocab_size is {adapter.vocab_size}")
-    pairs = cfg.train.objective != "sft"  # (config.objective_problems: then the data is preference pairs)
-    build_loader, build_eval = ((data_lib.build_pair_loader, data_lib.build_pair_eval_batches) if pairs else
-                                (data_lib.build_train_loader, data_lib.build_eval_batches))
-    loader = build_loader(cfg.data, tokenizer, seed=cfg.train.seed, micro_batch_size=cfg.train.micro_batch_size,
-                          grad_accum_steps=cfg.train.grad_accum_steps, rank=world.rank, world=world.size)
-    eval_batches = build_eval(cfg.data, tokenizer, micro_batch_size=cfg.train.micro_batch_size)
-    if cfg.data.packing and plan is not None:  # the documents are known now: attention timed over their span
+    grpo = cfg.train.objective == "grpo"
+    pairs = cfg.train.objective not in ("sft", "grpo")  # (config.objective_problems: then the data is pairs)
+    if grpo:  # prompts and rewards (run/grpo.py): every reward imported and every prompt read before a write
+        from .grpo import check_world, rollouts
+
+        check_world(world.size)
+        loader, eval_batches = rollouts(cfg, tokenizer), None
+    else:
+        build_loader, build_eval = ((data_lib.build_pair_loader, data_lib.build_pair_eval_batches) if pairs else
+                                    (data_lib.build_train_loader, data_lib.build_eval_batches))
+        loader = build_loader(cfg.data, tokenizer, seed=cfg.train.seed,
+                              micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
+                              rank=world.rank, world=world.size)
+        eval_batches = build_eval(cfg.data, tokenizer, micro_batch_size=cfg.train.micro_batch_size)
+    if cfg.data.packing and plan is not None and not grpo:  # the documents are known now: attention timed over
+        #                                                        their span
         retime_packed(plan, adapter, documents_span(loader.examples.lengths))
     reference = choose_reference(cfg, plan, adapter, loader, tokenizer, eval_batches, resumed) if pairs else \
         Reference()
@@ -253,7 +262,8 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
     stream_dtype, compute_dtype = store_dtypes(cfg.train.precision, options.engine.placement.stream_dtype)
     disk_states = disk_states_of(cfg, plan)
     tuned = ""
-    if tunes_first(cfg.engine, inp.device.type, world.size > 1):
+    if tunes_first(cfg.engine, inp.device.type, world.size > 1) and cfg.train.objective != "grpo":  # (a grpo
+        #                                                         step's rows come from a rollout: none before)
         from .tune_first import first_step, tune_first
 
         step = first_step(inp.loader, inp.resumed.state["loader"] if inp.resumed is not None else None)
@@ -290,7 +300,8 @@ def fill_store(cfg: Config, inp: Inputs, store: HostStore) -> None:
     """The store's first state: the checkpoint resumed (instead of the model's weights, not after them: the
     weights are read once), a random init, or the model's weights."""
     if inp.resumed is not None:
-        if inp.reference.strategy == "stream" and cfg.model.init == "random" and not cfg.preference.reference_path:
+        if (inp.reference.strategy == "stream" and not cfg.preference.reference_path or grpo_reference(cfg)) and \
+                cfg.model.init == "random":
             store.init_random(cfg.train.seed, cfg.train.init_std or getattr(inp.hf_config, "initializer_range", 0.02))
             store.freeze_reference()  # the step-0 weights of the reference copy (fill_reference)
         store.load_stats = resume_lib.load_store(inp.resumed, store)
@@ -308,9 +319,10 @@ def fill_reference(cfg: Config, inp: Inputs, store: HostStore) -> bool:
     init) the same seeded init, frozen before the checkpoint is loaded over it (fill_store). Returns whether one
     was filled."""
     ref = inp.reference
-    if not (ref.strategy == "stream" or ref.strategy == "precompute" and cfg.preference.reference_path):
+    if not (ref.strategy == "stream" or ref.strategy == "precompute" and cfg.preference.reference_path
+            or grpo_reference(cfg)):
         return False
-    if cfg.preference.reference_path:
+    if cfg.preference.reference_path and not grpo_reference(cfg):
         store.load_reference(cfg.preference.reference_path)
     elif inp.resumed is None:
         store.freeze_reference()  # the store holds the step-0 weights
@@ -318,6 +330,11 @@ def fill_reference(cfg: Config, inp: Inputs, store: HostStore) -> bool:
         store.load_reference(cfg.model.path)
     ref.frozen = True
     return True
+
+
+def grpo_reference(cfg: Config) -> bool:
+    """A grpo run with a KL term (grpo.beta > 0): the step-0 policy's frozen copy in the store is its reference."""
+    return cfg.train.objective == "grpo" and cfg.grpo.beta > 0
 
 
 def disk_states_of(cfg: Config, plan: Plan | None = None) -> tuple[str, ...]:
@@ -343,9 +360,16 @@ def runtime_options(cfg: Config, device: torch.device, plan: Plan | None = None,
     threads = plan.profile.adamw_threads if plan is not None else None
     if threads:
         threads = min(max(1, threads // ranks_per_node), torch.get_num_threads())
-    from ..runtime.objective import Objective
-
     return RuntimeOptions(engine=EngineOptions(loss_chunk_tokens=e.loss_chunk_tokens, num_slots=e.num_slots,
                                                compile_layers=compile_layers, placement=placement,
-                                               objective=Objective.from_config(cfg.train, cfg.preference)),
+                                               objective=objective_of(cfg)),
                           adam_threads=threads)
+
+
+def objective_of(cfg: Config):
+    """The engine's objective: train.objective with its preference or grpo settings."""
+    from ..runtime.objective import Objective
+
+    if cfg.train.objective == "grpo":
+        return Objective.from_config(cfg.train, cfg.preference, cfg.grpo)
+    return Objective.from_config(cfg.train, cfg.preference)

@@ -27,6 +27,7 @@ from ..runtime.pinned import release_torch_pinned_cache
 from ..runtime.router_loss import expert_load
 from .collector import StepCollector
 from .evaluate import evaluate
+from .grpo import grpo_fields, step_split
 from .metrics import MetricsLogger, preference_fields
 from .oom import raise_if_out_of_memory
 from .plancheck import PlanCheck
@@ -163,7 +164,11 @@ def start(run: Run, stop: StopOnSignal | None = None) -> Session:
         log.info(f"reference log-probs: {run.reference.strategy} ({run.reference.why})")
     final = t.steps if cfg.checkpoint.at_end or cfg.export.at_end else None
     saver = open_saver(run, keep=cfg.checkpoint.keep, every=cfg.checkpoint.every, final_step=final)
-    data = StepPrefetcher(run.loader, pin=run.engine.cuda, steps=t.steps - first, lookup=run.reference.lookup)
+    grpo = t.objective == "grpo"
+    if grpo:
+        run.loader.attach(run)  # its rollouts read the store and run on the engine's device
+    data = StepPrefetcher(run.loader, pin=run.engine.cuda, steps=t.steps - first, lookup=run.reference.lookup,
+                          ahead=0 if grpo else 1)  # (a rollout needs the weights of the step just trained)
     s = Session(first, log, stats, saver, data, model_files_writer(cfg.model.path, run.tokenizer))
     if run.resumed:
         notes = resume_lib.config_notes(run.resumed, cfg.model_dump(), run.world_info)
@@ -225,7 +230,11 @@ def train_step(run: Run, step: int, data: PreparedStep, stats: StepStats | None 
         record["clip_coef"] = coef
     if released:  # page-locked memory torch's allocator kept (a compiled step's autotuning copies)
         record["host_pinned_released_gib"] = released / 2**30
-    if out.metrics is not None:  # a preference objective's, as TRL logs them: means over the step's pairs
+    if data.fields is not None:  # grpo: the rollout batch's rewards and lengths, the step's time split
+        record.update(step_split(data.fields, dt))
+        if out.metrics is not None:  # clip ratios and kl, as TRL logs them: token means
+            record.update(grpo_fields(out.metrics))
+    elif out.metrics is not None:  # a preference objective's, as TRL logs them: means over the step's pairs
         record.update(preference_fields(out.metrics))
     if out.aux_loss is not None:  # MoE: the router loss (inside `loss`) and how evenly tokens went to experts
         record["router_loss"] = out.aux_loss.item()
