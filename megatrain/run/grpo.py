@@ -216,7 +216,7 @@ class Rollouts:
         rollout_s = time.perf_counter() - t0
         src = [prompts[i] for i in out.prompt_index]
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in out.completion_ids]
-        total, per = score(self.rewards, [p.text for p in src], texts, [p.row for p in src])
+        total, per = score(self.rewards, [p.text for p in src], texts, src)  # (PromptRows: errors name file:line)
         adv, std = group_advantages(torch.as_tensor(total), g.num_generations, g.scale_rewards)
         rows = [{"prompt": list(p.ids), "completion": list(c), "advantage": float(a), "old": None, "ref": None}
                 for p, c, a in zip(src, out.completion_ids, adv.tolist())]

@@ -136,6 +136,11 @@ def _headline(r: dict) -> dict[str, str]:
     if "rewards/accuracies" in r:  # a preference objective: how often chosen wins, and by how much
         out["acc"] = f"{r['rewards/accuracies']:.2f}"
         out["margin"] = _fmt(r["rewards/margins"])
+    if "reward" in r:  # grpo: the rollout batch's mean reward, completion length and the rollout's rate
+        out["reward"] = f"{r['reward']:.3f}"
+        out["len"] = f"{r['completions/mean_length']:.1f}"
+        if r.get("rollout_s"):
+            out["rollout"] = f"{r['rollout_s']:.1f}s {_fmt(r['rollout_tokens_per_s'])} tok/s"
     if "tflops_6n" in r:
         out["TFLOP/s"] = f"{r['tflops_6n']:.0f}" if r["tflops_6n"] >= 10 else f"{r['tflops_6n']:.3g}"
     if "mfu" in r:

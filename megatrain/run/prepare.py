@@ -78,8 +78,8 @@ class Run:
 
     @property
     def preference(self) -> bool:
-        """The run trains a preference objective on pairs (train.objective is not sft)."""
-        return self.cfg.train.objective != "sft"
+        """The run trains a preference objective on pairs (dpo, ipo, simpo, orpo)."""
+        return self.cfg.train.objective not in ("sft", "grpo")
 
     @property
     def store(self) -> HostStore:
