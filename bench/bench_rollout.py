@@ -28,7 +28,7 @@ from bench.common import hf_config, write_json  # noqa: E402
 
 from megatrain.planner.profile import DEFAULTS, load_profile  # noqa: E402
 from megatrain.rollout import Sampler, SamplingParams  # noqa: E402
-from megatrain.rollout.plan import rollout_estimate  # noqa: E402
+from megatrain.planner.rollout_estimate import rollout_estimate  # noqa: E402
 from megatrain.rollout.model import RandomWeights  # noqa: E402
 
 

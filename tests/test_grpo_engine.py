@@ -248,9 +248,9 @@ def test_ranks_shares_add_up_to_the_step(tmp_path):
 
 def test_row_weights_are_trls_aggregations():
     n = torch.tensor([3, 1, 5, 2])
-    assert torch.allclose(grpo_row_weights("grpo", n, 8, 40, 16), 1 / (n.double() * 8).float())
-    assert torch.allclose(grpo_row_weights("dr_grpo", n, 8, 40, 16), torch.full((4,), 1 / 128))
-    assert torch.allclose(grpo_row_weights("dapo", n, 8, 40, 16), torch.full((4,), 1 / 40))
+    assert torch.equal(grpo_row_weights("grpo", n, 8, 40, 16), 1 / (n.double() * 8))  # float64
+    assert torch.equal(grpo_row_weights("dr_grpo", n, 8, 40, 16), torch.full((4,), 1 / 128, dtype=torch.float64))
+    assert torch.equal(grpo_row_weights("dapo", n, 8, 40, 16), torch.full((4,), 1 / 40, dtype=torch.float64))
     with pytest.raises(ValueError, match="loss_type"):
         grpo_row_weights("bnpo", n, 8, 40, 16)
 

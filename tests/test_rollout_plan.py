@@ -8,7 +8,7 @@ import pytest
 from megatrain.models import load_hf_config
 from megatrain.planner.calibration import ROLLOUT_HBM_BPS, ROLLOUT_MATMUL_EFFICIENCY, ROLLOUT_STEP_OVERHEAD_S
 from megatrain.planner.profile import DEFAULTS
-from megatrain.rollout.plan import rollout_estimate
+from megatrain.planner.rollout_estimate import rollout_estimate
 
 CONFIGS = Path(__file__).resolve().parents[1] / "bench" / "model-configs"
 

@@ -316,7 +316,7 @@ ALL_CORES_UP_TO = _fit(
     "fastest alone (3.58 against 3.14 with 16) but kept the GPU only 65-77% busy; the 16-vCPU hosts run best with all",
     f"{_BENCH} --compile --adam-threads T for T = cores, 3/4, 1/2 (GPU busy share)")
 
-# ---- rollouts (megatrain/rollout/plan.py, GRPO's sampling phase) --------------------------------------------
+# ---- rollouts (planner/rollout_estimate.py, GRPO's sampling phase) --------------------------------------------
 _ROLLOUT = ("python3 bench/bench_rollout.py --model bench/model-configs/qwen2.5-7b --prompts 64 --n 8 "
             "--prompt-len 128 --max-new 512 --json OUT.json")
 ROLLOUT_HBM_BPS = _fit(

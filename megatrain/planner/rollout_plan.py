@@ -9,7 +9,7 @@ once per rollout batch (prompts_per_rollout x num_generations completions, `step
                max_new_tokens (an upper bound: finished rows leave the live batch). resident: the bf16 weights on
                the GPU beside the KV cache; streamed: each decode step streams the layers once (the bus bound),
                the KV cache on the GPU or, when it does not fit there, in pinned host memory. Figures from the
-               sampler's rollout/plan.py rollout_estimate.
+               rollout_estimate.py.
     log-probs  a forward-only pass over the batch for the old log-probs (a batch of more than one optimizer step)
                and one for the reference's (grpo.beta > 0, from the store's frozen bf16 copy, +2 B/param host RAM)
 
@@ -46,7 +46,7 @@ def plan_rollout(plan, cfg, adapter) -> None:
     if cfg.train.objective != "grpo":
         plan.rollout = {}
         return
-    from ..rollout.plan import rollout_estimate
+    from .rollout_estimate import rollout_estimate
 
     g, t, w, prof = cfg.grpo, cfg.train, plan.workload, plan.profile
     seqs = g.prompts_per_rollout * g.num_generations

@@ -46,15 +46,12 @@ def group_advantages(rewards: torch.Tensor, n: int, scale: bool = True) -> tuple
 
 
 def row_weights(lengths: list[int], loss_type: str, max_new_tokens: int) -> list[float]:
-    """w_r of each row of one optimizer step (SPEC: grpo 1/(n_r S), dr_grpo 1/(S max_new_tokens), dapo 1/T)."""
-    s, t = len(lengths), sum(lengths)
-    if loss_type == "grpo":
-        return [1.0 / (max(n, 1) * s) for n in lengths]
-    if loss_type == "dr_grpo":
-        return [1.0 / (s * max_new_tokens)] * s
-    if loss_type == "dapo":
-        return [1.0 / max(t, 1)] * s
-    raise MegatrainError(f"grpo.loss_type: {loss_type!r} is not one of grpo, dr_grpo, dapo")
+    """w_r of each row of one optimizer step of rows with these completion lengths (runtime/objective.py's
+    grpo_row_weights: grpo 1/(n_r S), dr_grpo 1/(S max_new_tokens), dapo 1/T)."""
+    from ..runtime.objective import grpo_row_weights
+
+    n = torch.tensor(lengths, dtype=torch.int64)
+    return grpo_row_weights(loss_type, n, len(lengths), sum(lengths), max_new_tokens).tolist()
 
 
 def collate(rows: list[dict], pad_id: int) -> dict:

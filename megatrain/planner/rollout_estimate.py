@@ -1,4 +1,4 @@
-"""What a rollout phase costs, from config.json and the machine profile alone (SPEC38 `rollout_estimate`): the KV
+"""What a rollout phase costs, from config.json and the machine profile alone: the KV
 cache, the device bytes of the mode, a decode step's time and what binds it, the prefill, tokens/s.
 
 resident: a decode step reads every weight once from HBM plus the live rows' KV cache, and runs 2 x active
@@ -10,7 +10,7 @@ ROLLOUT_STEP_OVERHEAD_S. Every row is assumed to run max_new tokens (rows that e
 from __future__ import annotations
 
 from ..models import get_adapter
-from ..planner.calibration import ROLLOUT_HBM_BPS, ROLLOUT_MATMUL_EFFICIENCY, ROLLOUT_STEP_OVERHEAD_S
+from .calibration import ROLLOUT_HBM_BPS, ROLLOUT_MATMUL_EFFICIENCY, ROLLOUT_STEP_OVERHEAD_S
 
 BF16 = 2
 
