@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
 import torch
+
+# One intra-op thread on a CPU-only machine, in this process and (through the environment) in the processes the tests
+# start, so that both sides of a bit-for-bit comparison run alike: the tests' models are tiny, and a second OpenMP
+# thread per op only adds synchronisation, and it competes with the runtime's own threads (the CPU optimizer's,
+# the prefetch's) for the two cores CI has. A machine with a GPU keeps torch's count (its tests time the CPU AdamW
+# with the node's threads). Tests marked `machine_threads` run with the machine's count (two or more).
+MACHINE_THREADS = torch.get_num_threads()
+if not torch.cuda.is_available():
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral", "olmoe", "gpt_oss"]
 
@@ -93,42 +102,21 @@ def family(request):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "one_thread: on a CPU-only machine, one torch intra-op thread in the test's "
-                                       "process and the processes it starts (OMP_NUM_THREADS)")
+    config.addinivalue_line("markers", "machine_threads: runs with the machine's torch thread count (two or more), "
+                                       "not the suite's one")
 
 
-@contextlib.contextmanager
-def one_thread():
-    """One torch intra-op thread on a CPU-only machine, in this process and, through OMP_NUM_THREADS, in the
-    processes started meanwhile, so that both sides of a bit-for-bit comparison run alike. For long runs of tiny
-    models (tests marked `one_thread`, and module fixtures of such runs): at this size a second OpenMP thread per op
-    only adds synchronisation and competes with the runtime's own threads (the CPU optimizer's, the prefetch's) for
-    CI's two cores, about half the wall time. Not suite-wide: the 1e-5 twenty-step comparisons of two fp32
-    implementations (test_equivalence) sit near their rounding noise, which the thread count changes (qwen3 and
-    olmoe exceed 1e-5 with one thread)."""
-    if torch.cuda.is_available():
+@pytest.fixture(autouse=True)
+def _machine_threads(request):
+    if request.node.get_closest_marker("machine_threads") is None:
         yield
         return
-    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, MACHINE_THREADS))
     try:
         yield
     finally:
         torch.set_num_threads(before)
-        if env is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(request):
-    if request.node.get_closest_marker("one_thread") is None:
-        yield
-        return
-    with one_thread():
-        yield
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,10 +6,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
-pytestmark = pytest.mark.one_thread  # (conftest.one_thread: the run inherits it)
-
 
 def test_default_run_learns(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")

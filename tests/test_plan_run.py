@@ -10,12 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import one_thread
 from megatrain.config import load_config
 from megatrain.errors import MegatrainError
 from megatrain.run.metrics import MetricsLogger
-
-pytestmark = pytest.mark.one_thread
 
 
 def default_cfg(tmp_path, *overrides):
@@ -30,7 +27,7 @@ def demo_run(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("demo")
     err = io.StringIO()
-    with one_thread(), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stderr(err):
         train(default_cfg(tmp))
     return tmp, err.getvalue()
 

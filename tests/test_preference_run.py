@@ -19,8 +19,6 @@ from preference_helpers import DEFAULTS, pair_config, records, step_losses
 TRL = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected")
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.one_thread
-
 
 def train(cfg: Path, *overrides: str) -> dict:
     from megatrain.run.trainer import train as run

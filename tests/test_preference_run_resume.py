@@ -10,16 +10,12 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from megatrain.config import load_config
 from preference_helpers import pair_config, records, step_losses
 from test_checkpoint_helpers import unit_hashes
 from test_resume_signals import wait_until
 
 STEPS = 8
-
-pytestmark = pytest.mark.one_thread
 
 
 def train(cfg, *overrides: str) -> dict:
