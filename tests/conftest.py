@@ -2,20 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-# One intra-op thread on a CPU-only machine, in this process and (through the environment) in the processes the tests
-# start, so that both sides of a bit-for-bit comparison run alike: the tests' models are tiny, and a second OpenMP
-# thread per op only adds synchronisation, and it competes with the runtime's own threads (the CPU optimizer's,
-# the prefetch's) for the two cores CI has. A machine with a GPU keeps torch's count (its tests time the CPU AdamW
-# with the node's threads). Tests marked `machine_threads` run with the machine's count (two or more).
-MACHINE_THREADS = torch.get_num_threads()
-if not torch.cuda.is_available():
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral", "olmoe", "gpt_oss"]
 
@@ -99,24 +87,6 @@ def make_model_dir(path, family: str, tied: bool = False, seed: int = 0, layers:
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "machine_threads: runs with the machine's torch thread count (two or more), "
-                                       "not the suite's one")
-
-
-@pytest.fixture(autouse=True)
-def _machine_threads(request):
-    if request.node.get_closest_marker("machine_threads") is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(2, MACHINE_THREADS))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def pytest_collection_modifyitems(config, items):

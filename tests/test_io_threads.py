@@ -12,7 +12,6 @@ from megatrain.runtime.weights_load import _gomp, serial_torch
 
 
 @pytest.mark.skipif(not _gomp(), reason="torch without libgomp: nothing to set")
-@pytest.mark.machine_threads  # others keep several threads: the suite's one would not tell them from the pool's
 def test_pool_threads_run_torch_on_themselves_and_others_keep_their_threads():
     before = torch.get_num_threads()
     seen = []
