@@ -22,8 +22,6 @@ TRL = ("reward", "reward_std", "frac_reward_zero_std", "rewards/regex/mean", "re
        "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl", "rollout_s", "logps_s",
        "train_s", "rollout_tokens_per_s")
 
-pytestmark = pytest.mark.one_thread
-
 
 def grpo_config(tmp: Path, **sections) -> Path:
     """grpo on the demo model: 4 prompts x 4 completions a rollout batch = 2 optimizer steps of 2 x 4 rows, a KL
