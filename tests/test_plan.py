@@ -429,14 +429,15 @@ def test_default_config_plans_and_fits(tmp_path, capsys, monkeypatch):
 
 def test_suggestions_fit_what_does_not():
     adapter = adapter_of("qwen2.5-7b")
-    w = Workload((2048,), 1024)  # one micro-batch of 2048 rows: its layer activations alone do not fit, tiled too
-    kw = dict(host_available=200 * GiB, gpu_limit=DEFAULTS.gpu_total_bytes, choose_keys=FREE_ALL)
+    w = Workload((512,), 1024)  # one micro-batch of 512 rows: its layer activations alone do not fit in 24 GiB,
+    #                              tiled too (the planner traces a micro-batch's layer: fewer rows, a shorter test)
+    kw = dict(host_available=200 * GiB, gpu_limit=24 * GiB, choose_keys=FREE_ALL)
     p = make_plan(adapter, w, DEFAULTS, **kw)
     assert not p.fits and p.problems[0].startswith("GPU memory")
     first = p.suggestions[0]
     assert first.startswith("train.micro_batch_size=")
     b = int(first.split("=")[1].split()[0])
-    fixed = make_plan(adapter, Workload((b,) * (2048 // b), 1024), DEFAULTS, **kw)
+    fixed = make_plan(adapter, Workload((b,) * (512 // b), 1024), DEFAULTS, **kw)
     assert fixed.fits and fixed.workload.tokens_per_step == w.tokens_per_step
 
 
