@@ -32,6 +32,7 @@ NOT_FITTED = {
     ("plan.py", "QUICK_ADAMW_PARAMS"): "the size of the tile timed at a run's start (its cost, not a fit)",
     ("probe.py", "CPU_LAYER_FLOPS"): "the most work the CPU layer timed at a run's start may take (its cost)",
     ("probe.py", "CPU_LAYER_PARAMS"): "the largest layer timed at a CPU run's start (its memory, not a fit)",
+    ("rollout_estimate.py", "BF16"): "a unit: bytes per bf16 element",
 }
 
 # Where the planner's modules use a fitted constant under their own name (other code imports it from there)
