@@ -129,21 +129,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def pair_batches(n_micro: int, pairs: int, vocab: int, lengths: list[int], seed: int, pad_id: int = 0):
     """Preference micro-batches: rows 2i / 2i+1 the chosen / rejected completion of one prompt (masked in the labels),
     of unequal lengths, right-padded; every row has at least two completion tokens."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for m in range(n_micro):
-        T = lengths[m % len(lengths)]
-        ids = torch.full((2 * pairs, T), pad_id, dtype=torch.long)
-        labels = torch.full((2 * pairs, T), -100, dtype=torch.long)
-        for i in range(pairs):
-            prompt = torch.randint(3, vocab, (int(torch.randint(1, T // 2, (1,), generator=g)),), generator=g)
-            for r in (2 * i, 2 * i + 1):
-                real = int(torch.randint(len(prompt) + 2, T + 1, (1,), generator=g))
-                ids[r, :len(prompt)] = prompt
-                ids[r, len(prompt):real] = torch.randint(3, vocab, (real - len(prompt),), generator=g)
-                labels[r, len(prompt):real] = ids[r, len(prompt):real]
-        out.append({"input_ids": ids, "labels": labels, "attention_mask": (ids != pad_id).long()})
-    return out
+    return completion_batches(n_micro, pairs, 2, vocab, lengths, seed, pad_id, min_new=2)
 
 
 def row_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,10 +150,10 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def completion_batches(n_micro: int, groups: int, per_group: int, vocab: int, lengths: list[int], seed: int,
-                       pad_id: int = 0):
+                       pad_id: int = 0, min_new: int = 1):
     """GRPO micro-batches: `groups` prompts per micro-batch, each with `per_group` completions (rows; the prompt
     masked in the labels, the completion labelled, right-padded), of unequal lengths; every completion has at least
-    one token."""
+    `min_new` tokens."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for m in range(n_micro):
@@ -178,9 +164,20 @@ def completion_batches(n_micro: int, groups: int, per_group: int, vocab: int, le
         for i in range(groups):
             prompt = torch.randint(3, vocab, (int(torch.randint(1, T // 2, (1,), generator=g)),), generator=g)
             for r in range(i * per_group, (i + 1) * per_group):
-                real = int(torch.randint(len(prompt) + 1, T + 1, (1,), generator=g))
+                real = int(torch.randint(len(prompt) + min_new, T + 1, (1,), generator=g))
                 ids[r, :len(prompt)] = prompt
                 ids[r, len(prompt):real] = torch.randint(3, vocab, (real - len(prompt),), generator=g)
                 labels[r, len(prompt):real] = ids[r, len(prompt):real]
         out.append({"input_ids": ids, "labels": labels, "attention_mask": (ids != pad_id).long()})
     return out
+
+
+def step_and_grads(tmp_path, objective, mbs, totals=None):
+    """One train_step of these micro-batches on a fresh Megatrain (the same seeded init every time): its StepOutput
+    and every unit's gradient, the update not applied (lr 0). Whole steps against their shares split over ranks."""
+    mt = Megatrain(tmp_path, objective=objective)
+    out = mt.engine.train_step(mbs, totals)
+    grads = {i: mt.pipeline.gradient(i).clone() for i in range(len(mt.store.tiles))}
+    mt.pipeline.finish_step(lr=0.0, clip_coef=1.0)
+    mt.close()
+    return out, grads

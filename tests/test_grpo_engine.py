@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import make_model_dir
-from reference import MAX_NORM, Megatrain, completion_batches, reference_optimizer, rel, token_logps
+from reference import (MAX_NORM, Megatrain, completion_batches, reference_optimizer, rel, step_and_grads,
+                       token_logps)
 from test_equivalence import TOL, load_reference
 
 from megatrain.runtime import MicroBatch, Placement
@@ -228,12 +229,7 @@ def test_ranks_shares_add_up_to_the_step(tmp_path):
     mbs = engine_microbatches(batches, advs, obj, old, ref)
 
     def run(share, totals=None):
-        mt = Megatrain(tmp_path, objective=obj)
-        out = mt.engine.train_step([mbs[m] for m in share], totals)
-        grads = {i: mt.pipeline.gradient(i).clone() for i in range(len(mt.store.tiles))}
-        mt.pipeline.finish_step(lr=0.0, clip_coef=1.0)
-        mt.close()
-        return out, grads
+        return step_and_grads(tmp_path, obj, [mbs[m] for m in share], totals)
 
     whole, gw = run([0, 1, 2])
     totals = (sum(mb.num_targets for mb in mbs), 3)

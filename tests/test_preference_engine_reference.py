@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import make_model_dir, tiny_hf_config
-from reference import Megatrain, pair_batches, rel, row_logps
+from reference import Megatrain, pair_batches, rel, row_logps, step_and_grads
 from test_equivalence import TOL, load_reference
 from test_preference_engine import OBJECTIVES
 
@@ -216,17 +216,12 @@ def test_ranks_shares_with_the_step_totals_add_up_to_the_step(tmp_path, name):
     batches = pair_batches(3, 2, 97, [9, 12, 7], seed=45)
     refs = [torch.randn(4) * 3 - 20 for _ in batches] if OBJECTIVES[name].needs_reference else None
 
+    mbs = Megatrain.microbatches(batches, refs)
+
     def run(share, totals=None):
-        mt = Megatrain(tmp_path, objective=OBJECTIVES[name])
-        mbs = mt.microbatches(batches, refs)
-        out = mt.engine.train_step([mbs[m] for m in share], totals)
-        grads = {i: mt.pipeline.gradient(i).clone() for i in range(len(mt.store.tiles))}
-        mt.pipeline.finish_step(lr=0.0, clip_coef=1.0)
-        mt.close()
-        return out, grads
+        return step_and_grads(tmp_path, OBJECTIVES[name], [mbs[m] for m in share], totals)
 
     whole, g = run([0, 1, 2])
-    mbs = Megatrain.microbatches(batches, refs)
     chosen = sum(int((b["labels"][0::2, 1:] != -100).sum()) for b in batches)
     totals = (sum(mb.num_targets for mb in mbs), 3, 6, chosen)
     (a, ga), (b, gb) = run([0, 2], totals), run([1], totals)
