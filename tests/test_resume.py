@@ -121,3 +121,15 @@ def test_resume_bad_paths(tmp_path):
     assert "step-3" in msg and "newer" in msg
     (tmp_path / "run" / "checkpoints" / "step-3" / "manifest.json").unlink()
     assert "not a complete checkpoint" in prepare_error(cfg, f"resume={tmp_path / 'run' / 'checkpoints' / 'step-3'}")
+
+
+def test_config_notes_name_real_changes_only():
+    """The checkpoint's config went through JSON (tuples became lists): equal values are not reported as changed."""
+    from megatrain.checkpoint.resume import Resumed, config_notes
+
+    saved = {"train": {"betas": [0.9, 0.999], "steps": 40, "lr": 1e-3}, "data": {"paths": [["a", 1.0]]}}
+    r = Resumed(path=None, step=5, state={"config": saved, "versions": {}}, manifest={"world": {"world_size": 1}})
+    now = {"train": {"betas": (0.9, 0.999), "steps": 7, "lr": 1e-3}, "data": {"paths": [("a", 1.0)]}}
+    assert config_notes(r, now) == ["train.steps: 40 -> 7"]
+    now["train"]["betas"] = (0.9, 0.95)
+    assert config_notes(r, now) == ["train.betas: [0.9, 0.999] -> (0.9, 0.95)", "train.steps: 40 -> 7"]

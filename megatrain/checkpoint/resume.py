@@ -250,11 +250,17 @@ def config_notes(r: Resumed, config_now: dict, world: dict | None = None) -> lis
 
 
 def _diff(a, b, prefix="") -> dict:
+    """Keys whose values differ; a tuple equals the list it becomes in the checkpoint's JSON."""
     if isinstance(a, dict) and isinstance(b, dict):
         out = {}
         for k in a.keys() | b.keys():
             out.update(_diff(a.get(k), b.get(k), f"{prefix}{k}."))
         return out
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        out = {}
+        for i, (x, y) in enumerate(zip(a, b)):
+            out.update(_diff(x, y, f"{prefix}{i}."))
+        return {prefix[:-1]: (a, b)} if out else {}
     return {} if a == b else {prefix[:-1]: (a, b)}
 
 
