@@ -18,6 +18,7 @@ Collectives carry MEGATRAIN_DIST_TIMEOUT_S (default 1800 s), the heartbeats MEGA
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -92,6 +93,8 @@ class Distributed:
 
     @classmethod
     def start(cls, world: World, device: torch.device) -> "Distributed":
+        # a rank that dies in native code (SIGSEGV, SIGABRT) prints every thread's Python stack: which one it was
+        faulthandler.enable(all_threads=True)
         timeout = dist_timeout()
         store = _connect(world, timeout)
         watchdog = Watchdog(_connect(world, timeout), world, heartbeat_timeout())

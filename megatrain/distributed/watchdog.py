@@ -104,7 +104,10 @@ class Watchdog:
         """Stop the thread; done: this rank finished normally, and the others stop watching it."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5 * self.interval + 1)
+            # until its store call returns: a daemon thread still inside one when the interpreter exits aborts the
+            # process ("terminate called without an active exception"), and on a loaded machine a call can take
+            # seconds
+            self._thread.join(timeout=max(5 * self.interval + 1, self.timeout))
         if done:
             try:
                 self.store.set(f"hb/{self.world.rank}", str(DONE))
