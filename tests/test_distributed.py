@@ -94,15 +94,21 @@ def two_by_two(tmp_path_factory):
     return tmp, cfg
 
 
-def test_two_nodes_of_two_ranks_train_what_one_process_trains(two_by_two):
+@pytest.fixture(scope="module")
+def one_process_of_four(two_by_two):
+    """One process with the 4 ranks' global batch (4 micro-batches per step): the reference of every 4-rank layout."""
     tmp, cfg = two_by_two
-    single = single_process(tmp, cfg, grad_accum=4)
-    assert_same_run(tmp / "run", single)
+    return single_process(tmp, cfg, grad_accum=4)
+
+
+def test_two_nodes_of_two_ranks_train_what_one_process_trains(two_by_two, one_process_of_four):
+    tmp, cfg = two_by_two
+    assert_same_run(tmp / "run", one_process_of_four)
     manifest = json.loads((tmp / "run" / "checkpoints" / f"step-{STEPS}" / "manifest.json").read_text())
     assert manifest["world"] == {"world_size": 4, "nodes": 2, "ranks_per_node": 2}
 
 
-def test_four_ranks_of_one_node_train_what_one_process_trains(tmp_path):
+def test_four_ranks_of_one_node_train_what_one_process_trains(two_by_two, one_process_of_four, tmp_path):
     """`torchrun --nproc-per-node=4` (the 4-GPU machine's layout, bench/calls/next-x4-scaling.sh): one shared store,
     every unit's gradient reduce-scattered in four shards (the layers' four non-empty; the embedding's and head's,
     under 4 x 2048 elements, all on the last rank, so ranks with an empty shard of a unit are exercised too), each
@@ -111,15 +117,17 @@ def test_four_ranks_of_one_node_train_what_one_process_trains(tmp_path):
     from megatrain.models import get_adapter
     from transformers import AutoConfig
 
-    cfg = setup_run(tmp_path, train={"steps": STEPS, "grad_accum_steps": 1}, checkpoint={"every": 0, "keep": 0})
-    units = get_adapter(AutoConfig.from_pretrained(tmp_path / "model")).units()
+    tmp, cfg = two_by_two  # its model and config (the one-process reference is shared), output elsewhere
+    units = get_adapter(AutoConfig.from_pretrained(tmp / "model")).units()
     sizes = [[hi - lo for lo, hi in (shard_range(u.numel, 4, r) for r in range(4))] for u in units]
     assert all(min(s) > 0 for s in sizes[1:-1]) and sizes[0][:3] == sizes[-1][:3] == [0, 0, 0], sizes
-    text = run_ok(cfg, nproc=4)
+    out = tmp_path / "run"
+    text = run_ok(cfg, f"output.dir={out}", "checkpoint.every=0", nproc=4)
     assert "over 1 node x 4 ranks = 4 ranks" in text
-    manifest = json.loads((tmp_path / "run" / "checkpoints" / f"step-{STEPS}" / "manifest.json").read_text())
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{STEPS}"]
+    manifest = json.loads((out / "checkpoints" / f"step-{STEPS}" / "manifest.json").read_text())
     assert manifest["world"] == {"world_size": 4, "nodes": 1, "ranks_per_node": 4}
-    assert_same_run(tmp_path / "run", single_process(tmp_path, cfg, grad_accum=4))
+    assert_same_run(out, one_process_of_four)
 
 
 def test_resume_on_another_world_size_continues_the_same_data(two_by_two, tmp_path, capsys):
@@ -137,10 +145,9 @@ def test_resume_on_another_world_size_continues_the_same_data(two_by_two, tmp_pa
 
 
 def test_a_killed_rank_ends_every_rank_and_resume_is_exact(two_by_two, tmp_path):
-    ref_tmp, ref_cfg = two_by_two
-    cfg = setup_run(tmp_path, train={"steps": STEPS, "grad_accum_steps": 1}, checkpoint={"every": 2, "keep": 0})
+    ref_tmp, cfg = two_by_two  # its model and config, output elsewhere
     out = tmp_path / "run"
-    procs = torchrun(cfg, nproc=2, nnodes=2, extra_env={"MEGATRAIN_TEST_SAVE_DELAY_S": 0.3})
+    procs = torchrun(cfg, f"output.dir={out}", nproc=2, nnodes=2, extra_env={"MEGATRAIN_TEST_SAVE_DELAY_S": 0.3})
     try:
         wait_for(lambda: (out / "checkpoints" / "step-2" / "manifest.json").is_file(), procs, what="step-2 saved")
         victim = workers(procs)[3]  # on the second node: the first node's torchrun never hears of it
@@ -155,7 +162,7 @@ def test_a_killed_rank_ends_every_rank_and_resume_is_exact(two_by_two, tmp_path)
         assert rc != 0
         assert f"rank 3 (process {victim.pid}" in text and "died" in text, text[-3000:]
     assert losses(out).keys() <= set(range(1, STEPS))  # it did not finish
-    run_ok(cfg, "resume=auto", nproc=2, nnodes=2)
+    run_ok(cfg, f"output.dir={out}", "resume=auto", nproc=2, nnodes=2)
     assert losses(out) == losses(ref_tmp / "run")  # bit for bit: the same world, the same order of sums
     assert unit_hashes(out / "checkpoints" / f"step-{STEPS}") == unit_hashes(ref_tmp / "run" / "checkpoints" /
                                                                              f"step-{STEPS}")
