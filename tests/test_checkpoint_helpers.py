@@ -86,3 +86,19 @@ def unit_hashes(ckpt: Path) -> dict[str, str]:
     m = json.loads((Path(ckpt) / "manifest.json").read_text())
     return {u["file"]: str(m["files"][u["file"]].get("sha256_chunks", m["files"][u["file"]].get("sha256")))
             for u in m["units"]}
+
+
+def full_disk_after(monkeypatch, writes: int) -> None:
+    """The checkpoint pool's write call (fastio.transfer) fails with ENOSPC after `writes` successful writes, as a
+    disk that fills up mid-save does."""
+    from megatrain.checkpoint import fastio
+
+    calls, original = [], fastio.transfer
+
+    def full_disk(*a, **kw):
+        calls.append(1)
+        if len(calls) > writes:
+            raise OSError(28, "No space left on device")
+        return original(*a, **kw)
+
+    monkeypatch.setattr(fastio, "transfer", full_disk)

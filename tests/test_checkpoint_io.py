@@ -10,6 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import make_model_dir
+from test_checkpoint_helpers import full_disk_after
 from megatrain.checkpoint import CheckpointSaver, fastio, verify_checkpoint
 from megatrain.checkpoint.export import export_checkpoint, export_store
 from megatrain.checkpoint.layout import unit_file_name
@@ -83,16 +84,7 @@ def test_full_disk_keeps_the_previous_checkpoint_and_names_the_folder(tmp_path, 
     root = tmp_path / "ckpt"
     first = save(store, root, step=1)
     before = {p.name: p.read_bytes() for p in first.iterdir()}
-    calls = []
-    original = fastio.transfer
-
-    def full_disk(*a, **kw):  # the pool's write call: ENOSPC after a few chunks
-        calls.append(1)
-        if len(calls) > 5:
-            raise OSError(28, "No space left on device")
-        return original(*a, **kw)
-
-    monkeypatch.setattr(fastio, "transfer", full_disk)
+    full_disk_after(monkeypatch, 5)  # ENOSPC after a few chunks
     saver = CheckpointSaver(root, store)
     saver.save(2, state(2))
     with pytest.raises(MegatrainError) as e:

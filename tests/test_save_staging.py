@@ -18,6 +18,7 @@ from megatrain.planner.io_time import io_lines, io_times, staging_limit
 from megatrain.runtime.store import HostStore
 from reference import Megatrain, random_batches
 from test_checkpoint import snapshot, state
+from test_checkpoint_helpers import full_disk_after
 from test_noclip import step_after_backward, step_without_clipping
 
 
@@ -123,15 +124,7 @@ def test_a_full_disk_with_staged_units_keeps_the_previous_checkpoint(tmp_path, m
         saver.save(1, state(1))
         first = saver.wait()
         before = {p.name: p.read_bytes() for p in first.iterdir()}
-        calls, original = [], fastio.transfer
-
-        def full_disk(*a, **kw):  # the pool's write call: ENOSPC after the first chunk
-            calls.append(1)
-            if len(calls) > 1:
-                raise OSError(28, "No space left on device")
-            return original(*a, **kw)
-
-        monkeypatch.setattr(fastio, "transfer", full_disk)
+        full_disk_after(monkeypatch, 1)  # ENOSPC after the first chunk
         monkeypatch.setenv("MEGATRAIN_TEST_SAVE_DELAY_S", "0.05")
         step_after_backward(m, random_batches(2, 2, 97, [9, 12], seed=1), 1e-3)
         saver.save(2, state(2))

@@ -302,7 +302,9 @@ def _write_streamed(tmp: Path, masters, shards, torch_dtype, specs, threads, per
 
 def _write_from_ram(tmp: Path, tiles, shards, torch_dtype, specs, threads) -> dict:
     """Every shard a ChunkWriter whose parts are the store's fp32 tensors, cast into each chunk's buffer: the
-    casts and the O_DIRECT writes of all shards run on the pool at once, no copy of a tensor is made."""
+    casts and the O_DIRECT writes of all shards run on the pool at once, no copy of a tensor is made. Each shard is
+    preallocated (fastio.preallocate) and the chunks are queued shard after shard in turn, so the requests in
+    flight spread over every file instead of waiting on one file's lock."""
     src = {}
     for t in tiles:
         for sp, view in zip(t.unit.specs, t.unit.views(t.master).values()):
@@ -323,7 +325,8 @@ def _write_from_ram(tmp: Path, tiles, shards, torch_dtype, specs, threads) -> di
                 parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8)]
                 writers.append(ChunkWriter(tmp / name, parts + [(src[nm], torch_dtype) for nm, _ in shard], direct,
                                            checksums=False))  # no manifest lists an export's files
-                futures += writers[-1].submit(pool)
+            for k in range(max(w.n for w in writers)):  # the shards' chunks in turn: every file has writes in flight
+                futures += [f for w in writers if k < w.n for f in w.submit(pool, [k])]
             wait_all(pool, futures)
     finally:
         for w in writers:

@@ -27,6 +27,7 @@ a single writer's); only the manifest's entry for a unit file lists `sha256_chun
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import threading
@@ -162,9 +163,15 @@ class ChunkWriter:
         self._left, self._lock = self.n, threading.Lock()
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
         self.info: dict | None = None
+        try:  # the last chunk is written padded to a page (O_DIRECT), then the file truncated to its size
+            preallocate(self.fd, -(-self.size // PAGE) * PAGE if direct else self.size)
+        except BaseException:
+            self.close()
+            raise
 
-    def submit(self, pool: Pool) -> list[Future]:
-        return [pool.submit(self._chunk, pool, k) for k in range(self.n)]
+    def submit(self, pool: Pool, chunks=None) -> list[Future]:
+        """Queue the file's chunks (`chunks`: those indices, else all) on the pool."""
+        return [pool.submit(self._chunk, pool, k) for k in (range(self.n) if chunks is None else chunks)]
 
     def _chunk(self, pool: Pool, k: int) -> None:
         a, b = k * CHUNK, min(self.size, (k + 1) * CHUNK)
@@ -211,6 +218,21 @@ class ChunkWriter:
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def preallocate(fd: int, size: int) -> None:
+    """Reserve a new file's blocks before its chunks are written (fallocate). Without it every O_DIRECT write of a
+    fresh file extends it and allocates its blocks on the write's path: ext4 then takes the file's lock exclusively
+    for the whole request, so the pool's requests to one file go one at a time (writes into allocated blocks inside
+    the file's size share the lock, and a full disk fails here, before any chunk is written). A filesystem without
+    fallocate is written as before."""
+    if size <= 0 or not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
+            raise
 
 
 def gather(parts: list, a: int, b: int, out: torch.Tensor) -> None:
