@@ -42,9 +42,10 @@ def megatrain_train(args: list[str], log: Path) -> float:
     return time.perf_counter() - t0
 
 
-def sft(work: Path, steps: int, seed: int, more: int = 0, more_lr: float = 2e-3) -> Path:
+def sft(work: Path, steps: int, seed: int, more: int = 0, more_lr: float = 1e-3) -> Path:
     """The demo's SFT run for `steps` steps (its cosine schedule over them), then, with `more`, a second run of
-    `more` steps from that export (cosine from more_lr, seed + 1): the warm-start's export folder."""
+    `more` steps from that export (a fresh AdamW: 10 warmup steps to more_lr, cosine after; seed + 1): the
+    warm-start's export folder."""
     common = ["train.device=cpu", "train.precision=fp32", "train.eval_every=0", "export.at_end=true",
               "export.dtype=fp32", "checkpoint.at_end=false", f"data.cache_dir={work / 'cache'}"]
     secs = megatrain_train([str(DEFAULTS / "default.yaml"), f"train.steps={steps}", f"train.seed={seed}", *common,
@@ -54,7 +55,7 @@ def sft(work: Path, steps: int, seed: int, more: int = 0, more_lr: float = 2e-3)
         return work / "sft" / "export"
     secs = megatrain_train([str(DEFAULTS / "default.yaml"), f"model.path={work / 'sft' / 'export'}",
                             "model.init=pretrained", f"train.steps={more}", f"train.lr={more_lr}",
-                            "train.warmup_steps=0", f"train.seed={seed + 1}", *common, f"output.dir={work / 'sft2'}"],
+                            "train.warmup_steps=10", f"train.seed={seed + 1}", *common, f"output.dir={work / 'sft2'}"],
                            work / "sft2.log")
     print(f"sft: {more} more steps in {secs:.0f}s", flush=True)
     return work / "sft2" / "export"
@@ -130,7 +131,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sft-steps", type=int, default=100)
     p.add_argument("--sft-more", type=int, default=60, help="a second SFT run's steps from the first's export")
-    p.add_argument("--sft-more-lr", type=float, default=2e-3)
+    p.add_argument("--sft-more-lr", type=float, default=1e-3)
     p.add_argument("--steps", type=int, default=40, help="GRPO optimizer steps")
     p.add_argument("--prompts", type=int, default=32, help="prompts per rollout batch")
     p.add_argument("--generations", type=int, default=8, help="completions per prompt")
