@@ -58,7 +58,8 @@ class SamplingParams:
 class Completions:
     """N = prompts x n completions, grouped by prompt (prompt 0's n first). completion_ids: EOS kept when it ended on
     EOS, cut after a stop string's last token; logprobs: the sampling policy's log-prob of each token (log_softmax of
-    its logits divided by the temperature, before top-k and top-p); finished: ended on EOS or a stop string (False: hit max_new_tokens)."""
+    its logits divided by the temperature, before top-k and top-p); finished: ended on EOS or a stop string (False:
+    hit max_new_tokens)."""
 
     prompt_index: list[int]
     completion_ids: list[list[int]]
