@@ -145,10 +145,10 @@ GRPO_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/regio
 
 
 def grpo_row_weights(loss_type: str, n: torch.Tensor, rows: int, tokens: int, max_new_tokens: int) -> torch.Tensor:
-    """w_r of each row (float64, n's shape; a MicroBatch keeps it as float32) from its completion token count n: the factor of its tokens' losses in
-    the step's loss, as TRL's aggregations weigh them over a step of `rows` completions holding `tokens` completion
-    tokens (all micro-batches and ranks): grpo 1/(n_r·rows) (each row's token mean, the mean over rows), dr_grpo
-    1/(rows·max_new_tokens), dapo 1/tokens (the step's token mean)."""
+    """w_r of each row (float64, n's shape; a MicroBatch keeps it as float32) from its completion token count n: the
+    factor of its tokens' losses in the step's loss, as TRL's aggregations weigh them over a step of `rows`
+    completions holding `tokens` completion tokens (all micro-batches and ranks): grpo 1/(n_r·rows) (each row's token
+    mean, the mean over rows), dr_grpo 1/(rows·max_new_tokens), dapo 1/tokens (the step's token mean)."""
     if loss_type == "grpo":
         w = 1.0 / (n.double().clamp_min(1.0) * rows)
     elif loss_type == "dr_grpo":
