@@ -1,10 +1,11 @@
 """GRPO through the engine equals a plain reference: a transformers model, torch.optim.AdamW and the loss written out
 from TRL's GRPOTrainer (_compute_loss: the clipped ratio, the k3 KL estimate, the grpo / dr_grpo / dapo
-aggregations, the clip-ratio and kl metrics) on per-token log-probs from log_softmax, given fixed completions (random
-token rows, the prompt and the padding masked) and fixed rewards turned into group-normalised advantages. Loss,
-every gradient, the metrics and every updated weight within 1e-5 over several steps of several micro-batches, dense
-and MoE; the ratio clipped low and high against given old log-probs; a rollout batch trained twice (num_iterations
-2) with the old log-probs and the KL reference's from Engine.token_logps."""
+aggregations, the clip-ratio and kl metrics) on per-token log-probs from log_softmax of the logits divided by the
+sampling temperature (TRL's; 0.7, 1, 1.3 and 0.8 here), given fixed completions (random token rows, the prompt and
+the padding masked) and fixed rewards turned into group-normalised advantages. Loss, every gradient, the metrics and
+every updated weight within 1e-5 over several steps of several micro-batches, dense and MoE; the ratio clipped low
+and high against given old log-probs; a rollout batch trained twice (num_iterations 2) with the old log-probs and
+the KL reference's from Engine.token_logps."""
 
 import copy
 from types import SimpleNamespace
@@ -58,7 +59,8 @@ def trl_step(model, opt, batches, advs, obj: Objective, old=None, ref=None):
         out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
         y = b["labels"][:, 1:]
         mask = (y != -100).float()
-        logps = torch.log_softmax(out.logits[:, :-1].float(), -1).gather(-1, y.clamp_min(0)[..., None]).squeeze(-1)
+        logits = out.logits[:, :-1].float() / obj.temperature  # TRL: the logits over the sampling temperature
+        logps = torch.log_softmax(logits, -1).gather(-1, y.clamp_min(0)[..., None]).squeeze(-1)
         old_logps = logps.detach() if old is None else padded(old[m], b["labels"])
         coef_1 = torch.exp(logps - old_logps)
         coef_2 = torch.clamp(coef_1, 1 - obj.epsilon, 1 + obj.epsilon_high)
@@ -130,17 +132,18 @@ def check_params(mt: Megatrain, model, steps) -> None:
         assert rel(p, ref_params[k].detach()) <= TOL, f"{k} after {steps} steps"
 
 
-CASES = [("dapo", "llama"), ("grpo", "qwen3_moe"), ("dr_grpo", "llama")]
+CASES = [("dapo", "llama", 0.7), ("grpo", "qwen3_moe", 1.0), ("dr_grpo", "llama", 1.3)]
 
 
-@pytest.mark.parametrize("loss_type,family", CASES, ids=[f"{t}-{f}" for t, f in CASES])
-def test_on_policy_steps_equal_trl(tmp_path, loss_type, family):
+@pytest.mark.parametrize("loss_type,family,temperature", CASES, ids=[f"{t}-{f}-T{x}" for t, f, x in CASES])
+def test_on_policy_steps_equal_trl(tmp_path, loss_type, family, temperature):
     """num_iterations 1: no old log-probs (the ratio is 1, its gradient the policy gradient), each aggregation's
-    weighting, 3 micro-batches a step (2 for MoE); epsilon_high != epsilon."""
+    weighting, 3 micro-batches a step (2 for MoE); epsilon_high != epsilon; the log-probs of the logits divided by
+    the sampling temperature (TRL's)."""
     make_model_dir(tmp_path, family, tied=family == "llama", seed=61)
     model = load_reference(tmp_path)
     opt = reference_optimizer(model)
-    obj = Objective("grpo", epsilon=0.2, epsilon_high=0.28, loss_type=loss_type)
+    obj = Objective("grpo", epsilon=0.2, epsilon_high=0.28, loss_type=loss_type, temperature=temperature)
     mt = Megatrain(tmp_path, objective=obj)
     steps, n_micro = 3, 2 if family == "qwen3_moe" else 3
     for step in range(steps):
@@ -181,12 +184,13 @@ def test_clipped_ratio_low_and_high(tmp_path, family, loss_type):
 def test_two_iterations_with_kl_and_token_logps(tmp_path, family):
     """Two rollout batches of 2 optimizer steps each (1 for MoE), every batch trained twice (num_iterations 2): the old
     log-probs from Engine.token_logps at the batch's start, the KL reference (beta > 0) the store's frozen step-0
-    copy through token_logps(weights="reference"); both equal the reference model's per-token log_softmax."""
+    copy through token_logps(weights="reference"); both equal the reference model's per-token log_softmax of its
+    logits / temperature (0.8, TRL's)."""
     make_model_dir(tmp_path, family, tied=family == "llama", seed=63)
     model = load_reference(tmp_path)
     frozen = copy.deepcopy(model).eval()
     opt = reference_optimizer(model)
-    obj = Objective("grpo", epsilon=0.01, epsilon_high=0.015, kl_beta=0.2, loss_type="dapo")
+    obj = Objective("grpo", epsilon=0.01, epsilon_high=0.015, kl_beta=0.2, loss_type="dapo", temperature=0.8)
     mt = Megatrain(tmp_path, objective=obj, loss_chunk_tokens=7, placement=Placement(wave_groups=2))
     mt.store.freeze_reference()
     step, clipped = 0, 0.0
@@ -196,8 +200,8 @@ def test_two_iterations_with_kl_and_token_logps(tmp_path, family):
         for weights, net in (("policy", model), ("reference", frozen)):
             got = [mt.engine.token_logps(Megatrain.microbatches(b), weights=weights) for b, _ in steps]
             with torch.no_grad():
-                want = [[token_logps(net(input_ids=x["input_ids"], attention_mask=x["attention_mask"]).logits,
-                                     x["labels"]) for x in b] for b, _ in steps]
+                want = [[token_logps(net(input_ids=x["input_ids"], attention_mask=x["attention_mask"]).logits
+                                     / obj.temperature, x["labels"]) for x in b] for b, _ in steps]
             for g, w in zip(sum(got, []), sum(want, [])):
                 assert g.dtype == torch.float32 and g.shape == w.shape
                 assert (g - w).abs().max().item() <= TOL * w.abs().max().item(), weights
@@ -254,15 +258,17 @@ def test_row_weights_are_trls_aggregations():
 def test_objective_from_config():
     train = SimpleNamespace(objective="grpo")
     obj = Objective.from_config(train, None, SimpleNamespace(epsilon=0.1, epsilon_high=None, beta=0.04,
-                                                             loss_type="dr_grpo"))
-    assert (obj.epsilon, obj.epsilon_high, obj.kl_beta, obj.loss_type) == (0.1, 0.1, 0.04, "dr_grpo")
+                                                             loss_type="dr_grpo", temperature=0.6))
+    assert (obj.epsilon, obj.epsilon_high, obj.kl_beta, obj.loss_type, obj.temperature) == (0.1, 0.1, 0.04,
+                                                                                          "dr_grpo", 0.6)
     assert obj.grpo and not obj.preference and obj.needs_reference_tokens and not obj.needs_reference
     obj = Objective.from_config(train, None, SimpleNamespace(epsilon=0.2, epsilon_high=0.28, beta=0.0))
-    assert (obj.epsilon_high, obj.kl_beta, obj.loss_type, obj.needs_reference_tokens) == (0.28, 0.0, "dapo", False)
+    assert (obj.epsilon_high, obj.kl_beta, obj.loss_type, obj.needs_reference_tokens, obj.temperature) == (
+        0.28, 0.0, "dapo", False, 1.0)
     assert Objective.from_config(SimpleNamespace(objective="dpo"), SimpleNamespace(
         beta=0.3, label_smoothing=0.0, simpo_gamma=0.5, orpo_lambda=0.1)).preference
     for bad in (dict(epsilon=1.0), dict(epsilon=-0.1), dict(epsilon_high=-0.1), dict(kl_beta=-1.0),
-                dict(loss_type="bnpo")):
+                dict(loss_type="bnpo"), dict(temperature=0.0)):
         with pytest.raises(ValueError, match="objective grpo"):
             Objective("grpo", **bad)
 

@@ -1,6 +1,6 @@
-"""The grpo run's pieces without a model (run/grpo.py): group advantages against a written-out float64 reference
-(TRL's formula), the loss types' row weights, the rows' labels and target order, the rollout batch's log fields, the
-checkpoint encoding of per-token log-probs."""
+"""The grpo run's pieces (run/grpo.py): group advantages against a written-out float64 reference (TRL's formula),
+the loss types' row weights, the rows' labels and target order, the rollout batch's log fields, the checkpoint
+encoding of per-token log-probs; and a sampled rollout batch's step against TRL's loss written out."""
 
 import math
 import statistics
@@ -83,3 +83,64 @@ def test_logps_encoding_is_exact():
     assert all(torch.equal(torch.tensor(a, dtype=torch.float32), torch.tensor(b, dtype=torch.float32))
                for a, b in zip(vals, back))
     assert _dec(_enc(None)) is None
+
+
+def test_a_sampled_rollout_batch_steps_as_trl_writes_it(tmp_path):
+    """The run's path from a rollout to the gradient, on completions sampled at temperature 0.7 (some ended by EOS,
+    kept and trained on, some cut at max_new_tokens): the sampler's kept log-probs, Engine.token_logps (the old
+    log-probs of a batch that feeds several steps) and a plain forward of each unpadded prompt + completion with its
+    logits / temperature (TRL's per-token log-probs) agree; the run's rows (group advantages, collate's labels and
+    right padding, the step's row weights) give the loss and every gradient of TRL's loss written out over those
+    sequences."""
+    from conftest import make_model_dir
+    from reference import Megatrain, rel
+    from test_equivalence import TOL, load_reference
+
+    from megatrain.rollout import DictWeights, Sampler, SamplingParams
+    from megatrain.run.prefetch import prepare_step
+    from megatrain.runtime.objective import Objective
+
+    make_model_dir(tmp_path, "llama", seed=71, layers=2)
+    model = load_reference(tmp_path)
+    T, n, max_new = 0.7, 4, 6
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 97, (k,), generator=g).tolist() for k in (3, 6, 4, 5)]
+    eos = tuple(range(40, 60))  # a fifth of the vocabulary ends a completion
+    out = Sampler(model.config, DictWeights(dict(model.state_dict())), "cpu", dtype=torch.float32).generate(
+        prompts, SamplingParams(max_new, temperature=T, n=n, eos_token_ids=eos, seed=5))
+    comps = out.completion_ids
+    assert any(c[-1] in eos for c in comps) and any(len(c) == max_new and c[-1] not in eos for c in comps)
+    rewards = torch.tensor([sum(t % 2 == 0 for t in c) / len(c) for c in comps])
+    adv, _ = group_advantages(rewards, n)
+    rows = [{"prompt": prompts[i], "completion": c, "advantage": float(a), "old": None, "ref": None}
+            for i, c, a in zip(out.prompt_index, comps, adv.tolist())]
+    w = row_weights([len(c) for c in comps], "dapo", max_new)
+    rows = [{**r, "row_weight": x} for r, x in zip(rows, w)]
+    obj = Objective("grpo", loss_type="dapo", temperature=T)
+    mt = Megatrain(tmp_path, objective=obj)
+    mbs = prepare_step([collate(rows[i:i + 6], pad_id=0) for i in range(0, len(rows), 6)], pin=False)
+    old = torch.cat(mt.engine.token_logps(mbs))
+
+    loss_ref, want_old = 0.0, []
+    tokens = sum(len(c) for c in comps)
+    model.zero_grad(set_to_none=True)
+    for r in rows:
+        p, c = r["prompt"], r["completion"]
+        logits = model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1: len(p) + len(c) - 1].float()
+        logp = torch.log_softmax(logits / T, -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
+        want_old.append(logp.detach())
+        ratio = torch.exp(logp - logp.detach())
+        a = torch.tensor(r["advantage"])
+        per_token = -torch.min(ratio * a, torch.clamp(ratio, 0.8, 1.2) * a)
+        loss = per_token.sum() / tokens  # dapo: the step's token mean
+        loss.backward()
+        loss_ref += loss.item()
+    want_old = torch.cat(want_old)
+    sampled = torch.tensor([x for lp in out.logprobs for x in lp])
+    assert (sampled - want_old).abs().max().item() <= TOL * want_old.abs().max().item()
+    assert (old - want_old).abs().max().item() <= TOL * want_old.abs().max().item()
+    got_loss, _, grads = mt.train_step(None, keep_grads=True, mbs=mbs)
+    assert abs(got_loss - loss_ref) <= TOL * max(1.0, abs(loss_ref))
+    for k, p in model.named_parameters():
+        assert rel(grads[k], p.grad) <= TOL, k
+    mt.close()

@@ -1,6 +1,7 @@
 """The rollout sampler (megatrain/rollout, issue 38): greedy decoding equals transformers' generate token for token,
 resident and streamed (the KV cache on the device or the host), dense and MoE, over uneven prompts with EOS
-mid-batch (finished rows leave the batch); the modes and kv_on_host agree when sampling; the kept log-probs equal a plain full forward's."""
+mid-batch (finished rows leave the batch); the modes and kv_on_host agree when sampling; the kept log-probs equal a
+plain full forward's log_softmax of logits / temperature."""
 
 import pytest
 import torch
@@ -85,7 +86,8 @@ def test_logprobs_equal_a_full_forward_and_modes_agree_when_sampling():
         for r, i in enumerate(out.prompt_index):
             p, c = PROMPTS[i], out.completion_ids[r]
             logits = model(input_ids=torch.tensor([p + c])).logits[0].double()
-            want = torch.log_softmax(logits, -1)[len(p) - 1: len(p) + len(c) - 1].gather(-1, torch.tensor(c)[:, None])
+            want = torch.log_softmax(logits / params.temperature, -1)[len(p) - 1: len(p) + len(c) - 1].gather(
+                -1, torch.tensor(c)[:, None])  # the policy that sampled them, before top-k / top-p (TRL's)
             got = torch.tensor(out.logprobs[r], dtype=torch.float64)
             assert (got - want.squeeze(-1)).abs().max().item() <= 1e-5, r
 

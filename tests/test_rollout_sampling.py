@@ -49,7 +49,8 @@ def test_filtering_and_draws_follow_the_written_out_distribution(temperature, to
         freq[r] = torch.bincount(toks.view(n, 3)[:, r], minlength=23).double() / n
     sigma = (want * (1 - want) / n).sqrt()
     assert ((freq - want).abs() <= 5 * sigma + 1e-12).all()
-    assert torch.allclose(lps.view(n, 3), torch.log_softmax(logits, -1).gather(-1, toks.view(n, 3).T).T)
+    # the kept log-prob: the policy's, logits / temperature before top-k and top-p (TRL's per-token log-probs)
+    assert torch.allclose(lps.view(n, 3), torch.log_softmax(logits / temperature, -1).gather(-1, toks.view(n, 3).T).T)
 
 
 def test_seed_and_rng_restore_repeat_the_completions():

@@ -58,7 +58,8 @@ class SamplingParams:
 class Completions:
     """N = prompts x n completions, grouped by prompt (prompt 0's n first). completion_ids: EOS kept when it ended on
     EOS, cut after a stop string's last token; logprobs: the sampling policy's log-prob of each token (log_softmax of
-    the raw logits it was drawn from); finished: ended on EOS or a stop string (False: hit max_new_tokens)."""
+    its logits divided by the temperature, before top-k and top-p); finished: ended on EOS or a stop string (False:
+    hit max_new_tokens)."""
 
     prompt_index: list[int]
     completion_ids: list[list[int]]
@@ -85,15 +86,17 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token [B], its log-prob under the raw logits [B]) for logits [B, V]: greedy (top_k=1) takes the argmax (the
-    first on ties, as generate) and draws nothing; else one multinomial draw per row from the filtered softmax."""
+    """(token [B], its log-prob under the logits divided by the temperature [B], before top-k and top-p: the
+    policy that GRPO's loss differentiates, as TRL's) for logits [B, V]: greedy (top_k=1) takes the argmax (the first
+    on ties, as generate) and draws nothing; else one multinomial draw per row from the filtered softmax."""
     logits = logits.float()
     if params.greedy:
         tok = logits.argmax(-1)
     else:
         probs = filtered_logits(logits, params).softmax(-1)
         tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    logp = torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
+    scaled = logits / params.temperature if params.temperature != 1.0 else logits
+    logp = torch.log_softmax(scaled, -1).gather(-1, tok[:, None]).squeeze(-1)
     return tok, logp
 
 

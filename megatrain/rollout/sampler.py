@@ -7,11 +7,11 @@ the decoder layers streamed through two device slots once per forward, every liv
 before layer i + 1, so a decode step moves the layers' bytes once whatever the batch (its rate: the bus / the
 live rows). The KV cache (kvcache.py) on the device, or in pinned host memory with kv_on_host.
 
-A row's tokens, in order: drawn from the filtered logits (params.draw), its log-prob taken from the raw logits'
-log_softmax (the sampling policy's, what GRPO's ratio starts from), then EOS and stop strings checked. Rows that
-finish stay in the batch until they are an eighth of it (COMPACT_FRACTION: dropping copies the whole cache), their
-later tokens ignored. Which rows a step draws for depends only on the tokens so far, so a given batch and seed give
-the same completions in either mode, with the cache on the device or the host.
+A row's tokens, in order: drawn from the filtered logits (params.draw), its log-prob taken from the log_softmax
+of the logits divided by the temperature (the sampling policy's, what GRPO's loss differentiates, as TRL), then
+EOS and stop strings checked. Rows that finish stay in the batch until they are an eighth of it (COMPACT_FRACTION:
+dropping copies the whole cache), their later tokens ignored. Which rows a step draws for depends only on the tokens
+so far, so a given batch and seed give the same completions in either mode, with the cache on the device or the host.
 """
 
 from __future__ import annotations

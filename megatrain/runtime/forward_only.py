@@ -52,10 +52,10 @@ class ForwardOnly:
     def token_logps(self, microbatches: list[MicroBatch], weights: str = "policy") -> list[torch.Tensor]:
         """Each micro-batch's log-prob of each of its targets (float32 [num_targets] on the device, in target
         order): grpo's old log-probs (weights 'policy') and reference log-probs ('reference'), as sequence_logps
-        runs them."""
+        runs them; the logits divided by the objective's temperature (grpo's sampling temperature, as TRL)."""
         return self._head_forward(microbatches, weights, lambda h, mb, norm_w, lm_w: token_logps(
             self.adapter.final_norm, h, mb.target_index, mb.targets, norm_w, lm_w, self.loss_chunk,
-            self.head_kernels, self.adapter.logit_softcap))
+            self.head_kernels, self.adapter.logit_softcap, self.options.objective.temperature))
 
     def _head_forward(self, microbatches: list[MicroBatch], weights: str, fn) -> list:
         """fn(h, mb, norm_w, lm_w) of each micro-batch after the forward wave of `weights`, in wave groups."""

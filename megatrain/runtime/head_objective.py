@@ -28,14 +28,17 @@ from .objective import GRPO_METRICS, Objective, grpo_token_loss, pair_loss
 
 def token_logps(final_norm, h: torch.Tensor, target_index: torch.Tensor, targets: torch.Tensor,
                 norm_w: torch.Tensor, lm_w: torch.Tensor, chunk: int, kernels: HeadKernels,
-                softcap: float | None = None) -> torch.Tensor:
-    """log p(target) at each target position (fp32 [n]), forward only, `chunk` rows of logits at a time."""
+                softcap: float | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """log p(target) at each target position (fp32 [n]), forward only, `chunk` rows of logits at a time; the
+    logits divided by `temperature` (grpo's sampling temperature, as TRL's per-token log-probs)."""
     rows = h.reshape(-1, h.shape[-1])
     out = torch.empty(target_index.shape[0], dtype=torch.float32, device=h.device)
     with torch.no_grad():
         for a in range(0, target_index.shape[0], chunk):
             x = final_norm(norm_w, rows.index_select(0, target_index[a: a + chunk]))
             logits, _ = softcap_logits(x @ lm_w.t(), softcap)
+            if temperature != 1.0:
+                logits = logits / temperature
             out[a: a + chunk] = -ce_token_losses(logits, targets[a: a + chunk], kernel=kernels.fused_ce)
     return out
 
@@ -137,7 +140,8 @@ class GRPOStep:
     def head(self, final_norm, h: torch.Tensor, mb: MicroBatch, norm_w, lm_w, norm_grad, lm_grad, chunk: int,
              kernels: HeadKernels, softcap: float | None, loss_sum: torch.Tensor) -> torch.Tensor:
         """Adds the micro-batch's share of the step's loss to `loss_sum`; returns d(loss)/d h."""
-        logp = token_logps(final_norm, h, mb.target_index, mb.targets, norm_w, lm_w, chunk, kernels, softcap)
+        T = self.obj.temperature
+        logp = token_logps(final_norm, h, mb.target_index, mb.targets, norm_w, lm_w, chunk, kernels, softcap, T)
         rows = target_rows(mb)
         leaf = logp.detach().requires_grad_(True)
         with torch.enable_grad():
@@ -149,5 +153,5 @@ class GRPOStep:
             self.metrics[k] += v
         self.metrics["tokens"] += mb.num_targets
         _, dh = head_loss(final_norm, h, mb.target_index, mb.targets, norm_w, lm_w, norm_grad, lm_grad, -dlogp,
-                          chunk, kernels, softcap)  # a token's loss is -logp_t
+                          chunk, kernels, softcap, T)  # a token's loss is -logp_t
         return dh

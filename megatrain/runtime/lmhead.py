@@ -127,15 +127,16 @@ class HeadKernels:
 
 def head_loss(final_norm: Callable, h: torch.Tensor, target_index: torch.Tensor, targets: torch.Tensor,
               norm_w: torch.Tensor, lm_w: torch.Tensor, norm_grad: torch.Tensor, lm_grad: torch.Tensor,
-              scale: float | torch.Tensor, chunk: int, kernels: HeadKernels, softcap: float | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float | torch.Tensor, chunk: int, kernels: HeadKernels, softcap: float | None = None,
+              temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Final norm + LM head + cross-entropy over one micro-batch's target positions (`target_index` into the
     flattened [B*T] hidden states `h`, predicting `targets`), never holding more than `chunk` rows of logits.
     Returns (sum of token losses * scale, d(loss * scale)/d h) and accumulates the norm's and the LM head's
     fp32 gradients into `norm_grad` and `lm_grad`. With `softcap` (gemma2's final_logit_softcapping) the logits
     are capped as softcap·tanh(logits/softcap) before the loss, and the gradient goes back through the tanh.
     `scale` may be a per-target fp32 tensor [n] (each token's weight in a preference loss): the gradient is then
-    d(Σ scale·token loss)/d h and the returned loss the plain sum of token losses."""
+    d(Σ scale·token loss)/d h and the returned loss the plain sum of token losses. `temperature` (grpo: the
+    sampling temperature, as TRL's GRPOTrainer divides the logits by it) divides the (capped) logits before the loss."""
     H = h.shape[-1]
     rows = h.reshape(-1, H)
     nw = norm_w.detach().requires_grad_(True)
@@ -152,8 +153,12 @@ def head_loss(final_norm: Callable, h: torch.Tensor, target_index: torch.Tensor,
             xn = final_norm(nw, x)
         xc = xn.detach()
         logits, tanh = softcap_logits(xc @ lm_w.t(), softcap)
+        if temperature != 1.0:
+            logits = logits / temperature
         chunk_loss, dlogits = ce_loss_and_grad(logits, y, scale_t[a: a + chunk] if per_target else scale_t,
                                                kernel=kernels.fused_ce)
+        if temperature != 1.0:  # d(z/T)/dz = 1/T
+            dlogits = dlogits / temperature
         if tanh is not None:  # d(c·tanh(z/c))/dz = 1 - tanh²
             dlogits = dlogits * (1 - tanh * tanh)
         del logits, tanh

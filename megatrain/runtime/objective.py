@@ -39,6 +39,7 @@ class Objective:
     epsilon_high: float | None = None  # grpo: clip high (None: epsilon)
     kl_beta: float = 0.0  # grpo: the KL term's coefficient (TRL beta)
     loss_type: str = "dapo"  # grpo: the aggregation (LOSS_TYPES)
+    temperature: float = 1.0  # grpo: the sampling temperature; the loss's log-probs are of logits / temperature (TRL)
 
     def __post_init__(self):
         if self.name not in NAMES:
@@ -49,10 +50,10 @@ class Objective:
         if self.epsilon_high is None:
             object.__setattr__(self, "epsilon_high", self.epsilon)
         if not (0 <= self.epsilon < 1 and self.epsilon_high >= 0 and self.kl_beta >= 0
-                and self.loss_type in LOSS_TYPES):
+                and self.loss_type in LOSS_TYPES and self.temperature > 0):
             raise ValueError(f"objective {self.name}: epsilon in [0, 1), epsilon_high >= 0, kl beta >= 0, loss_type "
-                             f"one of {', '.join(LOSS_TYPES)} (got {self.epsilon}, {self.epsilon_high}, "
-                             f"{self.kl_beta}, {self.loss_type!r})")
+                             f"one of {', '.join(LOSS_TYPES)}, temperature > 0 (got {self.epsilon}, "
+                             f"{self.epsilon_high}, {self.kl_beta}, {self.loss_type!r}, {self.temperature})")
 
     @property
     def preference(self) -> bool:
@@ -76,14 +77,15 @@ class Objective:
     @classmethod
     def from_config(cls, train_cfg, pref_cfg=None, grpo_cfg=None) -> "Objective":
         """From the config's `train` section (its `objective`), its `preference` section (read for a preference
-        objective) and its `grpo` section (read for grpo: epsilon, epsilon_high, beta, loss_type)."""
+        objective) and its `grpo` section (read for grpo: epsilon, epsilon_high, beta, loss_type, temperature)."""
         name = getattr(train_cfg, "objective", "sft") or "sft"
         if name == "grpo":
             g = grpo_cfg
             high = getattr(g, "epsilon_high", None)
             return cls(name, epsilon=float(getattr(g, "epsilon", 0.2)),
                        epsilon_high=None if high is None else float(high), kl_beta=float(getattr(g, "beta", 0.0)),
-                       loss_type=str(getattr(g, "loss_type", "dapo")))
+                       loss_type=str(getattr(g, "loss_type", "dapo")),
+                       temperature=float(getattr(g, "temperature", 1.0)))
         if name == "sft" or pref_cfg is None:
             return cls(name)
         return cls(name, float(pref_cfg.beta), float(pref_cfg.label_smoothing), float(pref_cfg.simpo_gamma),
@@ -143,10 +145,10 @@ GRPO_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/regio
 
 
 def grpo_row_weights(loss_type: str, n: torch.Tensor, rows: int, tokens: int, max_new_tokens: int) -> torch.Tensor:
-    """w_r of each row (float64, n's shape; a MicroBatch keeps it as float32) from its completion token count n: the factor of its tokens' losses in
-    the step's loss, as TRL's aggregations weigh them over a step of `rows` completions holding `tokens` completion
-    tokens (all micro-batches and ranks): grpo 1/(n_r·rows) (each row's token mean, the mean over rows), dr_grpo
-    1/(rows·max_new_tokens), dapo 1/tokens (the step's token mean)."""
+    """w_r of each row (float64, n's shape; a MicroBatch keeps it as float32) from its completion token count n: the
+    factor of its tokens' losses in the step's loss, as TRL's aggregations weigh them over a step of `rows`
+    completions holding `tokens` completion tokens (all micro-batches and ranks): grpo 1/(n_r·rows) (each row's token
+    mean, the mean over rows), dr_grpo 1/(rows·max_new_tokens), dapo 1/tokens (the step's token mean)."""
     if loss_type == "grpo":
         w = 1.0 / (n.double().clamp_min(1.0) * rows)
     elif loss_type == "dr_grpo":
