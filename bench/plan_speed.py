@@ -11,8 +11,9 @@ the plan is about). The 405B row plans the SSD tier (memory.disk_path) with a 12
 copy of the profile (as bench/plan_choices.py --ssd). Each case runs `python -m megatrain plan` in a fresh process
 `--repeat` times (the fastest and the median wall time printed, and the median CPU time, user + sys), then once
 under cProfile: the functions with the most cumulative time, and the most time of their own. On a machine with a GPU
-the plan takes that GPU's free memory as its limit (as `megatrain plan` does there); elsewhere the profile's. --root times another checkout's megatrain (the
-same cases, this script's configs and profiles: before and after a change); --timeout ends a run after S seconds.
+the plan takes that GPU's free memory as its limit (as `megatrain plan` does there); elsewhere the profile's. --root
+times another checkout's megatrain (the same cases, this script's configs and profiles: before and after a change);
+--timeout ends a run after S seconds.
 """
 
 from __future__ import annotations
