@@ -9,10 +9,11 @@ H100 probe, bench/results/probe-h100; the 70B and 405B rows the H200 probe, as b
 memory.host_budget_gb as the row names it, no checkpoint written (so that the output folder's free space is not what
 the plan is about). The 405B row plans the SSD tier (memory.disk_path) with a 12 GB/s RAID's rates written into a
 copy of the profile (as bench/plan_choices.py --ssd). Each case runs `python -m megatrain plan` in a fresh process
-`--repeat` times (the fastest and the median printed), then once under cProfile: the functions with the most
-cumulative time, and the most time of their own. On a machine with a GPU the plan takes that GPU's free memory as
-its limit (as `megatrain plan` does there); elsewhere the profile's. --root times another checkout's megatrain (the
-same cases, this script's configs and profiles: before and after a change); --timeout ends a run after S seconds.
+`--repeat` times (the fastest and the median wall time printed, and the median CPU time, user + sys), then once
+under cProfile: the functions with the most cumulative time, and the most time of their own. On a machine with a GPU
+the plan takes that GPU's free memory as its limit (as `megatrain plan` does there); elsewhere the profile's. --root
+times another checkout's megatrain (the same cases, this script's configs and profiles: before and after a change);
+--timeout ends a run after S seconds.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import pstats
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 H100 = HERE / "results" / "probe-h100" / "profile.json"
 H200 = HERE / "results" / "probe-h200" / "profile.json"
+LAST_CPU = 0.0  # CPU seconds (user + sys) of the last run's process: on a shared machine steadier than wall time
 RAID = (12e9, 12e9)  # disk read, write bytes/s: an NVMe RAID (bench/plan_choices.py --ssd)
 
 # label, model, rows per micro-batch, micro-batches, tokens per row, host GiB, profile, clipping, SSD tier
@@ -76,13 +79,16 @@ def run(argv: list[str], profile_to: Path | None = None, root: Path = ROOT, time
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if root != ROOT:  # another checkout: read, not written to
         env["PYTHONDONTWRITEBYTECODE"] = "1"
-    t0 = time.perf_counter()
+    global LAST_CPU
+    r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     try:
         p = subprocess.run([sys.executable, *pre, "-m", "megatrain", *argv], capture_output=True, text=True, env=env,
                            cwd=root, timeout=timeout)
     except subprocess.TimeoutExpired:
         p = None
-    return time.perf_counter() - t0, p
+    wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    LAST_CPU = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return wall, p
 
 
 def placement(stdout: str) -> str:
@@ -135,10 +141,11 @@ def main() -> int:
             if args.only and args.only not in case[0]:
                 continue
             argv = command(case, folder)
-            times, last = [], None
+            times, cpus, last = [], [], None
             for _ in range(args.repeat):
                 t, last = run(argv, root=root, timeout=args.timeout)
                 times.append(t)
+                cpus.append(LAST_CPU)
                 if last is None:
                     break
             if last is None:
@@ -150,8 +157,10 @@ def main() -> int:
                 print(f"{case[0]}: megatrain plan failed ({last.returncode}):\n{last.stderr[-2000:]}")
                 return 1
             row = {"case": case[0], "wall_s": times, "fastest_s": min(times), "median_s": statistics.median(times),
-                   "fits": last.returncode == 0, "placement": placement(last.stdout)}
-            print(f"\n{case[0]}: fastest {row['fastest_s']:.2f} s, median {row['median_s']:.2f} s of {args.repeat}; "
+                   "cpu_s": cpus, "cpu_median_s": statistics.median(cpus), "fits": last.returncode == 0,
+                   "placement": placement(last.stdout)}
+            print(f"\n{case[0]}: fastest {row['fastest_s']:.2f} s, median {row['median_s']:.2f} s of {args.repeat} "
+                  f"(CPU user+sys median {row['cpu_median_s']:.2f} s); "
                   f"{'fits' if row['fits'] else 'does not fit'}; {row['placement']}", flush=True)
             if not args.no_profile:
                 prof_file = folder / "plan.prof"
@@ -159,12 +168,12 @@ def main() -> int:
                 row["profiled_s"] = t
                 print(summary(prof_file, args.top), flush=True)
             rows.append(row)
-    print(f"\n{'case':<42}{'fastest s':>10}{'median s':>10}  fits")
+    print(f"\n{'case':<42}{'fastest s':>10}{'median s':>10}{'CPU s':>8}  fits")
     for r in rows:
         if r["fastest_s"] is None:
             print(f"{r['case']:<42}{r['placement']:>20}")
         else:
-            print(f"{r['case']:<42}{r['fastest_s']:>10.2f}{r['median_s']:>10.2f}  {r['fits']}")
+            print(f"{r['case']:<42}{r['fastest_s']:>10.2f}{r['median_s']:>10.2f}{r['cpu_median_s']:>8.2f}  {r['fits']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"python": sys.version.split()[0], "root": str(root), "start_s": base,
                                                "cases": rows}, indent=1) + "\n")

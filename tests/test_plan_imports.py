@@ -158,6 +158,27 @@ def test_plan_fields_fall_back_when_the_file_asks_for_more(tmp_path):
     assert plan_fields({**qwen, "use_sliding_window": True}) is None
     mistral = json.loads((CONFIGS / "mistral-7b-v0.3" / "config.json").read_text())
     assert plan_fields({k: v for k, v in mistral.items() if k != "sliding_window"}) is None
+    qwen3 = json.loads((CONFIGS / "qwen3-8b" / "config.json").read_text())
+    assert plan_fields({**qwen3, "use_sliding_window": True, "sliding_window": 4096}) is None
+    for key in ("head_dim", "num_key_value_heads"):  # (Qwen3Config's defaults are a model's own sizes)
+        assert plan_fields({k: v for k, v in qwen3.items() if k != key}) is None
+
+
+def test_qwen3_fields_without_layer_types_equal_qwen3config():
+    """qwen3's config.json without layer_types (older files): the layer types, window and sizes Qwen3Config derives."""
+    from transformers import Qwen3Config
+
+    from megatrain.models import get_adapter
+    from megatrain.models.fields import plan_fields
+
+    raw = json.loads((CONFIGS / "qwen3-8b" / "config.json").read_text())
+    raw.pop("layer_types", None)
+    fields, full = plan_fields(raw), Qwen3Config(**raw)
+    for k in ("layer_types", "sliding_window", "head_dim", "num_key_value_heads", "rope_parameters"):
+        assert getattr(fields, k) == getattr(full, k), k
+    a, b = get_adapter(fields), get_adapter(full)
+    assert {k: v for k, v in vars(a).items() if k != "hf_config"} == \
+           {k: v for k, v in vars(b).items() if k != "hf_config"} and a.layer_kinds == b.layer_kinds
 
 
 _PLAN_IMPORTS = """

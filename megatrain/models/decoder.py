@@ -16,6 +16,19 @@ from .base import AttnContext, ModelAdapter, TensorSpec, Unit
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def llama_rope(c) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention scaling) as transformers' LlamaRotaryEmbedding(c) computes them: its default rope type's
+    formula, the others' functions from transformers.modeling_rope_utils (what that class calls), without importing
+    modeling_llama (seconds: it loads transformers' modeling_utils). tests/test_rope_direct.py compares the two."""
+    params = c.rope_parameters
+    if params["rope_type"] == "default":  # LlamaRotaryEmbedding.compute_default_rope_parameters
+        dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS[params["rope_type"]](c)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     # As transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale in the input dtype.
     dtype = x.dtype
@@ -96,11 +109,9 @@ class DecoderAdapter(ModelAdapter):
         _init_rope set them as attributes, never reaching this)."""
         if name not in ("inv_freq", "rope_scaling") or "hf_config" not in self.__dict__:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        rotary = LlamaRotaryEmbedding(self.hf_config)  # transformers computes inv_freq for every rope type
-        self.inv_freq = rotary.inv_freq.detach().float().clone()
-        self.rope_scaling = float(rotary.attention_scaling)
+        inv_freq, scaling = llama_rope(self.hf_config)
+        self.inv_freq = inv_freq.detach().float().clone()
+        self.rope_scaling = float(scaling)
         return self.__dict__[name]
 
     # ---- tensor layout -------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """config.json read as the planner needs it, without transformers (whose import takes seconds, tens on a host
 without bytecode caches), for the families whose config class only stores what the file says.
 
-`plan_fields(raw)`: the dict as attributes, with the defaults transformers' LlamaConfig, MistralConfig and
-Qwen2Config give the keys the adapters and the planner read, or None when the file asks for more than storing (a
-rope type other than default, linear and llama3, a quantization, qwen2's sliding window, a size key left to its
-default): the caller then reads it with AutoConfig. tests/test_plan_imports.py checks, for every real config here,
-that the adapter built from these fields equals the one built from AutoConfig's.
+`plan_fields(raw)`: the dict as attributes, with the defaults transformers' LlamaConfig, MistralConfig, Qwen2Config
+and Qwen3Config give the keys the adapters and the planner read, or None when the file asks for more than storing (a
+rope type other than default, linear and llama3, a quantization, qwen2's or qwen3's sliding window, a size key left
+to its default): the caller then reads it with AutoConfig. tests/test_plan_imports.py checks, for every real config
+here, that the adapter built from these fields equals the one built from AutoConfig's.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidd
             "rms_norm_eps", "max_position_embeddings")
 DEFAULTS = {"hidden_act": "silu", "num_key_value_heads": None, "head_dim": None, "tie_word_embeddings": False,
             "attention_bias": False, "mlp_bias": False}
-FAMILIES = {"llama": {}, "mistral": {}, "qwen2": {"use_sliding_window": False}}
+FAMILIES = {"llama": {}, "mistral": {}, "qwen2": {"use_sliding_window": False}, "qwen3": {"use_sliding_window": False}}
+# size keys whose transformers default a family's config class sets to a model's own (Qwen3Config: 32 kv heads of 128)
+FAMILY_REQUIRED = {"qwen3": ("num_key_value_heads", "head_dim")}
 
 
 # rope types stored as given (rope_parameters, as transformers 5 writes it), with the keys transformers' validation
@@ -46,18 +48,20 @@ class PlanFields(SimpleNamespace):
 def plan_fields(raw: dict) -> PlanFields | None:
     """config.json's dict `raw` (already checked: models.load_hf_config) as attributes, or None (see the module)."""
     family = FAMILIES.get(raw.get("model_type"))
-    if family is None or any(k not in raw for k in REQUIRED):
+    if family is None or any(k not in raw for k in REQUIRED + FAMILY_REQUIRED.get(raw["model_type"], ())):
         return None
     rope = raw.get("rope_parameters")
     if raw.get("rope_scaling") or raw.get("quantization_config") or rope is not None and not _plain_rope(rope):
         return None
     if raw["model_type"] == "mistral" and "sliding_window" not in raw:
         return None  # (MistralConfig's default window)
-    if raw["model_type"] == "qwen2" and raw.get("use_sliding_window"):
-        return None  # (Qwen2Config derives the window's layers)
+    if raw["model_type"] in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+        return None  # (Qwen2Config and Qwen3Config derive the window's layers)
     fields = {**DEFAULTS, **family, **raw}
-    if raw["model_type"] == "qwen2":
-        fields["sliding_window"] = None  # Qwen2Config keeps the window only with use_sliding_window
+    if raw["model_type"] in ("qwen2", "qwen3"):
+        fields["sliding_window"] = None  # Qwen2Config and Qwen3Config keep the window only with use_sliding_window
+    if raw["model_type"] == "qwen3" and raw.get("layer_types") is None:  # (Qwen3Config: full attention, no window)
+        fields["layer_types"] = ["full_attention"] * raw["num_hidden_layers"]
     if fields.get("num_key_value_heads") is None:
         fields["num_key_value_heads"] = fields["num_attention_heads"]
     fields["dtype"] = raw.get("dtype") or raw.get("torch_dtype")

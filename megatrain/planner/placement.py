@@ -88,6 +88,20 @@ def seq_tile_for(w: Workload) -> int:
     return SEQ_TILE if max(w.micro_batches) * w.seq_len >= 2 * SEQ_TILE else 0
 
 
+_WITH: dict[tuple, Placement] = {}  # (placement, changes) -> the placement changed: the search asks for the same many times
+
+
+def _with(pl: Placement, **kw) -> Placement:
+    """dataclasses.replace(pl, **kw), made once (Placement is immutable; its validation is what replace costs)."""
+    key = (pl, *kw.items())
+    got = _WITH.get(key)
+    if got is None:
+        if len(_WITH) >= 1 << 16:
+            _WITH.clear()
+        got = _WITH[key] = replace(pl, **kw)
+    return got
+
+
 class _Search:
     def __init__(self, adapter, units, w: Workload, prof: Profile, host_limit, gpu_limit, free):
         self.adapter, self.units, self.w, self.prof = adapter, units, w, prof
@@ -97,6 +111,8 @@ class _Search:
         self._work: dict[Placement, Workload] = {}
         self._over: set[Placement] = set()  # placements whose GPU need was found above the limit, no more
         self.tried = 0
+        self._ahead: set[Placement] = set()  # placements walked ahead of the search, not yet counted (_none_fit)
+        self.host_refused = False  # whether the last settle() refused its structure for host RAM before any walk
         self.short: tuple[float, Placement] | None = None  # the least host RAM of a structure refused for it
 
     def _refused(self, pl: Placement, host: float) -> None:
@@ -105,7 +121,7 @@ class _Search:
 
     def placement(self, **kw) -> Placement:
         """The workload's placement with the free keys among `kw` changed (set keys stay as the config has them)."""
-        return replace(self.w.placement, **{k: v for k, v in kw.items() if k in self.free})
+        return _with(self.w.placement, **{k: v for k, v in kw.items() if k in self.free})
 
     def work(self, pl: Placement) -> Workload:
         """The workload with this placement (made once: the search asks for host, GPU and time of each)."""
@@ -122,6 +138,9 @@ class _Search:
             peak = gpu_peak(self.adapter, self.units, w, self.prof)
             self._mem[pl] = (host, gpu_needed(peak, w))
             self.tried += pl not in self._over
+        elif pl in self._ahead:
+            self._ahead.discard(pl)
+            self.tried += 1
         return self._mem[pl]
 
     def host(self, pl: Placement) -> float:
@@ -137,6 +156,9 @@ class _Search:
         """Whether `pl`'s GPU need fits: its walk stops at the first phase that does not (gpu_needed grows with the
         peak, so that phase decides), counted as planned as `memory` counts it."""
         if self.gpu_limit is None or pl in self._mem:
+            if pl in self._ahead:  # walked ahead of the search (_none_fit): counted now, as the search walks it
+                self._ahead.discard(pl)
+                self.tried += 1
             return self.gpu_limit is None or self._mem[pl][1] <= self.gpu_limit
         if pl in self._over:
             return False
@@ -162,16 +184,16 @@ class _Search:
         lo = getattr(pl, key)
         if self.gpu_ok(pl):
             return pl
-        if not self.gpu_ok(replace(pl, **{key: top})):
+        if not self.gpu_ok(_with(pl, **{key: top})):
             return None
         hi = top  # fits at hi, not at lo
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if self.gpu_ok(replace(pl, **{key: mid})):
+            if self.gpu_ok(_with(pl, **{key: mid})):
                 hi = mid
             else:
                 lo = mid
-        return replace(pl, **{key: hi})
+        return _with(pl, **{key: hi})
 
     def most_kept(self, pl: Placement) -> Placement | None:
         """`pl` (K > 1, settled) with the most top layers keeping their inputs that still settles: the memory of
@@ -182,13 +204,32 @@ class _Search:
         best = pl
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            got = self.settle(replace(pl, keep_top_layers=mid, grads_to_host=self.w.placement.grads_to_host,
+            got = self.settle(_with(pl, keep_top_layers=mid, grads_to_host=self.w.placement.grads_to_host,
                                       spill_layers=self.w.placement.spill_layers))
             if got is None:
                 hi = mid
             else:
                 lo, best = mid, got
         return best if best is not pl else None
+
+    def _none_fit(self, pl: Placement, n: int, L: int) -> bool:
+        """Whether `pl`'s structure fits with no gradients sent and spilled inputs, from its placement with all of
+        both (spilling shrinks the GPU need: when that does not fit, neither does any with all gradients sent), asked
+        before the search below walks the one with all gradients sent and none spilled. Counted as that search counts
+        its walks: the one with all gradients sent as walked and refused; the one with all of both, when it fits, when
+        the search comes to it (`_ahead`)."""
+        sent = _with(pl, grads_to_host=n)
+        full = _with(sent, spill_layers=L)
+        if sent in self._mem or sent in self._over or full in self._mem or full in self._over:
+            return False  # walked before: the search below costs no more than this
+        tried = self.tried
+        if self.gpu_ok(full):
+            self.tried = tried
+            self._ahead.add(full)
+            return False
+        self._over.add(sent)
+        self.tried += 1
+        return True
 
     def settle(self, pl: Placement) -> Placement | None:
         """The fewest gradients to host, then the fewest spilled inputs, that bring `pl`'s structure (K, G, where
@@ -197,15 +238,18 @@ class _Search:
         free_n = "grads_to_host" in self.free
         parks = len(group_sizes(len(self.w.micro_batches), pl.wave_groups)) > 1 and pl.group_grads == "host"
         if parks and free_n:
-            pl = replace(pl, grads_to_host=n)  # costs no host RAM: the accumulators wait there anyway
-        if self.host_limit is not None and self.host(pl) > self.host_limit:
+            pl = _with(pl, grads_to_host=n)  # costs no host RAM: the accumulators wait there anyway
+        self.host_refused = self.host_limit is not None and self.host(pl) > self.host_limit
+        if self.host_refused:
             self._refused(pl, self.host(pl))
             return None  # gradients and inputs sent to the host only add to it: no search below can fit
+        if free_n and "spill_layers" in self.free and not self.gpu_ok(pl) and self._none_fit(pl, n, L):
+            return None
         got = self.smallest(pl, "grads_to_host", n)
         if got is None:  # gradients alone are not enough: spill inputs too, then take back what gradients can
-            got = self.smallest(replace(pl, grads_to_host=n) if free_n else pl, "spill_layers", L)
+            got = self.smallest(_with(pl, grads_to_host=n) if free_n else pl, "spill_layers", L)
             if got is not None and free_n and not parks:
-                got = self.smallest(replace(got, grads_to_host=pl.grads_to_host), "grads_to_host", n)
+                got = self.smallest(_with(got, grads_to_host=pl.grads_to_host), "grads_to_host", n)
         if got is not None and not self.host_ok(got):
             self._refused(got, self.memory(got)[0])
             return None
@@ -221,7 +265,7 @@ def _candidates(s: _Search, w: Workload) -> list[tuple[float, int, float, Placem
     def consider(pl: Placement | None) -> bool:
         if pl is None:
             return False
-        ww = replace(w, placement=pl)
+        ww = s.work(pl)
         candidates.append((step_time(adapter, units, ww, prof)["step_s"], len(ww.groups), s.memory(pl)[0], pl))
         return True
 
@@ -240,6 +284,8 @@ def _candidates(s: _Search, w: Workload) -> list[tuple[float, int, float, Placem
                         if K > 1:  # and the fewest layers in blocks: rebuilds only where memory needs them
                             consider(s.most_kept(pl))
                         break
+                    if s.host_refused and not w.placement.spill_layers:
+                        break  # K moves no host RAM when no input is spilled: every K is refused the same
             if any(c[3].checkpoint_every == 1 and c[3].spill_layers == 0 for c in candidates):
                 break  # more groups would only add weight crossings
     return candidates
