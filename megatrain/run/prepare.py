@@ -35,6 +35,7 @@ from ..runtime import (CpuAdamW, Engine, EngineOptions, HostStore, OptimizerPipe
 from ..planner.workload import compiles_layers, fixed_placement, tunes_first
 from .oom import host_allocation
 from .reference import Reference, check_reference_path, choose_reference
+from .startup import Beside, overlap_fits, overlapped_phases
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -235,6 +236,12 @@ class StartupClock:
         self.phases[phase] = self.phases.get(phase, 0.0) + now - self._t
         self._t = now
 
+    def overlapped(self, phases: dict[str, float]) -> None:
+        """Phases that ran at once (run/startup.py's overlapped_phases: each one's seconds, and their wall time);
+        the next lap starts now."""
+        self.phases.update(phases)
+        self._t = time.perf_counter()
+
     def waited(self) -> None:
         """After waiting for the other ranks (a run of one process has none: no phase)."""
         if self.ranks > 1:
@@ -262,27 +269,47 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
     stream_dtype, compute_dtype = store_dtypes(cfg.train.precision, options.engine.placement.stream_dtype)
     disk_states = disk_states_of(cfg, plan)
     tuned = ""
-    if tunes_first(cfg.engine, inp.device.type, world.size > 1) and cfg.train.objective != "grpo":  # (a grpo
-        #                                                         step's rows come from a rollout: none before)
+    tuning = tunes_first(cfg.engine, inp.device.type, world.size > 1) and cfg.train.objective != "grpo"  # (a grpo
+    #                                                        step's rows come from a rollout: none before)
+
+    def build_store(lap) -> HostStore:
+        with host_allocation("host store (fp32 master, Adam m and v, streaming copy)", plan, adapter):
+            store = HostStore(adapter, stream_dtype, compute_dtype, allocate=ranks.allocate,
+                              disk_path=cfg.memory.disk_path if disk_states else None, disk_states=disk_states)
+            ranks.make_flags(len(store.tiles))
+        lap("store allocated")
+        if world.fills_store:
+            fill_store(cfg, inp, store)
+            io = getattr(store, "load_stats", None) or {}  # bytes and seconds of a read (checkpoint or weights)
+            rate = f" {io['bytes'] / 1e9:.1f} GB at {io['bytes'] / max(io['seconds'], 1e-9) / 1e9:.2f} GB/s" if io \
+                else ""
+            lap("store filled" + (f" (from {inp.resumed.path.name}{rate})" if inp.resumed is not None else
+                                  " (random init)" if cfg.model.init == "random" else f" (weights read{rate})"))
+            if fill_reference(cfg, inp, store):
+                lap(f"reference copy filled ({str(store.compute_dtype).replace('torch.', '')})")
+        return store
+
+    tune_phase = "kernels compiled and tuned first (a copy of the model with one layer of each kind)"
+    if tuning:
         from .tune_first import first_step, tune_first
 
         step = first_step(inp.loader, inp.resumed.state["loader"] if inp.resumed is not None else None)
-        tuned = tune_first(adapter, inp.device, options.engine, cfg.train.precision, step, inp.eval_batches)
-        clock.lap("kernels compiled and tuned first (a copy of the model with one layer of each kind)")
-
-    with host_allocation("host store (fp32 master, Adam m and v, streaming copy)", plan, adapter):
-        store = HostStore(adapter, stream_dtype, compute_dtype, allocate=ranks.allocate,
-                          disk_path=cfg.memory.disk_path if disk_states else None, disk_states=disk_states)
-        ranks.make_flags(len(store.tiles))
-    clock.lap("store allocated")
-    if world.fills_store:
-        fill_store(cfg, inp, store)
-        io = getattr(store, "load_stats", None) or {}  # bytes and seconds of a read (checkpoint or weights)
-        rate = f" {io['bytes'] / 1e9:.1f} GB at {io['bytes'] / max(io['seconds'], 1e-9) / 1e9:.2f} GB/s" if io else ""
-        clock.lap("store filled" + (f" (from {inp.resumed.path.name}{rate})" if inp.resumed is not None else
-                                    " (random init)" if cfg.model.init == "random" else f" (weights read{rate})"))
-        if fill_reference(cfg, inp, store):
-            clock.lap(f"reference copy filled ({str(store.compute_dtype).replace('torch.', '')})")
+    if tuning and overlap_fits(plan, adapter):  # the store allocated and filled on a thread meanwhile (run/startup.py)
+        t0 = time.perf_counter()
+        beside = Beside(build_store)
+        try:
+            tuned = tune_first(adapter, inp.device, options.engine, cfg.train.precision, step, inp.eval_batches)
+            t_tuned = time.perf_counter() - t0
+        except BaseException:
+            beside.wait_quietly()  # (a signal or a failure: the store is dropped; nothing was written)
+            raise
+        store = beside.result()
+        clock.overlapped(overlapped_phases((tune_phase, t_tuned), beside.laps, time.perf_counter() - t0))
+    else:
+        if tuning:
+            tuned = tune_first(adapter, inp.device, options.engine, cfg.train.precision, step, inp.eval_batches)
+            clock.lap(tune_phase)
+        store = build_store(clock.lap)
     if inp.resumed is not None:
         inp.loader.load_state_dict(inp.resumed.state["loader"])
 

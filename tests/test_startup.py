@@ -1,0 +1,67 @@
+"""Start-up phases that run at once (run/startup.py): the host store's allocation and fill beside the kernels'
+tuning on a copy of the model, only where the plan says host RAM holds both; their timing said honestly."""
+
+import threading
+
+import pytest
+
+GiB = 2**30
+
+
+def test_beside_returns_the_work_and_its_laps_and_raises_its_error_on_the_caller():
+    from megatrain.run.startup import Beside
+
+    seen = {}
+
+    def work(lap):
+        seen["thread"] = threading.current_thread().name
+        lap("one")
+        lap("two")
+        return 42
+
+    b = Beside(work)
+    assert b.result() == 42 and [k for k, _ in b.laps] == ["one", "two"] and all(v >= 0 for _, v in b.laps)
+    assert seen["thread"] != threading.current_thread().name
+
+    def fails(lap):
+        raise MemoryError("no room")
+
+    with pytest.raises(MemoryError, match="no room"):
+        Beside(fails).result()
+
+
+def test_overlapped_phases_keep_their_names_and_add_the_wall_time():
+    from megatrain.run.startup import overlapped_phases
+
+    out = overlapped_phases(("tuned", 5.0), [("store allocated", 1.0), ("store filled", 3.0)], 5.5)
+    assert list(out) == ["tuned", "store allocated", "store filled",
+                         "wall time of the 3 phases above, which ran at once"]
+    assert out["wall time of the 3 phases above, which ran at once"] == 5.5
+
+
+def test_the_store_is_filled_beside_the_tuning_only_where_host_ram_holds_both():
+    """Qwen2.5-7B, 158 x 1024 on CUDA, tuned first: the copy's phase (23.5 GiB: its store, the autotuner's block,
+    the process's runtime) beside the store's 99.3 GiB fits 123.3 GiB (the H100 host's available memory) but not
+    110; no known available memory, or no plan: one after the other."""
+    from pathlib import Path
+
+    from megatrain.models import get_adapter, load_hf_config
+    from megatrain.planner.memory import TUNE_COPY
+    from megatrain.planner.plan import make_plan
+    from megatrain.planner.profile import load_profile
+    from megatrain.planner.tune_copy import copy_host
+    from megatrain.planner.workload import Workload
+    from megatrain.run.startup import overlap_fits
+    from megatrain.runtime.store import padded_numel
+
+    qwen = get_adapter(load_hf_config(str(Path(__file__).resolve().parents[1] / "bench" / "model-configs" /
+                                          "qwen2.5-7b")))
+    w = Workload((79, 79), 1024, compile=True, tune_first=True)
+    store = 14 * sum(padded_numel(u.numel) for u in qwen.units())  # fp32 master, m, v; bf16 streaming copy
+    assert store / GiB == pytest.approx(99.3, abs=0.01)
+    both = store + sum(copy_host(qwen, w)[1].values())
+    for avail, fits in ((123.3 * GiB, True), (110 * GiB, False), (both, True), (both - 1, False), (None, False)):
+        plan = make_plan(qwen, w, load_profile(None), host_available=avail, suggest=False)
+        assert TUNE_COPY not in plan.host
+        assert overlap_fits(plan, qwen) is fits, avail
+    assert overlap_fits(None, qwen) is False
