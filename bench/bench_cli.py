@@ -69,6 +69,8 @@ from common import spread_lines, step_spread, table, write_json  # noqa: E402
 from host_trace import HostTrace, trace_lines  # noqa: E402
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+# the precomputed reference pass's record (run/reference.py), copied into the result
+REFERENCE_FIELDS = ["reference_pass_s", "reference_waves", "reference_first_wave_s", "reference_wave_s"]
 MAX_WORDS = 4096
 # per-step fields kept from metrics.jsonl (those a megatrain version does not write are None)
 STEP_FIELDS = ["step_time_s", "wall_s", "data_wait_s", "queue_s", "gpu_wait_s", "tokens_per_s", "wall_tokens_per_s",
@@ -376,8 +378,8 @@ def step_records(metrics: Path) -> list[dict]:
         r["wall_tokens_per_s"] = r["tokens"] / r["wall_s"] if r["wall_s"] > 0 else None
     for r in reference:  # step 1's wall time runs from the logger's start, before the pass: the pass is not a step's
         steps[0]["wall_s"] -= r["reference_pass_s"] if steps else 0.0
-        for s in steps:
-            s["reference_pass_s"] = r["reference_pass_s"]
+        for s in steps:  # (with the pass's waves on the GPU: the first, and the median of the others)
+            s.update({k: r.get(k) for k in REFERENCE_FIELDS})
     return steps
 
 
@@ -410,7 +412,7 @@ def summarise(args, steps: list[dict], params: int) -> dict:
         "tflops_6n_active": mean("tflops_6n_active"), "router_loss": mean("router_loss"),  # MoE
         "expert_load_max": peak("expert_load_max"),
         "objective": args.objective, "pairs_per_step": args.seqs // 2 if args.objective != "sft" else None,
-        "reference_pass_s": measured[0].get("reference_pass_s") if measured else None,
+        **{k: measured[0].get(k) if measured else None for k in REFERENCE_FIELDS},
         "tokens_per_s_with_reference": with_reference(measured, len(steps)),
         "busy_compute": busy, "busy_h2d": mean("busy_h2d"), "busy_d2h": mean("busy_d2h"),
         "gpu_idle": 1.0 - busy if busy is not None else None,

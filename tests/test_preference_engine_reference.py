@@ -230,3 +230,61 @@ def test_ranks_shares_with_the_step_totals_add_up_to_the_step(tmp_path, name):
         assert rel(ga[i] + gb[i], g[i]) <= TOL, f"unit {i}"
     for k, v in whole.metrics.items():
         assert abs(a.metrics[k].item() + b.metrics[k].item() - v.item()) <= TOL * max(1.0, abs(v.item())), k
+
+
+@pytest.mark.parametrize("name", ["dpo", "ipo", "simpo", "orpo"])
+@pytest.mark.parametrize("chunk", [64, 23, 5])  # every pair in one chunk / chunks of whole pairs / the two passes
+def test_one_pass_head_equals_autograd_of_the_pair_loss(name, chunk):
+    """PreferenceStep.head over chunks of whole pairs (pair_chunks: given the host micro-batch) and over two passes
+    (without it, or with a pair longer than the chunk): the step loss, its gradients (hidden states, final norm, LM
+    head) and the metric sums equal float64 autograd of the pair loss over log-probs from the full logits."""
+    from megatrain.runtime.head_objective import PreferenceStep, pair_chunks
+    from megatrain.runtime.microbatch import MicroBatch
+    from megatrain.runtime.objective import pair_loss
+
+    g = torch.Generator().manual_seed(sum(map(ord, name)) * 100 + chunk)
+    H, V, B, T = 16, 37, 6, 9
+    obj = {"dpo": Objective("dpo", beta=0.5, label_smoothing=0.1), "ipo": Objective("ipo", beta=0.5),
+           "simpo": Objective("simpo", beta=0.5, simpo_gamma=0.3), "orpo": Objective("orpo", orpo_lambda=0.2)}[name]
+
+    def norm(w, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    ids = torch.randint(0, V, (B, T), generator=g)
+    labels = ids.clone()
+    for r in range(B):  # a prompt of 1..4 tokens without loss, then the completion
+        labels[r, : 1 + int(torch.randint(0, 4, (), generator=g))] = -100
+    ref = torch.randn(B, generator=g) * 5 - 20 if obj.needs_reference else None
+    host = MicroBatch.from_labels(ids, labels, ref_logps=ref)
+    h = torch.randn(B, T, H, generator=g)
+    norm_w, lm_w = torch.rand(H, generator=g) + 0.5, torch.randn(V, H, generator=g) * 0.3
+    kernels = HeadKernels(False, False)
+    chosen = int((host.target_index // T % 2 == 0).sum())
+
+    def run(given):
+        step = PreferenceStep(obj, B // 2, chosen, torch.device("cpu"), [host] if given else None)
+        ng, lg, loss = torch.zeros(H), torch.zeros(V, H), torch.zeros(())
+        dh = step.head(norm, h, host, norm_w, lm_w, ng, lg, chunk, kernels, 2.5, loss)
+        return loss, dh, ng, lg, step.metrics
+
+    x, nw, lw = h.double().requires_grad_(), norm_w.double().requires_grad_(), lm_w.double().requires_grad_()
+    z = norm(nw, x.reshape(-1, H)[host.target_index]) @ lw.t()
+    tok = -torch.nn.functional.cross_entropy(2.5 * torch.tanh(z / 2.5), host.targets, reduction="none")
+    rows = host.target_index // T
+    logp = torch.zeros(B, dtype=torch.float64).index_add(0, rows, tok)
+    n = torch.bincount(rows, minlength=B)
+    want_loss, want_metrics = pair_loss(obj, logp, n, None if ref is None else ref.double())
+    want_loss = want_loss / (B // 2)
+    if name == "orpo":
+        want_metrics["nll_loss"] = -logp[0::2].sum() / chosen * (B // 2)
+        want_loss = want_loss - logp[0::2].sum() / chosen
+    want_loss.backward()
+    assert (pair_chunks(host, chunk) is None) == (chunk == 5)  # (a pair here holds 10 targets or more)
+    for given in (True, False):
+        loss, dh, ng, lg, metrics = run(given)
+        assert abs(float(loss) - float(want_loss)) <= 1e-5 * max(1.0, abs(float(want_loss)))
+        for got, want in ((dh, x.grad), (ng, nw.grad), (lg, lw.grad)):
+            assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+        assert float(metrics["pairs"]) == B // 2
+        for k, v in want_metrics.items():
+            assert abs(float(metrics[k]) - float(v)) <= 1e-5 * max(1.0, abs(float(v))), k

@@ -197,9 +197,27 @@ class Reference:
         t0, last, fresh, seq = time.perf_counter(), time.perf_counter(), {s: {} for s in sides}, 0
         new: dict[str, dict[int, tuple[float, float]]] = {s: {} for s in sides}
         delay = float(os.environ.get("MEGATRAIN_TEST_REFERENCE_DELAY_S", "0") or 0)
+        # Each wave's log-probs stay on the device until a part is stored: no host sync between waves, so the next
+        # wave's batches, input copies and first weights are queued while the GPU still runs this one's layers and
+        # head (a .cpu() per wave drained the GPU at each wave's end and left the next wave's start exposed).
+        pending: list[tuple[str, list[int], torch.Tensor]] = []
+        timer = _WaveTimer(run.engine.device)
+
+        def collect() -> None:  # the queued waves' log-probs to host, in one copy (it waits for them)
+            if not pending:
+                return
+            pairs = torch.cat([logp.detach().float() for _, _, logp in pending]).cpu().reshape(-1, 2).tolist()
+            at = 0
+            for s, ids, _ in pending:
+                got = list(zip(ids, map(tuple, pairs[at: at + len(ids)])))
+                fresh[s].update(got)
+                new[s].update(got)
+                at += len(ids)
+            pending.clear()
 
         def flush() -> None:
             nonlocal seq
+            collect()
             for s, d in fresh.items():
                 if d:
                     ids = torch.tensor(list(d), dtype=torch.int64)
@@ -214,10 +232,8 @@ class Reference:
                 break
             group = sides[side][at:at + wave]
             logp, _ = run.engine.sequence_logps(microbatches(group), weights=self.weights)
-            pairs = logp.detach().float().cpu().reshape(-1, 2).tolist()
-            ids = [int(p) for b in group for p in b["pair_ids"]]
-            fresh[side].update(zip(ids, map(tuple, pairs)))
-            new[side].update(zip(ids, map(tuple, pairs)))
+            pending.append((side, [int(p) for b in group for p in b["pair_ids"]], logp))
+            timer.mark()
             if delay:
                 time.sleep(delay)
             if delay or time.perf_counter() - last > PART_SECONDS:
@@ -248,8 +264,10 @@ class Reference:
                 f.unlink()
             parts.rmdir()
         run.ranks.phase("reference stored")
-        log.log({"step": 0, "reference_pass_s": time.perf_counter() - t0, "reference_pairs": total - before})
-        log.info(f"reference log-probs: {self._count()} pairs stored in {self.file}")
+        pass_s, waves = time.perf_counter() - t0, timer.waves()
+        log.log({"step": 0, "reference_pass_s": pass_s, "reference_pairs": total - before, **waves})
+        log.info(f"reference log-probs: {self._count()} pairs stored in {self.file}" + (
+            f"; the pass {pass_s:.2f} s, {_wave_line(waves, run.plan)}" if waves else ""))
 
     @property
     def weights(self) -> str:
@@ -295,3 +313,41 @@ class Reference:
             return None
         return {"strategy": self.strategy, "file": self.file.name if self.file else None,
                 "fingerprint": self.fingerprint}
+
+
+class _WaveTimer:
+    """The reference pass's waves on the GPU, from CUDA events on the compute stream (no host sync): a wave's time
+    is from the end of the one before (the pass's start for the first) to its own end, its idle included. The first
+    wave also carries what happens once (a kernel's first compile)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.events = [self._event()] if self.cuda else []
+
+    def _event(self):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def mark(self) -> None:
+        if self.cuda:
+            self.events.append(self._event())
+
+    def waves(self) -> dict:
+        """{"reference_waves", "reference_first_wave_s", "reference_wave_s" (the median of the others)}; {} on CPU
+        or without a wave. Call after the waves' log-probs reached the host."""
+        if len(self.events) < 2:
+            return {}
+        self.events[-1].synchronize()
+        times = [a.elapsed_time(b) / 1e3 for a, b in zip(self.events, self.events[1:])]
+        rest = sorted(times[1:])
+        return {"reference_waves": len(times), "reference_first_wave_s": times[0],
+                "reference_wave_s": rest[len(rest) // 2] if rest else times[0]}
+
+
+def _wave_line(waves: dict, plan) -> str:
+    """The log's words on the pass's waves, with the plan's forward-only wave (planner/objective.py)."""
+    planned = (plan.objective or {}).get("forward_s") if plan is not None else None
+    return (f"{waves['reference_waves']} waves on the GPU: the first {waves['reference_first_wave_s']:.2f} s, then "
+            f"{waves['reference_wave_s']:.2f} s each (median)" + (f"; planned {planned:.2f} s a wave" if planned
+                                                                   else ""))

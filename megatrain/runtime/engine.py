@@ -272,7 +272,7 @@ class Engine(ForwardOnly):
             check_pairs(obj, microbatches)
             pairs = totals[2] if totals and len(totals) > 2 else sum(mb.input_ids.shape[0] // 2 for mb in microbatches)
             chosen = totals[3] if totals and len(totals) > 3 else sum(chosen_targets(mb) for mb in microbatches)
-            pref = PreferenceStep(obj, pairs, chosen, self.device)
+            pref = PreferenceStep(obj, pairs, chosen, self.device, microbatches)
         elif obj.grpo:  # each row's weight w_r carries the step's aggregation: no totals beyond the SFT ones
             check_grpo(obj, microbatches)
             pref = GRPOStep(obj, self.device)

@@ -11,6 +11,11 @@ through it is a weighted cross-entropy gradient), for any chunk size, with the l
 The extra cost is pass 1: one more forward of the head (its GEMM and one read of the logits). Gemma-2's logit
 soft-capping is in both passes (lmhead.softcap_logits).
 
+A pair's loss needs only its own two rows, so when every pair's targets fit in one chunk (`pair_chunks`: from the
+host micro-batch, no device sync) the head takes one pass instead: chunks of whole pairs, each chunk's logits
+computed once, its pairs' log-probs, loss and row weights from them, then the weighted gradient over the same
+logits. That saves pass 1's GEMM (a third of the head's GEMMs). Pairs longer than a chunk take the two passes.
+
 GRPO (`GRPOStep`) is the same two passes with a loss per token instead of per row: pass 1 keeps each target's
 log p, objective.grpo_token_loss runs on that [num_targets] vector, and pass 2 scales each token's cross-entropy
 gradient by -d(step loss)/d(logp_t). Each row's advantage and weight w_r are given (MicroBatch), so a micro-batch's
@@ -21,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from .lmhead import HeadKernels, ce_token_losses, head_loss, softcap_logits
+from .lmhead import (HeadKernels, accumulate_matmul, ce_loss_and_grad, ce_token_losses, fusable_dtypes, head_loss,
+                     softcap_logits)
 from .microbatch import MicroBatch
 from .objective import GRPO_METRICS, Objective, grpo_token_loss, pair_loss
 
@@ -74,23 +80,63 @@ def check_pairs(obj: Objective, mbs: list[MicroBatch]) -> None:
                              f"log-prob of each of its {B} rows")
 
 
+def pair_chunks(mb: MicroBatch, chunk: int) -> list[tuple[int, int, int, int]] | None:
+    """The one-pass head's chunks of a host micro-batch: (first target, end target, first row, end row) of
+    consecutive whole pairs holding at most `chunk` targets together; None when a pair alone holds more, or none
+    (the two-pass head then)."""
+    B = mb.input_ids.shape[0]
+    per_row = torch.bincount(target_rows(mb), minlength=B).tolist()
+    out, a, r0, n = [], 0, 0, 0
+    for r in range(0, B, 2):
+        k = per_row[r] + per_row[r + 1]
+        if k > chunk or k == 0:
+            return None
+        if n + k > chunk:
+            out.append((a, a + n, r0, r))
+            a, r0, n = a + n, r, 0
+        n += k
+    out.append((a, a + n, r0, B))
+    return out
+
+
 class PreferenceStep:
     """One train_step's preference head: its micro-batches' losses into the step's loss, their metric sums, the
-    gradient of every micro-batch's head. pairs, chosen: the step's (all micro-batches, all ranks)."""
+    gradient of every micro-batch's head. pairs, chosen: the step's (all micro-batches, all ranks). host: the
+    step's micro-batches as given (host tensors), in the order the engine runs their heads: where the pairs fit a
+    chunk, the head takes one pass (pair_chunks)."""
 
-    def __init__(self, obj: Objective, pairs: int, chosen: int, device: torch.device):
+    def __init__(self, obj: Objective, pairs: int, chosen: int, device: torch.device,
+                 host: list[MicroBatch] | None = None):
         self.obj, self.inv_pairs = obj, 1.0 / pairs
         self.nll_scale = 1.0 / max(chosen, 1) if obj.name == "orpo" else 0.0
         self.pairs_step = pairs
         self.metrics: dict[str, torch.Tensor] = {"pairs": torch.zeros((), dtype=torch.float32, device=device)}
+        self.host, self.calls = host or [], 0
 
     def head(self, final_norm, h: torch.Tensor, mb: MicroBatch, norm_w, lm_w, norm_grad, lm_grad, chunk: int,
              kernels: HeadKernels, softcap: float | None, loss_sum: torch.Tensor) -> torch.Tensor:
         """Adds the micro-batch's share of the step's loss to `loss_sum`; returns d(loss)/d h."""
+        host = self.host[self.calls] if self.calls < len(self.host) else None
+        self.calls += 1
+        spans = pair_chunks(host, chunk) if host is not None and host.input_ids.shape == mb.input_ids.shape \
+            and host.num_targets == mb.num_targets else None
+        self.metrics["pairs"] += mb.input_ids.shape[0] // 2
+        if spans is not None:
+            return self._one_pass(final_norm, h, mb, spans, norm_w, lm_w, norm_grad, lm_grad, kernels, softcap,
+                                  loss_sum)
         logp, n = row_logps(final_norm, h, mb, norm_w, lm_w, chunk, kernels, softcap)
+        weight = self._row_weights(logp, n, mb.ref_logps, loss_sum)
+        _, dh = head_loss(final_norm, h, mb.target_index, mb.targets, norm_w, lm_w, norm_grad, lm_grad,
+                          weight.index_select(0, target_rows(mb)), chunk, kernels, softcap)
+        return dh
+
+    def _row_weights(self, logp: torch.Tensor, n: torch.Tensor, ref: torch.Tensor | None,
+                     loss_sum: torch.Tensor) -> torch.Tensor:
+        """The pairs of these rows (logp, n, ref: [2P]): their losses into `loss_sum`, their metric sums; each row's
+        weight, -d(step loss)/d(logp[row]) (a token's loss is -log p)."""
         leaf = logp.detach().requires_grad_(True)
         with torch.enable_grad():
-            loss, metrics = pair_loss(self.obj, leaf, n, mb.ref_logps)
+            loss, metrics = pair_loss(self.obj, leaf, n, ref)
             (dlogp,) = torch.autograd.grad(loss, leaf)
         weight = dlogp * -self.inv_pairs  # d(step loss)/d(a token's loss) on each row
         loss_sum += loss.detach() * self.inv_pairs
@@ -101,9 +147,42 @@ class PreferenceStep:
             metrics["nll_loss"] = nll * self.pairs_step  # / pairs: the step's token mean
         for k, v in metrics.items():
             self.metrics[k] = self.metrics[k] + v if k in self.metrics else v
-        self.metrics["pairs"] += mb.input_ids.shape[0] // 2
-        _, dh = head_loss(final_norm, h, mb.target_index, mb.targets, norm_w, lm_w, norm_grad, lm_grad,
-                          weight.index_select(0, target_rows(mb)), chunk, kernels, softcap)
+        return weight
+
+    def _one_pass(self, final_norm, h: torch.Tensor, mb: MicroBatch, spans, norm_w, lm_w, norm_grad, lm_grad,
+                  kernels: HeadKernels, softcap: float | None, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The head over chunks of whole pairs (pair_chunks), each chunk's logits computed once: lmhead.head_loss's
+        chunk with the pairs' row weights taken from the chunk's own log-probs in between."""
+        H = h.shape[-1]
+        rows, row_of = h.reshape(-1, H), target_rows(mb)
+        nw = norm_w.detach().requires_grad_(True)
+        dh = torch.zeros_like(h)
+        d_rows = dh.view(-1, H)
+        fused = kernels.fused_accumulate and fusable_dtypes(lm_grad, h)
+        for a, b, r0, r1 in spans:
+            index, y, local = mb.target_index[a:b], mb.targets[a:b], row_of[a:b] - r0
+            x = rows.index_select(0, index).detach().requires_grad_(True)
+            with torch.enable_grad():
+                xn = final_norm(nw, x)
+            xc = xn.detach()
+            logits, tanh = softcap_logits(xc @ lm_w.t(), softcap)
+            tok = -ce_token_losses(logits, y, kernel=kernels.fused_ce)  # the logits left as they are
+            logp = torch.zeros(r1 - r0, dtype=torch.float32, device=h.device).index_add_(0, local, tok)
+            n = torch.zeros(r1 - r0, dtype=torch.int64, device=h.device).index_add_(0, local, torch.ones_like(local))
+            ref = None if mb.ref_logps is None else mb.ref_logps[r0:r1]
+            weight = self._row_weights(logp, n, ref, loss_sum)
+            _, dlogits = ce_loss_and_grad(logits, y, weight.index_select(0, local), kernel=kernels.fused_ce)
+            if tanh is not None:  # d(c·tanh(z/c))/dz = 1 - tanh²
+                dlogits = dlogits * (1 - tanh * tanh)
+            del logits, tanh
+            d_xn = dlogits @ lm_w
+            accumulate_matmul(lm_grad, dlogits.t(), xc, fused)
+            del dlogits, xc
+            dx, dnw = torch.autograd.grad(xn, [x, nw], d_xn)
+            del xn, x, d_xn
+            norm_grad.add_(dnw)
+            d_rows.index_copy_(0, index, dx)
+            del dx, dnw
         return dh
 
 
