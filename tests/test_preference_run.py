@@ -161,9 +161,13 @@ def test_the_plan_counts_the_objective(tmp_path, capsys):
     for ref, p in plans.items():
         assert p.workload.tokens_per_step == 2 * sft.workload.tokens_per_step  # 64 pairs = 128 rows
         o = p.objective
-        assert o["objective"] == "dpo" and o["pairs_per_step"] == 64 and o["extra_head_s"] > 0
+        # a pair's 2 x 1,023 targets fit one head chunk (3,328 at Qwen's vocabulary): no extra head pass
+        assert o["objective"] == "dpo" and o["pairs_per_step"] == 64 and o["one_pass"] and o["extra_head_s"] == 0
         assert o["reference"] == ("precompute" if ref == "auto" else ref), o["why"]
-        assert p.step_s > o["base_step_s"]
+        assert p.step_s == o["base_step_s"] if ref != "stream" else p.step_s > o["base_step_s"]
+    longer = plan_for_config(load_command_line(None, [*base, "data.max_seq_len=2048", "train.objective=dpo"]),
+                             adapter, "cuda").objective  # 2 x 2,047 targets: the forward-only pass first
+    assert not longer["one_pass"] and longer["extra_head_s"] > 0
     stream, pre = plans["stream"], plans["precompute"]
     assert stream.host_total - pre.host_total == pytest.approx(2.0 * stream.params)
     assert stream.step_s > pre.step_s  # the per-step forward of the reference

@@ -3,8 +3,10 @@
 A preference step is a step of 2 x train.micro_batch_size rows per micro-batch (each pair's chosen and rejected;
 workload_from_config), so the layers' work, memory and the weights' streaming are the SFT plan's. On top of it:
 
-- the LM head runs a forward-only pass over every target before its usual chunk loop (each row's log-prob comes
-  first, then the objective's per-row gradient scales the chunks): 2 FLOPs per head parameter and target;
+- the LM head needs each row's log-prob before the objective's per-row gradient: where a pair's targets fit one
+  head chunk it walks chunks of whole pairs, each chunk's logits computed once (no extra work:
+  runtime/head_objective.pair_chunks); else a forward-only pass over every target comes before its usual chunk
+  loop: 2 FLOPs per head parameter and target;
 - dpo and ipo need the reference model's log-probs, in one of two ways (preference.reference):
   precompute  a forward-only streaming pass over every training and held-out pair before step 1: a forward wave
               per group of grad_accum_steps micro-batches, each the larger of its compute and the weights' H2D;
@@ -20,6 +22,7 @@ per-step work); `choose` is the decision alone, which the run takes again with t
 
 from __future__ import annotations
 
+from ..runtime.lmhead import default_chunk
 from .profile import GiB
 from .timing import executed_flops
 
@@ -64,9 +67,12 @@ def plan_objective(plan, cfg, adapter, set_pairs: int | None = None, eval_pairs:
     head_fwd = 2.0 * adapter.vocab_size * adapter.hidden_size * targets
     rate = t["executed_flops"] / max(t["compute_s"], 1e-12)  # the step's own rate, FLOPs per second
     head_rate = prof.head_flops if w.device == "cuda" else rate
-    extra_head = head_fwd / head_rate
+    chunk = w.loss_chunk_tokens or default_chunk(adapter.vocab_size)  # the Engine's head chunk
+    one_pass = 2 * (w.targets_per_row or w.seq_len - 1) <= chunk
+    extra_head = 0.0 if one_pass else head_fwd / head_rate
     forward_s = (fl["forward"] + head_fwd) / rate  # a forward-only wave over one step's rows
-    out = {"objective": objective, "pairs_per_step": pairs_step, "extra_head_s": extra_head, "base_step_s": base,
+    out = {"objective": objective, "pairs_per_step": pairs_step, "extra_head_s": extra_head, "one_pass": one_pass,
+           "base_step_s": base,
            "forward_s": forward_s}  # (the host and problems keys named REFERENCE_COPY are this function's)
     if objective in ("dpo", "ipo"):
         used = cfg.train.steps * pairs_step
@@ -105,8 +111,9 @@ def objective_lines(plan) -> list[str]:
     o = plan.objective
     if not o:
         return []
-    lines = [f"objective: {o['objective']}, {o['pairs_per_step']:,} pairs per step (2 rows each); the LM head's "
-             f"forward-only pass for each row's log-prob: +{o['extra_head_s']:.3f} s per step"]
+    head = ("the LM head takes chunks of whole pairs, each chunk's logits once: no extra pass" if o.get("one_pass")
+            else f"the LM head's forward-only pass for each row's log-prob: +{o['extra_head_s']:.3f} s per step")
+    lines = [f"objective: {o['objective']}, {o['pairs_per_step']:,} pairs per step (2 rows each); {head}"]
     if "reference" in o:
         lines.append(f"  reference: {o['reference']} ({o['why']})")
         lines.append(f"    precompute: a forward pass over {o['pass_pairs']:,} pairs before step 1, "
