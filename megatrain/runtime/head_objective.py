@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .lmhead import (HeadKernels, accumulate_matmul, ce_loss_and_grad, ce_token_losses, fusable_dtypes, head_loss,
-                     softcap_logits)
+from .lmhead import HeadKernels, ce_loss_and_grad, ce_token_losses, head_backward, head_loss, softcap_logits
 from .microbatch import MicroBatch
 from .objective import GRPO_METRICS, Objective, grpo_token_loss, pair_loss
 
@@ -151,39 +150,22 @@ class PreferenceStep:
 
     def _one_pass(self, final_norm, h: torch.Tensor, mb: MicroBatch, spans, norm_w, lm_w, norm_grad, lm_grad,
                   kernels: HeadKernels, softcap: float | None, loss_sum: torch.Tensor) -> torch.Tensor:
-        """The head over chunks of whole pairs (pair_chunks), each chunk's logits computed once: lmhead.head_loss's
-        chunk with the pairs' row weights taken from the chunk's own log-probs in between."""
-        H = h.shape[-1]
-        rows, row_of = h.reshape(-1, H), target_rows(mb)
-        nw = norm_w.detach().requires_grad_(True)
-        dh = torch.zeros_like(h)
-        d_rows = dh.view(-1, H)
-        fused = kernels.fused_accumulate and fusable_dtypes(lm_grad, h)
-        for a, b, r0, r1 in spans:
-            index, y, local = mb.target_index[a:b], mb.targets[a:b], row_of[a:b] - r0
-            x = rows.index_select(0, index).detach().requires_grad_(True)
-            with torch.enable_grad():
-                xn = final_norm(nw, x)
-            xc = xn.detach()
-            logits, tanh = softcap_logits(xc @ lm_w.t(), softcap)
+        """The head over chunks of whole pairs (pair_chunks), each chunk's logits computed once (lmhead.head_backward):
+        the pairs' row weights come from the chunk's own log-probs, then weight its tokens' gradients."""
+        row_of = target_rows(mb)
+
+        def chunk_grad(span: tuple[int, int, int, int], logits: torch.Tensor) -> torch.Tensor:
+            a, b, r0, r1 = span
+            y, local = mb.targets[a:b], row_of[a:b] - r0
             tok = -ce_token_losses(logits, y, kernel=kernels.fused_ce)  # the logits left as they are
             logp = torch.zeros(r1 - r0, dtype=torch.float32, device=h.device).index_add_(0, local, tok)
             n = torch.zeros(r1 - r0, dtype=torch.int64, device=h.device).index_add_(0, local, torch.ones_like(local))
             ref = None if mb.ref_logps is None else mb.ref_logps[r0:r1]
             weight = self._row_weights(logp, n, ref, loss_sum)
-            _, dlogits = ce_loss_and_grad(logits, y, weight.index_select(0, local), kernel=kernels.fused_ce)
-            if tanh is not None:  # d(c·tanh(z/c))/dz = 1 - tanh²
-                dlogits = dlogits * (1 - tanh * tanh)
-            del logits, tanh
-            d_xn = dlogits @ lm_w
-            accumulate_matmul(lm_grad, dlogits.t(), xc, fused)
-            del dlogits, xc
-            dx, dnw = torch.autograd.grad(xn, [x, nw], d_xn)
-            del xn, x, d_xn
-            norm_grad.add_(dnw)
-            d_rows.index_copy_(0, index, dx)
-            del dx, dnw
-        return dh
+            return ce_loss_and_grad(logits, y, weight.index_select(0, local), kernel=kernels.fused_ce)[1]
+
+        chunks = [(mb.target_index[span[0]:span[1]], span) for span in spans]
+        return head_backward(final_norm, h, chunks, norm_w, lm_w, norm_grad, lm_grad, kernels, softcap, chunk_grad)
 
 
 def check_grpo(obj: Objective, mbs: list[MicroBatch]) -> None:

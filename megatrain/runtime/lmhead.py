@@ -137,32 +137,48 @@ def head_loss(final_norm: Callable, h: torch.Tensor, target_index: torch.Tensor,
     `scale` may be a per-target fp32 tensor [n] (each token's weight in a preference loss): the gradient is then
     d(Σ scale·token loss)/d h and the returned loss the plain sum of token losses. `temperature` (grpo: the
     sampling temperature, as TRL's GRPOTrainer divides the logits by it) divides the (capped) logits before the loss."""
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    per_target = isinstance(scale, torch.Tensor)
+    scale_t = scale if per_target else torch.full((), scale, dtype=torch.float32, device=h.device)  # no host sync
+
+    def chunk_grad(a: int, logits: torch.Tensor) -> torch.Tensor:
+        if temperature != 1.0:
+            logits = logits / temperature
+        chunk_loss, dlogits = ce_loss_and_grad(logits, targets[a: a + chunk],
+                                               scale_t[a: a + chunk] if per_target else scale_t,
+                                               kernel=kernels.fused_ce)
+        loss.add_(chunk_loss)
+        return dlogits / temperature if temperature != 1.0 else dlogits  # d(z/T)/dz = 1/T
+
+    chunks = [(target_index[a: a + chunk], a) for a in range(0, target_index.shape[0], chunk)]
+    dh = head_backward(final_norm, h, chunks, norm_w, lm_w, norm_grad, lm_grad, kernels, softcap, chunk_grad)
+    return (loss if per_target else loss * scale), dh
+
+
+def head_backward(final_norm: Callable, h: torch.Tensor, chunks: list, norm_w: torch.Tensor, lm_w: torch.Tensor,
+                  norm_grad: torch.Tensor, lm_grad: torch.Tensor, kernels: HeadKernels, softcap: float | None,
+                  chunk_grad: Callable) -> torch.Tensor:
+    """The final norm and LM head over `chunks` ((rows of the flattened [B*T] hidden states `h`, a key) each), one
+    chunk's logits at a time: `chunk_grad(key, logits)` turns the chunk's (capped) logits into d(loss)/d(logits),
+    which goes back through the cap, the head and the norm. Accumulates the fp32 gradients into `norm_grad` and
+    `lm_grad`; returns d(loss)/d h. The norm runs chunk by chunk too: nothing of [targets, H] beyond d(hidden)
+    is ever held, and a chunk's logits are freed before its backward's matmuls."""
     H = h.shape[-1]
     rows = h.reshape(-1, H)
     nw = norm_w.detach().requires_grad_(True)
     dh = torch.zeros_like(h)
     d_rows = dh.view(-1, H)
-    loss = torch.zeros((), dtype=torch.float32, device=h.device)
-    per_target = isinstance(scale, torch.Tensor)
-    scale_t = scale if per_target else torch.full((), scale, dtype=torch.float32, device=h.device)  # no host sync
     fused = kernels.fused_accumulate and fusable_dtypes(lm_grad, h)
-    for a in range(0, target_index.shape[0], chunk):  # the final norm too, chunk by chunk: nothing of [targets, H]
-        index, y = target_index[a: a + chunk], targets[a: a + chunk]  # beyond d(hidden) is ever held
+    for index, key in chunks:
         x = rows.index_select(0, index).detach().requires_grad_(True)
         with torch.enable_grad():
             xn = final_norm(nw, x)
         xc = xn.detach()
         logits, tanh = softcap_logits(xc @ lm_w.t(), softcap)
-        if temperature != 1.0:
-            logits = logits / temperature
-        chunk_loss, dlogits = ce_loss_and_grad(logits, y, scale_t[a: a + chunk] if per_target else scale_t,
-                                               kernel=kernels.fused_ce)
-        if temperature != 1.0:  # d(z/T)/dz = 1/T
-            dlogits = dlogits / temperature
+        dlogits = chunk_grad(key, logits)
         if tanh is not None:  # d(c·tanh(z/c))/dz = 1 - tanh²
             dlogits = dlogits * (1 - tanh * tanh)
         del logits, tanh
-        loss += chunk_loss
         d_xn = dlogits @ lm_w
         accumulate_matmul(lm_grad, dlogits.t(), xc, fused)
         del dlogits, xc
@@ -171,4 +187,4 @@ def head_loss(final_norm: Callable, h: torch.Tensor, target_index: torch.Tensor,
         norm_grad.add_(dnw)
         d_rows.index_copy_(0, index, dx)
         del dx, dnw
-    return (loss if per_target else loss * scale), dh
+    return dh
