@@ -123,8 +123,9 @@ class Run:
 
 
 def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
-    """Every check that can fail on the user's input, before any large allocation. Writes nothing.
-    ranks: the run's processes (default: one process on train.device)."""
+    """Every check that can fail on the user's input, before any large allocation. Writes nothing but the data
+    cache. ranks: the run's processes (default: one process on train.device); they check at once, the node's other
+    ranks waiting only for local rank 0 to tokenise the data (its first failure is reported, once)."""
     from ..planner import check_before_run
     from ..planner.estimate import documents_span, retime_packed
     from ..planner.precision import resolve_precision
@@ -179,6 +180,8 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
                              f"vocab_size is {adapter.vocab_size}")
     grpo = cfg.train.objective == "grpo"
     pairs = cfg.train.objective not in ("sft", "grpo")  # (config.objective_problems: then the data is pairs)
+    if not world.fills_store:  # the node's other ranks read the data from the cache local rank 0 tokenises into:
+        ranks.node_phase("data-cached")  # everything above ran on every rank at once
     if grpo:  # prompts and rewards (run/grpo.py): every reward imported and every prompt read before a write
         from .grpo import check_world, rollouts
 
@@ -191,6 +194,8 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
                               micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
                               rank=world.rank, world=world.size)
         eval_batches = build_eval(cfg.data, tokenizer, micro_batch_size=cfg.train.micro_batch_size)
+    if world.fills_store:
+        ranks.node_phase("data-cached")
     if cfg.data.packing and plan is not None and not grpo:  # the documents are known now: attention timed over
         #                                                        their span
         retime_packed(plan, adapter, documents_span(loader.examples.lengths))
@@ -254,13 +259,8 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
     ranks = ranks or OneProcess(cfg.train.device)
     world = ranks.world
     clock = StartupClock(since_process_start, world.size)
-    if not world.fills_store:
-        ranks.node_phase("checked-first")  # local rank 0 checks first: it tokenises the data into the cache
-        clock.waited()
     inp = check_inputs(cfg, ranks)
     clock.lap("inputs checked and planned")
-    if world.fills_store:
-        ranks.node_phase("checked-first")  # the node's other ranks check now
     ranks.phase("checked")  # nobody allocates, or writes to output.dir, before every rank has checked
     clock.waited()
 
