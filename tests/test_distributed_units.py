@@ -3,8 +3,6 @@ the node's shared memory and flags, torchrun's environment, and the plan of seve
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -182,26 +180,37 @@ def test_node_memory_faults_in_each_ranks_share_at_allocation():
 
 
 # ---- the plan of several ranks ------------------------------------------------------------------------------------
-ENV = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-
-
-def plan_json(tmp_path, *args):
+def plan_config(tmp_path) -> Path:
+    """A tiny model, its data and a CUDA bf16 config (planned from config.json: no GPU needed)."""
     model = tmp_path / "model"
     if not model.is_dir():
         make_model_with_tokenizer(model)
         make_data(tmp_path / "train.jsonl")
-    cfg = write_config(tmp_path / "cfg.yaml", model, tmp_path / "train.jsonl", tmp_path / "run", tmp_path / "cache",
-                       train={"device": "cuda", "precision": "bf16"})
-    r = subprocess.run([sys.executable, "-m", "megatrain", "plan", str(cfg), "--json", *args], capture_output=True,
-                       text=True, env=ENV)
-    assert r.returncode in (0, 1), r.stderr
-    return json.loads(r.stdout), r
+    return write_config(tmp_path / "cfg.yaml", model, tmp_path / "train.jsonl", tmp_path / "run", tmp_path / "cache",
+                        train={"device": "cuda", "precision": "bf16"})
 
 
-def test_plan_of_several_ranks_is_per_node(tmp_path):
-    one, _ = plan_json(tmp_path)
-    two, _ = plan_json(tmp_path, "--nproc-per-node", "2")
-    four, r = plan_json(tmp_path, "--nproc-per-node", "2", "--nnodes", "2")
+def plan_out(tmp_path, capsys, *args) -> tuple[int, str, str]:
+    """`megatrain plan CONFIG ARGS` in this process (the command line's own code): exit status, stdout, stderr."""
+    from megatrain.cli import main
+
+    cfg = plan_config(tmp_path)
+    capsys.readouterr()
+    rc = main(["plan", str(cfg), *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def plan_json(tmp_path, capsys, *args):
+    rc, out, err = plan_out(tmp_path, capsys, *args)
+    assert rc in (0, 1), err
+    return json.loads(out) if "--json" in args else out
+
+
+def test_plan_of_several_ranks_is_per_node(tmp_path, capsys):
+    one = plan_json(tmp_path, capsys, "--json")
+    two = plan_json(tmp_path, capsys, "--json", "--nproc-per-node", "2")
+    four = plan_json(tmp_path, capsys, "--json", "--nproc-per-node", "2", "--nnodes", "2")
     params = one["params"]
     assert one["world"] == {"nodes": 1, "ranks_per_node": 1, "world_size": 1,
                             "global_tokens_per_step": one["tokens_per_step"]}
@@ -224,18 +233,15 @@ def test_plan_of_several_ranks_is_per_node(tmp_path):
     assert two["world"]["inter_node_gib_per_node"] == 0
     assert four["step_time_s"] >= one["step_time_s"]
     assert four["tokens_per_s"] == pytest.approx(4 * one["tokens_per_s"] * one["step_time_s"] / four["step_time_s"])
-    text = subprocess.run([sys.executable, "-m", "megatrain", "plan", str(tmp_path / "cfg.yaml"), "--nnodes", "2",
-                           "--nproc-per-node", "2"], capture_output=True, text=True, env=ENV).stdout
+    text = plan_json(tmp_path, capsys, "--nnodes", "2", "--nproc-per-node", "2")
     assert "world: 2 nodes x 2 ranks = 4 ranks" in text and "host RAM above is per node" in text
 
 
-def test_plan_refuses_a_bad_world_flag(tmp_path):
-    plan_json(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "megatrain", "plan", str(tmp_path / "cfg.yaml"), "--nproc-per-node",
-                        "0"], capture_output=True, text=True, env=ENV)
-    last = r.stderr.strip().splitlines()[-1]  # after argparse's usage line
-    assert r.returncode == 2 and last.startswith("megatrain: error: argument --nproc-per-node:"), r.stderr
-    assert "Traceback" not in r.stderr
+def test_plan_refuses_a_bad_world_flag(tmp_path, capsys):
+    rc, _, err = plan_out(tmp_path, capsys, "--nproc-per-node", "0")
+    last = err.strip().splitlines()[-1]  # after argparse's usage line
+    assert rc == 2 and last.startswith("megatrain: error: argument --nproc-per-node:"), err
+    assert "Traceback" not in err
 
 
 def test_the_workers_keep_the_callers_python_path(monkeypatch):

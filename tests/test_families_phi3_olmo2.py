@@ -7,8 +7,6 @@ the parameters transformers builds for the real 14B / 13B configs."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -274,7 +272,8 @@ def test_packed_row_equals_its_documents(tmp_path, family):
 
 # ---- the planner on the real configs -------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,family", [("phi-3-medium-14b", "phi3"), ("olmo-2-13b", "olmo2")])
-def test_plan_on_real_configs_counts_the_parameters_transformers_builds(tmp_path, name, family):
+def test_plan_on_real_configs_counts_the_parameters_transformers_builds(tmp_path, capsys, name, family):
+    from megatrain.cli import main
     from megatrain.models import load_hf_config
 
     d = Path(__file__).resolve().parents[2] / "shared" / "model-configs" / name
@@ -282,10 +281,11 @@ def test_plan_on_real_configs_counts_the_parameters_transformers_builds(tmp_path
         d = Path(__file__).resolve().parents[1] / "bench" / "model-configs" / name
     if not d.is_dir():
         pytest.skip(f"{name}/config.json is not in this checkout")
-    r = subprocess.run([sys.executable, "-m", "megatrain.cli", "plan", f"model.path={d}",
-                        f"output.dir={tmp_path / 'out'}", "--json"], capture_output=True, text=True)
-    assert r.returncode in (0, 1) and "Traceback" not in r.stderr, r.stderr  # 1: will not fit on this machine
-    plan = json.loads(r.stdout)
+    capsys.readouterr()
+    rc = main(["plan", f"model.path={d}", f"output.dir={tmp_path / 'out'}", "--json"])
+    out = capsys.readouterr()
+    assert rc in (0, 1) and "Traceback" not in out.err, out.err  # 1: will not fit on this machine
+    plan = json.loads(out.out)
     assert plan["model"].startswith(family)
     cfg = load_hf_config(d)
     with torch.device("meta"):
