@@ -154,7 +154,9 @@ def test_a_distributed_run_plans_with_the_adamw_rate_rank_0_measured(tmp_path, m
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cfg = load_config(None, [])
     store = dist.HashStore()
-    ranks = [SimpleNamespace(world=SimpleNamespace(rank=r), store=store) for r in range(3)]
+    arrived = threading.Barrier(3)  # Distributed.phase: every rank arrives before rank 0 measures
+    ranks = [SimpleNamespace(world=SimpleNamespace(rank=r), store=store, phase=lambda name: arrived.wait(60))
+             for r in range(3)]
     measured, got = [], {}
 
     def run(r):
@@ -174,6 +176,37 @@ def test_a_distributed_run_plans_with_the_adamw_rate_rank_0_measured(tmp_path, m
     from megatrain.planner.probe import adamw_thread_counts  # the node's counts: this process's threads x 3 ranks
 
     assert got[0][1] in adamw_thread_counts(torch.get_num_threads() * 3)
+
+
+def test_a_failed_measurement_of_rank_0_fails_the_others_at_once_not_at_the_store_timeout():
+    import threading
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatrain.distributed.session import Distributed
+
+    store = dist.HashStore()
+    arrived = threading.Barrier(2)
+    ranks = [SimpleNamespace(world=SimpleNamespace(rank=r), store=store, phase=lambda name: arrived.wait(60))
+             for r in range(2)]
+    seen = {}
+
+    def other():
+        try:
+            Distributed.agreed(ranks[1], "rate", lambda: 1.0)
+        except RuntimeError as e:
+            seen[1] = str(e)
+
+    def broken():
+        raise ValueError("no layer to run")
+
+    t = threading.Thread(target=other)
+    t.start()
+    with pytest.raises(ValueError):
+        Distributed.agreed(ranks[0], "rate", broken)
+    t.join(timeout=30)
+    assert not t.is_alive() and seen[1] == "rank 0 could not compute rate (ValueError: no layer to run)"
 
 
 def test_plan_on_the_training_machine_uses_the_rate_train_measures(tmp_path, monkeypatch, capsys):

@@ -133,13 +133,22 @@ class Distributed:
     def agreed(self, name: str, compute) -> float:
         """A number every rank must use alike (the CPU AdamW rate the plan is made with: ranks planning with rates
         measured each on its own would choose different placements): rank 0 computes it and publishes it in the
-        store, the other ranks wait for it there (the store's timeout) and read it."""
+        store, the other ranks wait for it there (the store's timeout) and read it. Every rank arrives first: the
+        ranks check their inputs at once, and a rate is measured only while the others wait idle."""
+        self.phase(f"agree/{name}")
         key = f"agreed/{name}"
         if self.world.rank == 0:
-            value = float(compute())
+            try:
+                value = float(compute())
+            except Exception as e:  # the others raise too (the caller may fall back, as rank 0's does)
+                self.store.set(key, f"failed: {type(e).__name__}: {e}")
+                raise
             self.store.set(key, repr(value))
             return value
-        return float(self.store.get(key).decode())
+        got = self.store.get(key).decode()
+        if got.startswith("failed: "):
+            raise RuntimeError(f"rank 0 could not compute {name} ({got[len('failed: '):]})")
+        return float(got)
 
     # ---- small host-side collectives -----------------------------------------------------------------
     def all_sum(self, values: list[float]) -> list[float]:
