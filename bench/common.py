@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -55,7 +57,10 @@ def machine() -> str:
 
 
 def write_json(path: str | None, payload: dict) -> None:
-    payload = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "git": git_rev(), **payload}
+    """`payload` with the date, machine, revision and the command that ran (bench/refruns.py add reads them)."""
+    command = " ".join([os.path.relpath(sys.argv[0], HERE.parent), *map(shlex.quote, sys.argv[1:])])
+    payload = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "git": git_rev(),
+               "command": command, **payload}
     text = json.dumps(payload, indent=2)
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -175,8 +175,9 @@ def main() -> int:
         else:
             print(f"{r['case']:<42}{r['fastest_s']:>10.2f}{r['median_s']:>10.2f}{r['cpu_median_s']:>8.2f}  {r['fits']}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"python": sys.version.split()[0], "root": str(root), "start_s": base,
-                                               "cases": rows}, indent=1) + "\n")
+        from common import write_json  # (torch: imported here only, after the timed runs)
+
+        write_json(args.json, {"python": sys.version.split()[0], "root": str(root), "start_s": base, "cases": rows})
     return 0
 
 
