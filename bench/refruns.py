@@ -22,9 +22,10 @@ def load(name: str | Path) -> dict:
 
 
 def runs(name: str | Path) -> list[dict]:
-    """Its runs, each a dict with command and result."""
+    """Its runs, each a dict with command and result (one benchmark's own "runs", a dict of its modes, are one run)."""
     payload = load(name)
-    return payload.get("runs") or [payload]
+    found = payload.get("runs")
+    return found if isinstance(found, list) and found else [payload]
 
 
 def result(name: str | Path, label: str | None = None) -> dict:
