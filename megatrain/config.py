@@ -103,8 +103,9 @@ class EngineConfig(_Strict):
         "auto", description="torch.compile the layer template (auto: on CUDA only; fuses the elementwise work)")
     tune_first: Literal["auto", "on", "off"] = Field(
         "auto", description="compile and tune the layers' kernels on a copy of the model with one layer of each kind, "
-                            "before the host store is allocated, so the autotuner's page-locked copies never add to "
-                            "its peak (run/tune_first.py; auto: when the layers are compiled on CUDA in one process)")
+                            "beside the host store's allocation and fill where host RAM holds both (else before it), "
+                            "so the autotuner's page-locked copies never add to the run's steps (run/tune_first.py; "
+                            "auto: when the layers are compiled on CUDA in one process)")
 
     @field_validator("compile", "tune_first", mode="before")
     @classmethod

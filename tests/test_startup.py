@@ -42,7 +42,8 @@ def test_overlapped_phases_keep_their_names_and_add_the_wall_time():
 def test_the_store_is_filled_beside_the_tuning_only_where_host_ram_holds_both():
     """Qwen2.5-7B, 158 x 1024 on CUDA, tuned first: the copy's phase (23.5 GiB: its store, the autotuner's block,
     the process's runtime) beside the store's 99.3 GiB fits 123.3 GiB (the H100 host's available memory) but not
-    110; no known available memory, or no plan: one after the other."""
+    110; no known available memory, or no plan: one after the other. The plan counts the start's peak: the store
+    and the copy's phase at once where they run at once (above the run's own peak), the run's own peak where not."""
     from dataclasses import replace
     from pathlib import Path
 
@@ -62,7 +63,11 @@ def test_the_store_is_filled_beside_the_tuning_only_where_host_ram_holds_both():
     assert store / GiB == pytest.approx(99.3, abs=0.01)
     both = store + sum(copy_host(qwen, w)[1].values())
     plan = make_plan(qwen, w, load_profile(None), host_available=123.3 * GiB, suggest=False)
-    assert TUNE_COPY not in plan.host
+    assert plan.host_total == pytest.approx(both) and plan.host[TUNE_COPY] > 0  # the start's peak: both at once
+    assert any("while the store is allocated and filled beside it" in n for n in plan.notes)
+    apart = make_plan(qwen, w, load_profile(None), host_available=110 * GiB, suggest=False)
+    assert TUNE_COPY not in apart.host and apart.host_total < both  # one after the other: the run's own peak
+    assert any("before the store is allocated" in n for n in apart.notes)
     for avail, fits in ((123.3 * GiB, True), (110 * GiB, False), (both, True), (both - 1, False), (None, False)):
         assert overlap_fits(replace(plan, host_available=avail), qwen) is fits, avail
     assert overlap_fits(None, qwen) is False

@@ -18,7 +18,7 @@ from .placement import choose, describe
 from .profile import COMPILED_SPEEDUP, GiB, Profile
 from .tally import sized
 from .timing import executed_flops, step_time
-from .tune_copy import copy_host
+from .tune_copy import beside_store, copy_host, store_states
 from .workload import Workload
 from .world import World, comm, node_host, node_pinned, world_time
 
@@ -173,13 +173,15 @@ def estimate(adapter, w: Workload, profile: Profile, *, host_available: float | 
     host = host_memory(units, w, adapter.tied)
     if w.tune_first and w.compile and w.device == "cuda":
         layers, phase = copy_host(adapter, w)
-        total, run_peak = sum(phase.values()), sum(host.values())
-        if total > run_peak:  # few layers: the copy's phase, with the autotuner's block, is the peak
+        beside = beside_store(host, phase, host_available)  # the store allocated and filled meanwhile
+        total, run_peak = sum(phase.values()) + (store_states(host) if beside else 0.0), sum(host.values())
+        if total > run_peak:  # the copy's phase (with the autotuner's block), beside the store or alone, is the peak
             host[TUNE_COPY] = total - run_peak
+        when = "while the store is allocated and filled beside it" if beside else "before the store is allocated"
         notes.append(f"engine.tune_first: the kernels are compiled and tuned first on a copy of the model with "
-                     f"{layers} layer{'s' if layers > 1 else ''}, before the store is allocated: {total / GiB:.1f} GiB "
-                     f"of host then, the autotuner's page-locked copies (up to {autotune_host(units, w) / GiB:.2f} "
-                     f"GiB) included" + ("" if total > run_peak else ", not on this peak"))
+                     f"{layers} layer{'s' if layers > 1 else ''}, {when}: {total / GiB:.1f} GiB of host then, the "
+                     f"autotuner's page-locked copies (up to {autotune_host(units, w) / GiB:.2f} GiB) included"
+                     + ("" if total > run_peak else ", not on this peak"))
     pinned = pinned_bytes(host, w)
     name, comps = peak_phase(gpu_phases(adapter, units, w, notes, profile))
     peak = sum(comps.values())

@@ -4,6 +4,8 @@ Before the run's host store exists, the kernels are compiled and tuned on a copy
 the first of each attention kind, over a store of its own, on one micro-batch at a time. That phase's host peak is
 the copy's store, its landing buffers, the autotuner's page-locked block (which no longer comes in the run's first
 step) and the runtime. It is below the run's own peak unless the model has few layers; the plan takes the larger.
+Where host RAM holds the run's store and the copy's phase at once (`beside_store`), the store is allocated and filled
+beside the copy (run/startup.py): the start's host peak is then the sum, and the plan counts it.
 """
 
 from __future__ import annotations
@@ -53,3 +55,19 @@ def copy_host(adapter, w: Workload) -> tuple[int, dict[str, float]]:
     cw = replace(w, micro_batches=(max(w.micro_batches),), placement=copy_placement(w.placement, layers),
                  disk_states=(), tune_first=False)
     return layers, host_memory(small.units(), cw, small.tied)
+
+
+def store_states(host: dict[str, float]) -> float:
+    """The bytes of the host store's states among a run's host components: the master, Adam m and v, the streaming
+    copy, the SSD tier's slots, a reference copy (what is allocated and filled before the first step)."""
+    from .memory import SSD_CACHE, STATE_NAMES
+
+    return sum(v for k, v in host.items() if k in STATE_NAMES.values() or k == SSD_CACHE
+               or k.startswith("bf16 streaming copy") or "reference" in k)
+
+
+def beside_store(host: dict[str, float], copy_phase: dict[str, float], available: float | None) -> bool:
+    """Whether host RAM holds the store's states and the copy's whole phase (its store, the autotuner's block, the
+    process's runtime and data, counted there once) at once; the run's later buffers (landing buffers, pinned
+    gradients) come after the copy is freed. Unknown available memory: no."""
+    return available is not None and store_states(host) + sum(copy_phase.values()) <= available

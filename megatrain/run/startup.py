@@ -23,18 +23,13 @@ GiB = 2**30
 
 
 def overlap_fits(plan, adapter) -> bool:
-    """The plan says host RAM holds the store and the copy's phase at once: the store's states (master, Adam m and
-    v, streaming copy, the SSD tier's slots, a reference copy) beside the copy's whole phase (its store, the
-    autotuner's block, and the process's runtime and data, counted there once); the run's later buffers (landing
-    buffers, pinned gradients) come after the copy is freed. None plan, or no known available memory: no."""
-    if plan is None or plan.host_available is None:
+    """The plan says host RAM holds the store and the copy's phase at once (planner/tune_copy.py, beside_store: the
+    plan counts that peak). None plan: no."""
+    if plan is None:
         return False
-    from ..planner.memory import SSD_CACHE, STATE_NAMES
-    from ..planner.tune_copy import copy_host
+    from ..planner.tune_copy import beside_store, copy_host
 
-    store = sum(v for k, v in plan.host.items() if k in STATE_NAMES.values() or k == SSD_CACHE
-                or k.startswith("bf16 streaming copy") or "reference" in k)
-    return store + sum(copy_host(adapter, plan.workload)[1].values()) <= plan.host_available
+    return beside_store(plan.host, copy_host(adapter, plan.workload)[1], plan.host_available)
 
 
 class Beside:
