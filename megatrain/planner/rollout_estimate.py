@@ -3,14 +3,15 @@ cache, the device bytes of the mode, a decode step's time and what binds it, the
 
 resident: a decode step reads every weight once from HBM plus the live rows' KV cache, and runs 2 x active
 parameters FLOPs per row plus the attention over the cache: max(bytes / ROLLOUT_HBM_BPS, FLOPs / (peak x
-ROLLOUT_MATMUL_EFFICIENCY)); streamed: the decoder layers' bf16 bytes cross the bus once per step, so max(layer bytes /
+ROLLOUT_DECODE_EFFICIENCY)); the prefill's matmuls run at ROLLOUT_MATMUL_EFFICIENCY of the peak; streamed: the decoder layers' bf16 bytes cross the bus once per step, so max(layer bytes /
 the profile's H2D rate, the same compute); with kv_on_host the cache crosses it too. Each step adds
 ROLLOUT_STEP_OVERHEAD_S. Every row is assumed to run max_new tokens (rows that end early make the real rollout faster)."""
 
 from __future__ import annotations
 
 from ..models import get_adapter
-from .calibration import ROLLOUT_HBM_BPS, ROLLOUT_MATMUL_EFFICIENCY, ROLLOUT_STEP_OVERHEAD_S
+from .calibration import (ROLLOUT_DECODE_EFFICIENCY, ROLLOUT_HBM_BPS, ROLLOUT_MATMUL_EFFICIENCY,
+                          ROLLOUT_STEP_OVERHEAD_S)
 
 BF16 = 2
 
@@ -51,10 +52,11 @@ def rollout_estimate(hf_config, seqs: int, prompt_len: int, max_new: int, mode: 
     total = prompt_len + max_new
     kv_bytes = seqs * kv_bytes_per_row(hf_config, total)
     kv_mean = seqs * kv_bytes_per_row(hf_config, prompt_len + max_new // 2)  # what an average step reads
-    peak = (profile.peak_bf16 or profile.matmul_flops) * ROLLOUT_MATMUL_EFFICIENCY
+    peak_bf16 = profile.peak_bf16 or profile.matmul_flops
+    peak = peak_bf16 * ROLLOUT_MATMUL_EFFICIENCY
     ctx = prompt_len + max_new / 2
     step_flops = seqs * (2 * active + 4 * ctx * attn_width)
-    compute_s = step_flops / peak
+    compute_s = step_flops / (peak_bf16 * ROLLOUT_DECODE_EFFICIENCY)
     hbm = hbm_bps(profile.gpu_name)
     if mode == "resident":
         resident = weights + (0 if kv_on_host else kv_bytes)
