@@ -125,7 +125,8 @@ class Run:
 def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
     """Every check that can fail on the user's input, before any large allocation. Writes nothing but the data
     cache. ranks: the run's processes (default: one process on train.device); they check at once, the node's other
-    ranks waiting only for local rank 0 to tokenise the data (its first failure is reported, once)."""
+    ranks waiting only for local rank 0 to tokenise the data; a bad input is reported once, by the first rank to find
+    it (Distributed.failed)."""
     from ..planner import check_before_run
     from ..planner.estimate import documents_span, retime_packed
     from ..planner.precision import resolve_precision
