@@ -14,9 +14,10 @@ then runs, each in a fresh process (`--child`), `load_tokenizer`, `build_train_l
 max_seq_len 2048, data.num_proc --num-proc (unset: megatrain's default) and the first step's batches, twice: `first`
 with an empty cache/ and `cached` with the same cache/. Per run: rows, tokens, seconds (build_s) and those of its
 phases (read: JSON lines -> Arrow; tokenise: datasets.map; examples: the rest of build_examples; sampler: the epoch's
-plan, the run summary's lines and the first step's batches), the process's wall time from its start (imports included), processes used, CPU
-count, and CPU seconds of the process and of its worker processes. --profile adds each run's cProfile summary of the
-main process (the workers' time is not in it); --root times another checkout's megatrain (before and after a change).
+plan, the run summary's lines, which the run's start prints, and the first step's batches), the process's wall time
+from its start (imports included), processes used, CPU count, and CPU seconds of the process and of its worker
+processes. --profile adds each run's cProfile summary of the main process (the workers' time is not in it); --root
+times another checkout's megatrain (before and after a change); --runs cached alone reuses the cache of before.
 """
 
 from __future__ import annotations
@@ -187,7 +188,8 @@ def child(args) -> None:
            "examples_rest_s": phases.get("examples", 0.0) - phases.get("read", 0.0) - phases.get("tokenise", 0.0),
            "sampler_s": t1 - t_tok - phases.get("examples", 0.0),
            "process_s": time.time() - _process_start(), "imports_s": imported - _PT0,
-           "processes": used[0] if used else None, "megatrain": str(Path(encode.__file__).parents[2]), "cpus": len(os.sched_getaffinity(0)),
+           "processes": used[0] if used else None, "cpus": len(os.sched_getaffinity(0)),
+           "megatrain": str(Path(encode.__file__).parents[2]),
            "cpu_s": (c1.user + c1.system) - (c0.user + c0.system),
            "cpu_children_s": (c1.children_user + c1.children_system) - (c0.children_user + c0.children_system)}
     if prof:

@@ -94,12 +94,14 @@ def blocks(file: Path):
 
 def _table(data: bytes, first: int):
     """The rows of whole lines `data`, the first being line `first`, as an Arrow table: the lines cut out of the
-    bytes as they are, checked to be UTF-8 by Arrow (a block that is not goes line by line: _rows_slowly)."""
+    bytes as they are, checked to be UTF-8 by Arrow (a block that is not goes line by line: _slow_table)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     if not data.endswith(b"\n"):
         data += b"\n"
+    if len(data) >= 1 << 31:  # a line of 2 GB or more: past 32-bit offsets
+        return _slow_table(data, first)
     buf = np.frombuffer(data, np.uint8)
     ends = np.flatnonzero(buf == 10)
     starts = np.concatenate(([0], ends[:-1] + 1))
@@ -108,9 +110,7 @@ def _table(data: bytes, first: int):
     try:
         lines.validate(full=True)
     except pa.ArrowInvalid:
-        rows, raws, errs = _rows_slowly(data, first)
-        return pa.table({ROW_COL: pa.array(rows, pa.int64()), RAW_COL: pa.array(raws, pa.string()),
-                         ERR_COL: pa.array(errs, pa.string())})
+        return _slow_table(data, first)
     inked = SPACE[buf[starts]] == 0  # most lines start with a byte that bytes.strip() keeps; the others are read
     for i in np.flatnonzero(~inked).tolist():
         inked[i] = bool(data[starts[i]: ends[i]].strip())
@@ -124,8 +124,10 @@ def _table(data: bytes, first: int):
                      ERR_COL: pa.array([""] * len(keep), pa.string())})
 
 
-def _rows_slowly(data: bytes, first: int) -> tuple[list[int], list[str], list[str]]:
+def _slow_table(data: bytes, first: int):
     """Line by line, as sources._json_rows: a line that is not UTF-8 becomes a row holding the reason."""
+    import pyarrow as pa
+
     rows, raws, errs = [], [], []
     for n, b in enumerate(_lines(data), first):
         if not b.strip():
@@ -137,7 +139,8 @@ def _rows_slowly(data: bytes, first: int) -> tuple[list[int], list[str], list[st
             raws.append("")
             errs.append(f"not valid UTF-8 (byte 0x{b[e.start]:02x} at column {e.start + 1})")
         rows.append(n)
-    return rows, raws, errs
+    return pa.table({ROW_COL: pa.array(rows, pa.int64()), RAW_COL: pa.array(raws, pa.string()),
+                     ERR_COL: pa.array(errs, pa.string())})
 
 
 def _lines(data: bytes) -> list[bytes]:
