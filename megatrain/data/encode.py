@@ -58,7 +58,7 @@ def encode_row(raw: dict, index: int, *, tok, fmt: str, columns: dict, roles: di
     except Exception as e:  # anything else a strange row provokes (the template, the tokenizer): name it
         return _bad(row_no, f"{type(e).__name__}: {e}".splitlines()[0])
     return {"input_ids": ids, "labels": labels, "row": row_no, "error": "", "length": len(ids),
-            "num_targets": sum(1 for x in labels if x != IGNORE), "cut_chars": cut}
+            "num_targets": len(labels) - labels.count(IGNORE), "cut_chars": cut}
 
 
 def read_row(raw: dict, index: int) -> tuple[int, object, str]:
@@ -112,9 +112,10 @@ def tokenise(part: RawPart, tok, opts: EncodeOptions, root: str, num_proc: int |
     fp = hashlib.sha256(key.encode()).hexdigest()[:20]
     out = Path(root) / "megatrain" / f"tokens-{fp}.arrow"
     ds = part.dataset
-    if RAW_COL not in ds.column_names and not out.exists():  # read by datasets, not by our reader: check the bytes
+    done = cached(out)
+    if RAW_COL not in ds.column_names and not done:  # read by datasets, not by our reader: check the bytes
         check_strings_utf8(part)
-    if fail_fast and len(ds) and not out.exists():  # a wrong format or column shows on row 1: stop before mapping
+    if fail_fast and len(ds) and not done:  # a wrong format or column shows on row 1: stop before mapping
         first = encoder(ds[0], 0, **kwargs)
         if first["error"]:
             raise MegatrainError(f"{part.where(first['row'])}: {first['error']} "
@@ -124,3 +125,9 @@ def tokenise(part: RawPart, tok, opts: EncodeOptions, root: str, num_proc: int |
     return ds.map(encoder, with_indices=True, fn_kwargs=kwargs, remove_columns=ds.column_names,
                   features=features(), cache_file_name=str(out), load_from_cache_file=True, new_fingerprint=fp,
                   num_proc=nproc, desc=f"Tokenising {part.file.name}")
+
+
+def cached(out: Path) -> bool:
+    """Whether `map` will read the tokens of `out` from the cache: the file, or the shards that several processes
+    wrote (datasets names them <stem>_<rank>_of_<n>.arrow)."""
+    return out.exists() or any(out.parent.glob(f"{out.stem}_00000_of_*{out.suffix}"))

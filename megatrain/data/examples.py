@@ -14,9 +14,10 @@ import numpy as np
 import pyarrow.compute as pc
 
 from ..errors import MegatrainError
+from .cache_raw import read_part
 from .config import DataConfig
 from .encode import cache_root, tokenise
-from .sources import RawPart, Source, load_raw, resolve_sources, source_files
+from .sources import RawPart, Source, resolve_sources, source_files
 from .template import IGNORE, EncodeOptions
 from .tokenizer import row_tokens
 
@@ -120,7 +121,7 @@ def load_parts(cfg: DataConfig, tok, side: str, counts: Counts, **tokenise_kw):
     out = []
     for si, src in enumerate(sources):
         for f in source_files(src):
-            raw = load_raw(src, f, root)
+            raw = read_part(src, f, root)
             tokens = tokenise(raw, tok, opts, root, cfg.num_proc, fail_fast=not cfg.skip_bad_rows, **tokenise_kw)
             table = tokens.data
             length = table.column("length").to_numpy().astype(np.int64)

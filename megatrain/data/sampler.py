@@ -23,6 +23,7 @@ differently, none skipped or repeated).
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +66,17 @@ class EpochPlanner:
         return rng.permutation(np.concatenate(picks))
 
     def plan(self, epoch: int) -> Plan:
+        """Without the cyclic garbage collector while it runs: a plan is a million small lists, which set the
+        collector off again and again over every object of the process (3x its time; none of them is a cycle)."""
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return self._plan(epoch)
+        finally:
+            if was:
+                gc.enable()
+
+    def _plan(self, epoch: int) -> Plan:
         sh, L = self.shape, self.lengths
         order = self.order(epoch)
         rng = _rng(self.seed, epoch, 1)
@@ -94,12 +106,17 @@ class EpochPlanner:
 
 def plan_efficiency(plan: Plan, lengths: np.ndarray, row_length: int | None = None) -> tuple[int, int]:
     """(real tokens, tokens in the padded micro-batches) of a plan; row_length: rows padded to it (packed rows)."""
-    real = padded = 0
-    for mb in plan:
-        row_lens = [int(lengths[row].sum()) for row in mb]
-        real += sum(row_lens)
-        padded += len(row_lens) * max(max(row_lens), row_length or 0)
-    return real, padded
+    rows = [row for mb in plan for row in mb]  # numpy over all rows at once: a million examples in a second
+    if not rows:
+        return 0, 0
+    per_row = np.fromiter(map(len, rows), np.int64, len(rows))
+    ks = np.fromiter((k for row in rows for k in row), np.int64, int(per_row.sum()))
+    row_lens = np.zeros(len(rows), np.int64)
+    np.add.at(row_lens, np.repeat(np.arange(len(rows)), per_row), lengths[ks].astype(np.int64))
+    per_mb = np.fromiter(map(len, plan), np.int64, len(plan))
+    longest = np.zeros(len(plan), np.int64)
+    np.maximum.at(longest, np.repeat(np.arange(len(plan)), per_mb), row_lens)
+    return int(row_lens.sum()), int((per_mb * np.maximum(longest, row_length or 0)).sum())
 
 
 class ResumableSampler:
