@@ -11,13 +11,12 @@ second run memory-maps the file. JSON arrays go through sources.load_raw as befo
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import numpy as np
 
-from .sources import ERR_COL, RAW_COL, READER_VERSION, ROW_COL, RawPart, Source, load_raw
+from .sources import ERR_COL, RAW_COL, ROW_COL, RawPart, Source, is_json_array, json_identity, load_raw, raw_features
 
 BLOCK_BYTES = 1 << 26  # lines read and written at once
 
@@ -35,14 +34,11 @@ def read_part(src: Source, file: Path, cache_dir: str) -> RawPart:
     """sources.load_raw's RawPart of a file; JSON-lines files read by blocks (see the module docstring)."""
     if file.is_dir() or file.suffix.lower() not in (".json", ".jsonl"):
         return load_raw(src, file, cache_dir)
-    with open(file, "rb") as fh:
-        if fh.read(4096).lstrip().startswith(b"["):  # one JSON array (sources._json_rows's test)
-            return load_raw(src, file, cache_dir)
+    if is_json_array(file):
+        return load_raw(src, file, cache_dir)
     import datasets
 
-    st = file.stat()  # the part's identity as sources.load_raw makes it: changes with the file
-    ident = hashlib.sha256(f"json|{READER_VERSION}|{file.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()) \
-        .hexdigest()[:16]
+    ident = json_identity(file)  # the part's identity as sources.load_raw makes it: changes with the file
     out = Path(cache_dir) / "megatrain" / f"raw-{ident}.arrow"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -55,18 +51,11 @@ def read_part(src: Source, file: Path, cache_dir: str) -> RawPart:
     return RawPart(src, file, datasets.Dataset.from_file(str(out)), ident, True)
 
 
-def features():
-    import datasets
-
-    return datasets.Features({ROW_COL: datasets.Value("int64"), RAW_COL: datasets.Value("string"),
-                              ERR_COL: datasets.Value("string")})
-
-
 def write_rows(file: Path, out: Path) -> None:
     """The rows of a JSON-lines file (sources._json_rows's) as an Arrow file that datasets reads."""
     from datasets.arrow_writer import ArrowWriter
 
-    writer = ArrowWriter(features=features(), path=str(out))
+    writer = ArrowWriter(features=raw_features(), path=str(out))
     try:
         for data, line in blocks(file):
             writer.write_table(_table(data, line))

@@ -369,12 +369,10 @@ def load_raw(src: Source, file: Path, cache_dir: str) -> RawPart:
             meta = file / ("state.json" if (file / "state.json").is_file() else "dataset_dict.json")
             return RawPart(src, file, ds, f"saved|{src.split}|{ds._fingerprint}|{_stamp(meta)}", False)
         if kind == "json":
-            ident = hashlib.sha256(f"json|{READER_VERSION}|{_stamp(file)}".encode()).hexdigest()[:16]
-            features = datasets.Features({ROW_COL: datasets.Value("int64"), RAW_COL: datasets.Value("string"),
-                                          ERR_COL: datasets.Value("string")})
-            ds = datasets.Dataset.from_generator(_json_rows, features=features, gen_kwargs={"path": str(file)},
+            ident = json_identity(file)
+            ds = datasets.Dataset.from_generator(_json_rows, features=raw_features(), gen_kwargs={"path": str(file)},
                                                  cache_dir=cache_dir, fingerprint=f"megatrain-json-{ident}")
-            return RawPart(src, file, ds, ident, file.suffix.lower() == ".jsonl" or not _is_array(file))
+            return RawPart(src, file, ds, ident, file.suffix.lower() == ".jsonl" or not is_json_array(file))
         kw = {"sample_by": src.sample_by} if kind == "text" else {}
         ds = datasets.load_dataset(kind, data_files=str(file), split="train", cache_dir=cache_dir, **kw)
         line_based = kind == "text" and src.sample_by == "line"
@@ -391,6 +389,19 @@ def load_raw(src: Source, file: Path, cache_dir: str) -> RawPart:
         raise MegatrainError(f"{src.key}: cannot read {file}: {msg}") from None
 
 
-def _is_array(file: Path) -> bool:
+def json_identity(file: Path) -> str:
+    """A JSON or JSON-lines file's raw part's identity: changes whenever the file's content may have changed."""
+    return hashlib.sha256(f"json|{READER_VERSION}|{_stamp(file)}".encode()).hexdigest()[:16]
+
+
+def raw_features():
+    """The columns of a raw part read by megatrain's JSON reader: line number, the line's text, why it is bad."""
+    import datasets
+
+    return datasets.Features({ROW_COL: datasets.Value("int64"), RAW_COL: datasets.Value("string"),
+                              ERR_COL: datasets.Value("string")})
+
+
+def is_json_array(file: Path) -> bool:
     with open(file, "rb") as fh:
         return fh.read(4096).lstrip().startswith(b"[")
