@@ -103,3 +103,31 @@ def test_prefill_in_row_chunks_equals_generate(monkeypatch):
     for mode, host in (("resident", False), ("streamed", True)):
         s = Sampler(cfg, weights, "cpu", mode=mode, dtype=torch.float32, kv_on_host=host)
         assert s.generate(PROMPTS, SamplingParams(max_new_tokens=8, top_k=1)).completion_ids == want, (mode, host)
+
+
+def test_the_cache_goes_under_the_forwards_own_name(monkeypatch):
+    """transformers renamed the forward's `past_key_values` to `cache`: the sampler passes the KV cache under the name
+    the installed forward takes, and a prefill that leaves the cache empty (a name the forward ignores) stops the
+    rollout instead of decoding every step without its past."""
+    from megatrain.rollout import model as rollout_model
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    class New:
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    class Neither:
+        def forward(self, input_ids=None, **kwargs): ...
+
+    assert rollout_model.cache_keyword(Old()) == "past_key_values"
+    assert rollout_model.cache_keyword(New()) == "cache"
+    with pytest.raises(ValueError, match="neither"):
+        rollout_model.cache_keyword(Neither())
+
+    cfg, model = tiny_model("qwen2", seed=2)
+    weights = DictWeights(dict(model.state_dict()))
+    monkeypatch.setattr(rollout_model, "cache_keyword", lambda m: "kv_cache_unread")
+    s = Sampler(cfg, weights, "cpu", mode="resident", dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="KV cache"):
+        s.generate(PROMPTS, SamplingParams(max_new_tokens=4, top_k=1))

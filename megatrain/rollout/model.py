@@ -5,6 +5,7 @@ decode step) running all its rows through layer i before layer i + 1, as transfo
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 
 import torch
@@ -58,6 +59,16 @@ def decoder_layers(model) -> torch.nn.ModuleList:
         if isinstance(m, torch.nn.ModuleList) and len(m) == n:
             return m
     raise ValueError(f"{type(model).__name__}: no list of {n} decoder layers")
+
+
+def cache_keyword(model) -> str:
+    """The name transformers' forward gives the KV cache: `cache` in newer releases, `past_key_values` before. A name
+    the forward does not take would land in its **kwargs unread, and every step would run without the cache."""
+    params = inspect.signature(type(model).forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise ValueError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`")
 
 
 def _tied_head(model) -> str | None:
@@ -131,7 +142,8 @@ class LayerStreamer:
 
 
 class RolloutModel:
-    """The model a Sampler runs: `forward(**kwargs)` is transformers' CausalLM forward with the weights bound."""
+    """The model a Sampler runs: `forward(cache=..., **kwargs)` is transformers' CausalLM forward with the weights
+    bound, the cache passed under the forward's own name for it (cache_keyword)."""
 
     def __init__(self, hf_config, weights: WeightSource, device, mode: str, dtype: torch.dtype):
         self.device, self.mode, self.dtype = torch.device(device), mode, dtype
@@ -148,6 +160,7 @@ class RolloutModel:
             raise ValueError(f"weights do not fit {type(self.model).__name__}: missing {missing[:4]}, "
                              f"unknown {extra[:4]}")
         self.tied = tied
+        self.cache_kw = cache_keyword(self.model)
 
         def device_copy(u: UnitWeights) -> dict[str, torch.Tensor]:
             return u.views(u.flat.to(self.device, dtype))
@@ -174,7 +187,8 @@ class RolloutModel:
         return hook
 
     @torch.inference_mode()
-    def forward(self, **kwargs):
+    def forward(self, cache=None, **kwargs):
+        kwargs[self.cache_kw] = cache
         params = self._bound[0] if self.streamer is None else self._bound[self.streamer.parity()]
         return functional_call(self.model, params, args=(), kwargs=kwargs, strict=False)
 

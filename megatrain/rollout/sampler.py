@@ -99,6 +99,8 @@ class Sampler:
                 ids[a:b], mask[a:b], pos[a:b], cache)))
         else:
             logits = self._forward(ids, mask, pos, cache)
+        if cache.get_seq_length() != P:  # the model ran without this cache: its decode steps would see no past
+            raise RuntimeError(f"rollout: the prefill left {cache.get_seq_length()} of {P} positions in the KV cache")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t_prefill = time.perf_counter() - t0
