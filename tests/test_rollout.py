@@ -1,5 +1,6 @@
 """The rollout sampler (megatrain/rollout, issue 38): greedy decoding equals transformers' generate token for token,
-resident and streamed (the KV cache on the device or the host), dense and MoE, over uneven prompts with EOS
+resident and streamed (the KV cache on the device or the host), dense and MoE, soft-capping and sliding windows
+(Gemma 2), attention sinks (gpt-oss), over uneven prompts with EOS
 mid-batch (finished rows leave the batch); the modes and kv_on_host agree when sampling; the kept log-probs equal a
 plain full forward's log_softmax of logits / temperature."""
 
@@ -17,7 +18,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [40, 3, 41]]
 def tiny_model(family, seed=0, **kw):
     torch.manual_seed(seed)
     cfg = tiny_hf_config(family, **kw)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+    # transformers' own attention for the family: sdpa, or eager where sdpa lacks soft-capping or sinks
+    attn = "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -51,7 +54,8 @@ def eos_mid_batch(model, prompts, max_new):
     raise AssertionError("no token ends some rows but not all")
 
 
-@pytest.mark.parametrize("family,tied", [("qwen2", False), ("mixtral", False), ("llama", True)])
+@pytest.mark.parametrize("family,tied", [("qwen2", False), ("mixtral", False), ("llama", True), ("gemma2", True),
+                                         ("gpt_oss", False)])
 def test_greedy_equals_transformers_generate(family, tied):
     cfg, model = tiny_model(family, tied=tied)
     max_new = 12
@@ -131,3 +135,40 @@ def test_the_cache_goes_under_the_forwards_own_name(monkeypatch):
     s = Sampler(cfg, weights, "cpu", mode="resident", dtype=torch.float32)
     with pytest.raises(RuntimeError, match="KV cache"):
         s.generate(PROMPTS, SamplingParams(max_new_tokens=4, top_k=1))
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_decode_attention_equals_attention_over_repeated_heads(groups):
+    """A decode step's attention (rollout/attention.py) equals the written-out attention of every query head over
+    its key/value head's cached positions, padded ones masked, in float64; prefills go to transformers' sdpa."""
+    from megatrain.rollout.attention import decode_attention
+
+    torch.manual_seed(groups)
+    B, Hkv, n, D = 3, 2, 9, 16
+    H = Hkv * groups
+    q = torch.randn(B, H, 1, D)
+    k_slab, v_slab = torch.randn(B, Hkv, n + 5, D), torch.randn(B, Hkv, n + 5, D)
+    k, v = k_slab[:, :, :n], v_slab[:, :, :n]  # the slab's cached positions: a strided view, as the sampler's
+    mask = torch.ones(B, 1, 1, n, dtype=torch.bool)
+    mask[1, ..., :3] = False  # left padding
+    mask[2, ..., :1] = False
+    scale = 0.3
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups = groups
+
+    out, _ = decode_attention(Layer(), q, k, v, mask, scaling=scale)
+    qd, kd, vd = (x.double() for x in (q, k, v))
+    kr, vr = kd.repeat_interleave(groups, 1), vd.repeat_interleave(groups, 1)
+    s = (qd @ kr.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    want = (s.softmax(-1) @ vr).transpose(1, 2)
+    assert out.shape == (B, 1, H, D)
+    assert (out.double() - want).abs().max().item() < 1e-5
+
+    q3 = torch.randn(B, H, 4, D)  # a prefill: transformers' sdpa, causal
+    k3, v3 = torch.randn(B, Hkv, 4, D), torch.randn(B, Hkv, 4, D)
+    out3, _ = decode_attention(Layer(), q3, k3, v3, None, scaling=scale, is_causal=True)
+    s3 = (q3.double() @ k3.double().repeat_interleave(groups, 1).transpose(-1, -2) * scale)
+    s3 = s3.masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), float("-inf"))
+    want3 = (s3.softmax(-1) @ v3.double().repeat_interleave(groups, 1)).transpose(1, 2)
+    assert (out3.double() - want3).abs().max().item() < 1e-5

@@ -85,7 +85,8 @@ def test_stop_strings_cut_after_the_token_that_completes_them():
         cut = next((k for k in range(1, len(full) + 1) if stop in tok.decode(full[:k])), None)
         assert out.completion_ids[r] == (full if cut is None else full[:cut])
         assert out.finished[r] == (cut is not None)
-        assert out.logprobs[r] == free.logprobs[r][:len(out.completion_ids[r])]
+        # the same tokens' log-probs: once a row has left, the batch's matmuls differ in their last bit
+        assert out.logprobs[r] == pytest.approx(free.logprobs[r][:len(out.completion_ids[r])], abs=1e-6, rel=0)
     cut = out.completion_ids[1]
     assert out.finished[1] and stop in tok.decode(cut) and stop not in tok.decode(cut[:-1])
     with pytest.raises(ValueError, match="SamplingParams.stop"):

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import torch
 from torch.func import functional_call
 
+from .attention import register as register_attention
 from .weights import UnitWeights, WeightSource, as_param, unit_key
 
 
@@ -39,8 +40,8 @@ def build_meta_model(hf_config, dtype: torch.dtype, device: torch.device):
     hf_config = copy.deepcopy(hf_config)
     if getattr(hf_config, "output_router_logits", False):  # the router loss is training's, not the rollout's
         hf_config.output_router_logits = False
-    with meta_parameters():
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=dtype)
+    with meta_parameters():  # sdpa, a decode step's query heads packed per key/value head (attention.py)
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=register_attention(), dtype=dtype)
     model.eval().requires_grad_(False)
     for mod in model.modules():
         for name, b in list(mod._buffers.items()):

@@ -1,0 +1,49 @@
+"""The rollout's attention, registered with transformers as NAME: its sdpa for a prefill, and for a decode step
+(one query per row) each key/value head's query heads packed as that head's queries, so that the cached keys and
+values are read once per step by one fused kernel. transformers' sdpa with a padding mask repeats the keys and
+values for every query head before some releases (repeat_kv: a copy of the whole cache, num_key_value_groups times
+over, in every layer of every decode step); later releases pack as here. The same masks as sdpa (its mask function
+is registered under NAME too), the same scaling; a layer with soft-capping (Gemma 2) or attention sinks (gpt-oss),
+which transformers' sdpa does not take, runs its family's eager attention, as transformers runs those families.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NAME = "megatrain_rollout"
+
+
+def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                     **kwargs):
+    """transformers' attention interface: query [B, H, q, D], key and value [B, Hkv, n, D] -> ([B, q, H, D], None)."""
+    import sys
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    B, H, q_len, D = query.shape
+    Hkv = key.shape[1]
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:  # the family's own eager attention
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        if attention_mask is not None and attention_mask.dtype == torch.bool:  # eager adds its mask to the scores
+            attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~attention_mask, torch.finfo(query.dtype).min)
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if q_len != 1 or dropout or H % Hkv:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    q = query.reshape(B, Hkv, H // Hkv, D)  # query head h reads key/value head h // groups (repeat_kv's order)
+    mask = None if attention_mask is None else attention_mask[:, :, -1:, : key.shape[2]]  # [B, 1, 1, n]
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(B, H, 1, -1).transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Registers NAME with transformers' attention and mask interfaces (idempotent); returns NAME."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(NAME, decode_attention)
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return NAME
