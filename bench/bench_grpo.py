@@ -9,7 +9,7 @@ In a temporary folder (bench_cli.py's model folder and word-level tokenizer) it 
 completions, each taken to --max-new tokens (random weights seldom draw EOS, so the batch's every row runs the
 whole decode, as the plan assumes), and one optimizer step trains the whole batch (micro_batch_size --micro,
 grad_accum_steps batch / --micro) unless --iterations or --accum say otherwise. The reward is a regex over the decoded
-completion (two known words in a row: some completions match, so the advantages are not all zero; the reward's
+completion (a known word ending in 7: some completions have one, so the advantages are not all zero; the reward's
 value does not change the work). beta --beta (> 0: the reference copy and its log-prob pass).
 
 Reads metrics.jsonl's per-step split (rollout_s, logps_s, train_s, rollout_tokens_per_s, rollout_mode) and the
@@ -63,7 +63,7 @@ def write_config(path: Path, args, work: Path) -> dict:
                   "device": args.device, "eval_every": 0},
         "grpo": {"prompts_per_rollout": args.prompts, "num_generations": args.n, "num_iterations": args.iterations,
                  "max_new_tokens": args.max_new, "temperature": 1.0, "beta": args.beta, "rollout": args.rollout,
-                 "rewards": [{"name": "regex", "pattern": r"\bw\d+ w\d+\b"}]},
+                 "rewards": [{"name": "regex", "pattern": r"\bw\d*7\b"}]},
         "engine": {"compile": "on" if args.compile else "off"},
         "checkpoint": {"every": 0, "at_end": False},
         "export": {"at_end": False},

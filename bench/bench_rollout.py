@@ -10,7 +10,9 @@ step). Random weights, every row decoding exactly --max-new tokens (EOS ignored)
       --prompt-len 8 --max-new 8 --modes resident,streamed,hf        # a CPU check of the script
 
 Writes {machine, config, runs: {mode: {tokens, seconds, tokens_per_s, prefill_s, decode_s, decode_step_s, ...}},
-h2d_bps, bus_bound_step_s, streamed_vs_bus, resident_vs_hf, plan: rollout_estimate per mode}.
+h2d_bps, bus_bound_step_s, streamed_vs_bus, resident_vs_hf, vs_hf (every run against generate), plan:
+rollout_estimate per mode}. A mode MODE:KERNEL runs the sampler with that decode attention kernel (rollout/
+attention.py's DECODE_KERNEL: sdpa, matmul), e.g. --modes resident,resident:matmul,hf.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from bench.common import hf_config, write_json  # noqa: E402
 from megatrain.planner.profile import DEFAULTS, load_profile  # noqa: E402
 from megatrain.rollout import Sampler, SamplingParams  # noqa: E402
 from megatrain.planner.rollout_estimate import rollout_estimate  # noqa: E402
+from megatrain.rollout import attention  # noqa: E402
 from megatrain.rollout.model import RandomWeights  # noqa: E402
 
 
@@ -96,7 +99,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128, help="the longest prompt (others from half of it)")
     ap.add_argument("--max-new", type=int, default=512)
-    ap.add_argument("--modes", default="resident,streamed,hf", help="of resident, streamed, hf")
+    ap.add_argument("--modes", default="resident,streamed,hf",
+                    help="of resident, streamed, hf; MODE:KERNEL for another decode attention kernel")
     ap.add_argument("--kv-on-host", action="store_true", help="streamed: the KV cache in pinned host memory")
     ap.add_argument("--compile", action="store_true", help="the sampler's compiled decoder layers")
     ap.add_argument("--layers", type=int, default=None, help="truncate the model to this many layers")
@@ -119,7 +123,9 @@ def main(argv=None) -> dict:
         if mode == "hf":
             runs["hf"] = run_hf(cfg, weights, device, dtype, batch, args)
         else:
-            s = Sampler(cfg, weights, device, mode=mode, dtype=dtype, kv_on_host=args.kv_on_host and mode == "streamed",
+            base, _, kernel = mode.partition(":")  # resident:matmul: that decode attention kernel
+            attention.DECODE_KERNEL = kernel or "sdpa"
+            s = Sampler(cfg, weights, device, mode=base, dtype=dtype, kv_on_host=args.kv_on_host and base == "streamed",
                         compile=args.compile)
             s.generate(batch[:1], SamplingParams(max_new_tokens=2, n=2, seed=1))  # warm-up
             if cuda:
@@ -145,6 +151,9 @@ def main(argv=None) -> dict:
             res["streamed_vs_bus"] = runs["streamed"]["decode_step_s"] / res["bus_bound_step_s"]
     if "resident" in runs and "hf" in runs:
         res["resident_vs_hf"] = runs["resident"]["tokens_per_s"] / runs["hf"]["tokens_per_s"]
+    if "hf" in runs:
+        res["vs_hf"] = {m: r["tokens_per_s"] / runs["hf"]["tokens_per_s"] for m, r in runs.items() if m != "hf"}
+        print("vs hf:", {m: round(v, 3) for m, v in res["vs_hf"].items()})
     prof = load_profile(args.profile) if args.profile else DEFAULTS
     if cuda:
         import dataclasses

@@ -137,12 +137,14 @@ def test_the_cache_goes_under_the_forwards_own_name(monkeypatch):
         s.generate(PROMPTS, SamplingParams(max_new_tokens=4, top_k=1))
 
 
-@pytest.mark.parametrize("groups", [1, 4])
-def test_decode_attention_equals_attention_over_repeated_heads(groups):
+@pytest.mark.parametrize("groups,kernel", [(1, "sdpa"), (4, "sdpa"), (4, "matmul")])
+def test_decode_attention_equals_attention_over_repeated_heads(groups, kernel, monkeypatch):
     """A decode step's attention (rollout/attention.py) equals the written-out attention of every query head over
     its key/value head's cached positions, padded ones masked, in float64; prefills go to transformers' sdpa."""
-    from megatrain.rollout.attention import decode_attention
+    from megatrain.rollout import attention
 
+    monkeypatch.setattr(attention, "DECODE_KERNEL", kernel)
+    decode_attention = attention.decode_attention
     torch.manual_seed(groups)
     B, Hkv, n, D = 3, 2, 9, 16
     H = Hkv * groups

@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 
 NAME = "megatrain_rollout"
+# a decode step's kernel: "sdpa" (torch's fused attention over the packed heads) or "matmul" (matmul_attention);
+# bench/decode_attention.py times both at a model's shape
+DECODE_KERNEL = "sdpa"
 
 
 def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
@@ -35,8 +38,29 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
                                       is_causal=is_causal, **kwargs)
     q = query.reshape(B, Hkv, H // Hkv, D)  # query head h reads key/value head h // groups (repeat_kv's order)
     mask = None if attention_mask is None else attention_mask[:, :, -1:, : key.shape[2]]  # [B, 1, 1, n]
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    if DECODE_KERNEL == "matmul":
+        out = matmul_attention(q, key, value, mask, D ** -0.5 if scaling is None else scaling)
+    else:
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(B, H, 1, -1).transpose(1, 2).contiguous(), None
+
+
+def matmul_attention(q, key, value, mask, scale: float) -> torch.Tensor:
+    """q [B, Hkv, G, D] over key, value [B, Hkv, n, D] by two batched matmuls: the scores in fp32 (cuBLAS's fp32
+    output of bf16 inputs on CUDA), a softmax in fp32, the probabilities in the values' dtype times the values (as
+    flash attention's second matmul). mask: bool [B, 1, 1, n] (True: attend) or additive, or None."""
+    B, Hkv, G, D = q.shape
+    n = key.shape[2]
+    q3, k3, v3 = q.reshape(B * Hkv, G, D), key.reshape(B * Hkv, n, D), value.reshape(B * Hkv, n, -1)
+    if q.is_cuda and q.dtype != torch.float32:
+        s = torch.bmm(q3, k3.transpose(1, 2), out_dtype=torch.float32)
+    else:
+        s = torch.bmm(q3.float(), k3.float().transpose(1, 2))
+    s = s.view(B, Hkv, G, n).mul_(scale)
+    if mask is not None:
+        s = s.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else s.add_(mask)
+    p = s.softmax(-1).to(value.dtype).view(B * Hkv, G, n)
+    return torch.bmm(p, v3).view(B, Hkv, G, -1)
 
 
 def register() -> str:
