@@ -12,7 +12,7 @@ step). Random weights, every row decoding exactly --max-new tokens (EOS ignored)
 Writes {machine, config, runs: {mode: {tokens, seconds, tokens_per_s, prefill_s, decode_s, decode_step_s, ...}},
 h2d_bps, bus_bound_step_s, streamed_vs_bus, resident_vs_hf, vs_hf (every run against generate), plan:
 rollout_estimate per mode}. A mode MODE:KERNEL runs the sampler with that decode attention kernel (rollout/
-attention.py's DECODE_KERNEL: sdpa, matmul), e.g. --modes resident,resident:matmul,hf.
+attention.py's DECODE_KERNEL: sdpa, matmul; MODE alone: the default), e.g. --modes resident,resident:sdpa,hf.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from megatrain.rollout import Sampler, SamplingParams  # noqa: E402
 from megatrain.planner.rollout_estimate import rollout_estimate  # noqa: E402
 from megatrain.rollout import attention  # noqa: E402
 from megatrain.rollout.model import RandomWeights  # noqa: E402
+
+DEFAULT_KERNEL = attention.DECODE_KERNEL
 
 
 def measure_h2d(nbytes: int = 1 << 30, reps: int = 5) -> float:
@@ -124,7 +126,7 @@ def main(argv=None) -> dict:
             runs["hf"] = run_hf(cfg, weights, device, dtype, batch, args)
         else:
             base, _, kernel = mode.partition(":")  # resident:matmul: that decode attention kernel
-            attention.DECODE_KERNEL = kernel or "sdpa"
+            attention.DECODE_KERNEL = kernel or DEFAULT_KERNEL
             s = Sampler(cfg, weights, device, mode=base, dtype=dtype, kv_on_host=args.kv_on_host and base == "streamed",
                         compile=args.compile)
             s.generate(batch[:1], SamplingParams(max_new_tokens=2, n=2, seed=1))  # warm-up

@@ -22,7 +22,8 @@ def test_qwen25_7b_resident_and_streamed_bounds():
         seqs * (prompt + new) * 28 * 4 * 128 * 2 * 2
     st = rollout_estimate(cfg, 8, prompt, new, "streamed", prof)
     assert st["bound"] == "bus"
-    assert st["decode_step_s"] == pytest.approx(st["layer_bytes"] / 50e9 + ROLLOUT_STEP_OVERHEAD_S)
+    # bound by the bus: the host's work of a step runs while the layers cross it
+    assert st["decode_step_s"] == pytest.approx(st["layer_bytes"] / 50e9)
     one = rollout_estimate(cfg, 1, prompt, new, "resident", prof)
     assert one["bound"] == "hbm"
     kv = (prompt + new // 2) * 28 * 4 * 128 * 2 * 2

@@ -5,7 +5,7 @@ resident: a decode step reads every weight once from HBM plus the live rows' KV 
 parameters FLOPs per row plus the attention over the cache: max(bytes / ROLLOUT_HBM_BPS, FLOPs / (peak x
 ROLLOUT_DECODE_EFFICIENCY)); the prefill's matmuls run at ROLLOUT_MATMUL_EFFICIENCY of the peak; streamed: the decoder layers' bf16 bytes cross the bus once per step, so max(layer bytes /
 the profile's H2D rate, the same compute); with kv_on_host the cache crosses it too. Each step adds
-ROLLOUT_STEP_OVERHEAD_S. Every row is assumed to run max_new tokens (rows that end early make the real rollout faster)."""
+ROLLOUT_STEP_OVERHEAD_S, except a streamed step bound by the bus, whose host work runs while the layers cross it. Every row is assumed to run max_new tokens (rows that end early make the real rollout faster)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,8 @@ def rollout_estimate(hf_config, seqs: int, prompt_len: int, max_new: int, mode: 
         parts = {"bus": bus_s, "compute": compute_s, "hbm": (0 if kv_on_host else kv_mean) / hbm}
     bound = max(parts, key=parts.get)
     decode_step_s = parts[bound] + ROLLOUT_STEP_OVERHEAD_S
+    if mode == "streamed" and bound == "bus":  # the host's work of a step runs while the layers cross the bus
+        decode_step_s = max(parts["bus"], max(parts["compute"], parts["hbm"]) + ROLLOUT_STEP_OVERHEAD_S)
     prefill_s = seqs * prompt_len * (2 * active + 2 * prompt_len * attn_width) / peak
     if mode == "streamed":
         prefill_s = max(prefill_s, layers / profile.h2d_bps)

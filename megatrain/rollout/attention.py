@@ -1,8 +1,8 @@
 """The rollout's attention, registered with transformers as NAME: its sdpa for a prefill, and for a decode step
 (one query per row) each key/value head's query heads packed as that head's queries, so that the cached keys and
-values are read once per step by one fused kernel. transformers' sdpa with a padding mask repeats the keys and
-values for every query head before some releases (repeat_kv: a copy of the whole cache, num_key_value_groups times
-over, in every layer of every decode step); later releases pack as here. The same masks as sdpa (its mask function
+values are read once per step (DECODE_KERNEL: two batched matmuls, or torch's fused attention). transformers' sdpa
+with a padding mask repeats the keys and values for every query head before some releases (repeat_kv: a copy of the
+whole cache, num_key_value_groups times over, in every layer of every decode step); later releases pack as here. The same masks as sdpa (its mask function
 is registered under NAME too), the same scaling; a layer with soft-capping (Gemma 2) or attention sinks (gpt-oss),
 which transformers' sdpa does not take, runs its family's eager attention, as transformers runs those families.
 """
@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 
 NAME = "megatrain_rollout"
-# a decode step's kernel: "sdpa" (torch's fused attention over the packed heads) or "matmul" (matmul_attention);
-# bench/decode_attention.py times both at a model's shape
-DECODE_KERNEL = "sdpa"
+# a decode step's kernel: "matmul" (matmul_attention) or "sdpa" (torch's fused attention over the packed heads). In
+# the sampler, with prompts of several lengths (a padding mask), matmul's decode step is the faster by far
+# (bench/bench_rollout.py --modes resident:matmul,resident:sdpa; docs/grpo.md), though the two kernels alone take
+# about the same time (bench/decode_attention.py)
+DECODE_KERNEL = "matmul"
 
 
 def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
