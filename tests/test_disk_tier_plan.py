@@ -199,3 +199,23 @@ def test_the_ssd_run_planned_with_8_gib_measured_at_start_is_reproduced():
     steps = json.loads(f.read_text())["result"]["steps"]
     first_pass = next(s for s in steps if s.get("disk_write_gb"))
     assert first_pass["step"] == 2 and first_pass["disk_read_gb"] < 0.02 * first_pass["disk_write_gb"]
+
+
+def test_suggestions_count_the_ssd_space_there_is(qwen14, monkeypatch):
+    """With memory.disk_path set, a suggested change fits only with what that SSD holds: a run whose states exceed
+    the host RAM and the SSD's free space together gets no suggestion that puts them on the SSD anyway, and no
+    trial plans are made (their host need cannot go below the states the SSD cannot take)."""
+    from megatrain.planner import suggest
+
+    w = Workload((4,), 128, device="cpu")
+    states = 12.0 * 14_770_033_664
+    kw = dict(host_available=0.75 * states, disk_path="/ssd", choose_keys=FREE_ALL)
+    roomy = make_plan(qwen14, w, DEFAULTS, ssd_free=2 * states, **kw, suggest=True)
+    assert roomy.fits and roomy.workload.disk_states  # the SSD takes what host RAM cannot
+    trials = []
+    real = suggest.estimate
+    monkeypatch.setattr(suggest, "estimate", lambda *a, **k: trials.append(1) or real(*a, **k))
+    small = make_plan(qwen14, w, DEFAULTS, ssd_free=0.1 * states, **kw, suggest=True)
+    assert not small.fits and any(x.startswith(("host RAM", "SSD")) for x in small.problems), small.problems
+    assert trials == [] and len(small.suggestions) == 1, small.suggestions
+    assert small.suggestions[0].startswith("nothing smaller fits") and "SSD" in small.suggestions[0]

@@ -26,10 +26,19 @@ from .workload import Workload
 
 
 def memory_ok(p: Plan, gpu_target: float | None) -> bool:
-    """Host and GPU fit (the disk is a separate matter: another folder or fewer kept checkpoints)."""
-    if any(x.startswith(("host RAM", "GPU memory")) for x in p.problems):
+    """Host, GPU and the SSD tier fit (the checkpoints' disk is a separate matter: another folder or fewer kept)."""
+    if any(x.startswith(("host RAM", "GPU memory", "SSD")) for x in p.problems):
         return False
     return gpu_target is None or p.workload.device != "cuda" or p.gpu_needed <= gpu_target
+
+
+def host_floor(plan: Plan) -> float:
+    """The least host RAM any workload of this model needs: the fp32 master and Adam m and v (12 B/param), less
+    what the SSD tier can take (all of them when its free space is unknown)."""
+    states = 12.0 * plan.params
+    if plan.disk_path:
+        states -= states if plan.ssd_free is None else min(states, plan.ssd_free)
+    return states
 
 
 def suggestions(adapter, plan: Plan, gpu_target: float | None = None) -> list[str]:
@@ -45,7 +54,7 @@ def suggestions(adapter, plan: Plan, gpu_target: float | None = None) -> list[st
     def trial(cand: Workload, free: frozenset = plan.free, disk_path: str | None = plan.disk_path) -> Plan | None:
         p = estimate(adapter, cand, plan.profile, host_available=plan.host_available, host_source=plan.host_source,
                      gpu_limit=gpu_target, config_keys=frozenset(plan.config_keys), choose_keys=free,
-                     disk_path=disk_path)
+                     disk_path=disk_path, ssd_free=plan.ssd_free if disk_path == plan.disk_path else None)
         return p if memory_ok(p, gpu_target) else None
 
     def line(p: Plan, change: str) -> str:
@@ -54,7 +63,9 @@ def suggestions(adapter, plan: Plan, gpu_target: float | None = None) -> list[st
         chosen = f"; the planner's placement: {p.placement_keys}" if p.free and p.workload.device == "cuda" else ""
         return f"{change}  ({what}, {p.step_s:.1f} s/step predicted{chosen})"
 
-    if memory_problem:
+    # no change below brings the host need under the optimizer states the SSD tier cannot take: none is tried
+    hopeless = plan.host_available is not None and host_floor(plan) > plan.host_available
+    if memory_problem and not hopeless:
         fixed = FREE_ALL - plan.free  # 1. the placement keys the config fixes, left to the planner
         if fixed and w.device == "cuda" and (p := trial(w, FREE_ALL)):
             out.append(line(p, "leave " + ", ".join(f"memory.{k}" for k in sorted(fixed)) + " unset"))
@@ -74,7 +85,8 @@ def suggestions(adapter, plan: Plan, gpu_target: float | None = None) -> list[st
                 out.append(line(p, f"data.max_seq_len={T}"))
                 break
             T //= 2
-        host_short = any(x.startswith("host RAM") for x in plan.problems)
+    if memory_problem:
+        host_short = hopeless or any(x.startswith(("host RAM", "SSD")) for x in plan.problems)
         if host_short and not plan.disk_path and plan.world.size == 1 and \
                 (p := trial(w, plan.free, "/a/local/ssd/folder")):  # 5. the SSD tier
             ssd = p.ssd
@@ -88,9 +100,11 @@ def suggestions(adapter, plan: Plan, gpu_target: float | None = None) -> list[st
             if host_short:
                 floor = 12.0 * plan.params + sum(v for k, v in plan.host.items()
                                                  if k.startswith(("gradient landing", "runtime", "data")))
+                ssd = "" if not plan.disk_path else " less what the SSD tier holds (" + (
+                    "its size unknown" if plan.ssd_free is None else f"{plan.ssd_free / GiB:.0f} GiB free") + ")"
                 out.append(f"nothing smaller fits: fp32 master weights and Adam m and v alone take 12 B/param, "
-                           f"{floor / GiB:.0f} GiB with the runtime; use a machine with more host RAM (or a "
-                           f"smaller model)")
+                           f"{floor / GiB:.0f} GiB with the runtime{ssd}; use a machine with more host RAM"
+                           + (" or SSD space" if plan.disk_path else "") + " (or a smaller model)")
             else:
                 out.append("nothing smaller fits on this GPU: even one row per micro-batch, with every placement "
                            "of checkpoints, gradients and wave groups, exceeds it; use a GPU with more memory, more "
