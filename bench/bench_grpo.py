@@ -33,7 +33,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_cli import NodeMemory, model_config, num_params, run_cli, step_records, write_model_dir, write_tokenizer  # noqa: E402
+from bench_cli import (NodeMemory, model_config, num_params, run_cli, step_records,  # noqa: E402
+                       write_model_dir, write_tokenizer)
 from common import table, write_json  # noqa: E402
 
 SPLIT = ["step_time_s", "rollout_s", "logps_s", "train_s", "rollout_tokens_per_s", "rollout_mode", "tokens",

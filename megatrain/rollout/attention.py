@@ -2,9 +2,10 @@
 (one query per row) each key/value head's query heads packed as that head's queries, so that the cached keys and
 values are read once per step (DECODE_KERNEL: two batched matmuls, or torch's fused attention). transformers' sdpa
 with a padding mask repeats the keys and values for every query head before some releases (repeat_kv: a copy of the
-whole cache, num_key_value_groups times over, in every layer of every decode step); later releases pack as here. The same masks as sdpa (its mask function
-is registered under NAME too), the same scaling; a layer with soft-capping (Gemma 2) or attention sinks (gpt-oss),
-which transformers' sdpa does not take, runs its family's eager attention, as transformers runs those families.
+whole cache, num_key_value_groups times over, in every layer of every decode step); later releases pack as here.
+The same masks as sdpa (its mask function is registered under NAME too), the same scaling. A layer with soft-capping
+(Gemma 2) or attention sinks (gpt-oss), which transformers' sdpa does not take, runs its family's eager attention, as
+transformers runs those families (prefill and decode: repeat_kv's copies included).
 """
 
 from __future__ import annotations

@@ -207,8 +207,8 @@ class RolloutModel:
 
 class RandomWeights(WeightSource):
     """Random weights in the shapes of transformers' model for `hf_config` (benchmarks): matrices N(0, std) from a
-    block of random values, shifted windows of it repeated (filling tens of GB with fresh draws would take minutes), norms 1, biases 0.
-    pin: page-locked buffers (CUDA hosts)."""
+    block of random values, shifted windows of it repeated (filling tens of GB with fresh draws would take minutes),
+    norms 1, biases 0. pin: page-locked buffers (CUDA hosts)."""
 
     RANDOM_BLOCK = 1 << 22
 
