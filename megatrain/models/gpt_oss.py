@@ -125,8 +125,9 @@ class GptOssAdapter(MoEAdapter):
         self.top_k = int(c.num_experts_per_tok)
         self.expert_intermediate = int(c.intermediate_size)
         self.router_aux_coef = float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0)
-        # transformers before 5.2x had no swiglu_alpha key: its experts used 1.702, the default of the key since
-        self.alpha, self.limit = float(getattr(c, "swiglu_alpha", 1.702)), float(c.swiglu_limit)
+        # transformers before 5.2x read neither key (its experts used 1.702 and 7.0, the keys' defaults since); a
+        # config that sets another limit trains with it, as later transformers does
+        self.alpha, self.limit = float(getattr(c, "swiglu_alpha", 1.702)), float(getattr(c, "swiglu_limit", 7.0))
         if self.top_k > self.num_experts:
             raise MegatrainError(f"config.json: num_experts_per_tok {self.top_k} exceeds the {self.num_experts} "
                                  "experts (num_local_experts)")
