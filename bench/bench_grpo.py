@@ -37,7 +37,8 @@ from bench_cli import (NodeMemory, model_config, num_params, run_cli, step_recor
                        write_model_dir, write_tokenizer)
 from common import table, write_json  # noqa: E402
 
-SPLIT = ["step_time_s", "rollout_s", "logps_s", "train_s", "rollout_tokens_per_s", "rollout_mode", "tokens",
+SPLIT = ["step_time_s", "rollout_s", "logps_s", "train_s", "rollout_tokens_per_s", "rollout_mode", "rollout_prefill_s",
+         "rollout_decode_step_median_s", "rollout_decode_step_max_s", "tokens",
          "tokens_per_s", "gpu_peak_gib", "busy_compute", "loss", "reward", "completions/mean_length", "elapsed_s"]
 
 

@@ -56,9 +56,11 @@ def test_grpo_trains_and_logs_what_trl_logs(tmp_path, capsys):
         assert all(math.isfinite(r[k]) for k in TRL + ("loss",)), r
         assert 0.0 <= r["reward"] <= 1.0 and 1 <= r["completions/min_length"] <= r["completions/max_length"] <= 8
         assert r["rollout_mode"] == "resident"
+        assert 0 < r["rollout_prefill_s"] and 0 < r["rollout_decode_step_median_s"] <= r["rollout_decode_step_max_s"]
     # a rollout batch feeds 2 optimizer steps: the rollout and log-prob times land on its first step only
     assert [r["rollout_batch"] for r in steps] == [1, 1, 2, 2, 3, 3]
     assert all(r["rollout_s"] > 0 and r["logps_s"] > 0 for r in steps[0::2])
+    assert all(r["rollout_prefill_s"] + r["rollout_decode_step_max_s"] < r["rollout_s"] for r in steps[0::2])
     assert all(r["rollout_s"] == 0 == r["logps_s"] for r in steps[1::2])
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
     assert any(r["grad_norm"] > 0 for r in steps)

@@ -16,6 +16,7 @@ so far, so a given batch and seed give the same completions in either mode, with
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -111,9 +112,15 @@ class Sampler:
         out_ids: list[list[int]] = [[] for _ in range(N)]
         out_lp: list[list[float]] = [[] for _ in range(N)]
         peak, steps = N, 0
+        step_s, t_step = [], None  # each decode step's wall time: from one draw's .tolist() (a sync) to the next
         while True:
             tok, lp = draw(logits, params, g)
-            for b, (t, l) in enumerate(zip(tok.tolist(), lp.tolist())):
+            tokens_now, lps_now = tok.tolist(), lp.tolist()
+            now = time.perf_counter()
+            if t_step is not None:
+                step_s.append(now - t_step)
+            t_step = now
+            for b, (t, l) in enumerate(zip(tokens_now, lps_now)):
                 r = rows[b]
                 if done[r]:
                     continue
@@ -141,7 +148,8 @@ class Sampler:
         tokens = sum(len(c) for c in out_ids)
         stats = dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / max(seconds, 1e-9), prefill_s=t_prefill,
                      decode_s=seconds - t_prefill, mode=self.mode, kv_bytes=cache_bytes(cache), peak_live=peak,
-                     decode_steps=steps, resident_bytes=self.model.resident_bytes,
+                     decode_steps=steps, decode_step_median_s=statistics.median(step_s) if step_s else 0.0,
+                     decode_step_max_s=max(step_s, default=0.0), resident_bytes=self.model.resident_bytes,
                      streamed_bytes=self.model.streamed_bytes, kv_on_host=self.kv_on_host)
         del cache
         return Completions(index, out_ids, out_lp, finished, stats)

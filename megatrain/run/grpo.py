@@ -225,6 +225,8 @@ class Rollouts:
         self.fields = batch_fields(per, torch.as_tensor(total), std, lengths, list(out.finished))
         self.fields["rollout_tokens_per_s"] = out.stats.get("tokens_per_s", sum(lengths) / max(rollout_s, 1e-9))
         self.fields["rollout_mode"] = out.stats.get("mode", self.mode())
+        for k in ("prefill_s", "decode_step_median_s", "decode_step_max_s"):  # where a slow rollout's time went
+            self.fields[f"rollout_{k}"] = out.stats.get(k)
         self.last.update(rollout_s=rollout_s, logps_s=logps_s)
 
     def mode(self) -> str:
