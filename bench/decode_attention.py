@@ -9,6 +9,10 @@ sdpa-packed-nomask (the same without a mask: prompts of one length, a lower boun
 scores), repeat-kv (transformers' sdpa before it packed: the keys and values repeated per query head, then
 sdpa with the mask). Reports each one's time per layer and per decode step (all layers), the cached keys' and
 values' bytes over that time (GB/s; the HBM bound), and its largest difference from the matmul kernel's output.
+
+The kernels alone, on inputs made here: inside the sampler (transformers' modules, its masks) sdpa-packed's decode
+step has run 2.6x matmul's where alone the two take about the same time, so the sampler's choice is measured there
+(bench_rollout.py --modes resident:matmul,resident:sdpa), not here.
 """
 
 from __future__ import annotations
