@@ -8,6 +8,32 @@ import torch
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral", "olmoe", "gpt_oss"]
 
 
+def _gpt_oss_experts_read_the_config() -> None:
+    """transformers before 5.2x (the GPU image's 5.17) hard-codes gpt-oss's SwiGLU alpha and limit (1.702, 7.0), the
+    values of every released config; later releases read config.swiglu_alpha and swiglu_limit, as megatrain does.
+    The tiny gpt_oss config sets a limit of 2.0 so that the clamp is crossed: the reference experts read it here on
+    either release, so the comparisons hold under both."""
+    import inspect
+
+    try:
+        from transformers.models.gpt_oss import modeling_gpt_oss as hf
+    except ImportError:
+        return
+    init = hf.GptOssExperts.__init__
+    if "swiglu_limit" in inspect.getsource(init):
+        return
+
+    def reads_config(self, config, *args, **kwargs):
+        init(self, config, *args, **kwargs)
+        self.alpha = float(getattr(config, "swiglu_alpha", self.alpha))
+        self.limit = float(getattr(config, "swiglu_limit", self.limit))
+
+    hf.GptOssExperts.__init__ = reads_config
+
+
+_gpt_oss_experts_read_the_config()
+
+
 def tiny_hf_config(family: str, tied: bool = False, layers: int = 3, vocab: int = 97):
     from transformers import AutoConfig
 
