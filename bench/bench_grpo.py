@@ -5,7 +5,8 @@ the plan's, on a model's real shape with random weights.
         --max-new 512 --micro 64 --steps 2 --compile
 
 In a temporary folder (bench_cli.py's model folder and word-level tokenizer) it writes prompts.jsonl: --prompts x
---steps-worth of rows {"prompt": --prompt-len words, "answer": "w7"}; the rollout batch is --prompts prompts x --n
+--steps-worth of rows {"prompt": --prompt-min to --prompt-len words (uniform; the batch is then left-padded),
+"answer": "w7"}; the rollout batch is --prompts prompts x --n
 completions, each taken to --max-new tokens (random weights seldom draw EOS, so the batch's every row runs the
 whole decode, as the plan assumes), and one optimizer step trains the whole batch (micro_batch_size --micro,
 grad_accum_steps batch / --micro) unless --iterations or --accum say otherwise. The reward is a regex over the decoded
@@ -42,11 +43,12 @@ SPLIT = ["step_time_s", "rollout_s", "logps_s", "train_s", "rollout_tokens_per_s
          "tokens_per_s", "gpu_peak_gib", "busy_compute", "loss", "reward", "completions/mean_length", "elapsed_s"]
 
 
-def write_prompts(path: Path, rows: int, words: int, n_words: int, seed: int = 0) -> None:
+def write_prompts(path: Path, rows: int, words: int, n_words: int, low: int, seed: int = 0) -> None:
+    """Prompts of low..words words (uniform, seeded; one token each)."""
     rng = random.Random(seed)
     with path.open("w") as f:
         for _ in range(rows):
-            prompt = " ".join(f"w{rng.randrange(n_words)}" for _ in range(words))
+            prompt = " ".join(f"w{rng.randrange(n_words)}" for _ in range(rng.randint(low, words)))
             f.write(json.dumps({"prompt": prompt, "answer": "w7"}) + "\n")
 
 
@@ -93,7 +95,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     ap.add_argument("--prompts", type=int, default=64, help="grpo.prompts_per_rollout")
     ap.add_argument("--n", type=int, default=8, help="grpo.num_generations")
-    ap.add_argument("--prompt-len", type=int, default=128, help="words (tokens) per prompt")
+    ap.add_argument("--prompt-len", type=int, default=128, help="words (tokens) per prompt, the longest")
+    ap.add_argument("--prompt-min", type=int, default=None,
+                    help="the shortest prompt (default --prompt-len: all of one length, no padding)")
     ap.add_argument("--max-new", type=int, default=512, help="grpo.max_new_tokens")
     ap.add_argument("--micro", type=int, default=64, help="train.micro_batch_size (completions)")
     ap.add_argument("--accum", type=int, default=None, help="train.grad_accum_steps (default: the whole batch)")
@@ -120,7 +124,8 @@ def main() -> int:
         n_words = write_tokenizer(work / "tokenizer", cfg)
         batches = -(-args.steps * args.micro * (args.accum or args.prompts * args.n // args.micro)
                     // (args.prompts * args.n * args.iterations))
-        write_prompts(work / "prompts.jsonl", args.prompts * (batches + 1), args.prompt_len, n_words)
+        write_prompts(work / "prompts.jsonl", args.prompts * (batches + 1), args.prompt_len, n_words,
+                      args.prompt_min or args.prompt_len)
         write_config(work / "run.yaml", args, work)
         memory = NodeMemory()
         rc, total_s, cmd = run_cli(work / "run.yaml", args.set, work / "cli.log", 1, memory, None)
@@ -137,7 +142,8 @@ def main() -> int:
 
         res = {"label": args.label, "model": Path(args.model).name, "layers": args.layers,
                "params": num_params(work / "model"), "prompts": args.prompts, "n": args.n,
-               "prompt_len": args.prompt_len, "max_new": args.max_new, "micro": args.micro,
+               "prompt_len": args.prompt_len, "prompt_min": args.prompt_min or args.prompt_len,
+               "max_new": args.max_new, "micro": args.micro,
                "iterations": args.iterations, "beta": args.beta, "compile": args.compile,
                "rollout_s": mean("rollout_s", first), "rollout_tokens_per_s": mean("rollout_tokens_per_s", first),
                "rollout_mode": first[0]["rollout_mode"] if first else None, "logps_s": mean("logps_s", first),
