@@ -1,11 +1,13 @@
-"""What a rollout phase costs, from config.json and the machine profile alone: the KV
-cache, the device bytes of the mode, a decode step's time and what binds it, the prefill, tokens/s.
+"""What a rollout phase costs, from config.json and the machine profile alone: the KV cache, the device bytes of the
+mode, a decode step's time and what binds it, the prefill, tokens/s.
 
 resident: a decode step reads every weight once from HBM plus the live rows' KV cache, and runs 2 x active
 parameters FLOPs per row plus the attention over the cache: max(bytes / ROLLOUT_HBM_BPS, FLOPs / (peak x
-ROLLOUT_DECODE_EFFICIENCY)); the prefill's matmuls run at ROLLOUT_MATMUL_EFFICIENCY of the peak; streamed: the decoder layers' bf16 bytes cross the bus once per step, so max(layer bytes /
-the profile's H2D rate, the same compute); with kv_on_host the cache crosses it too. Each step adds
-ROLLOUT_STEP_OVERHEAD_S, except a streamed step bound by the bus, whose host work runs while the layers cross it. Every row is assumed to run max_new tokens (rows that end early make the real rollout faster)."""
+ROLLOUT_DECODE_EFFICIENCY)); the prefill's matmuls run at ROLLOUT_MATMUL_EFFICIENCY of the peak. streamed: the
+decoder layers' bf16 bytes cross the bus once per step, so max(layer bytes / the profile's H2D rate, the same
+compute); with kv_on_host the cache crosses it too. Each step adds ROLLOUT_STEP_OVERHEAD_S, except a streamed step
+bound by the bus, whose host work runs while the layers cross it. Every row is assumed to run max_new tokens (rows
+that end early make the real rollout faster)."""
 
 from __future__ import annotations
 
