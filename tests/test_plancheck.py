@@ -97,3 +97,26 @@ def test_steps_within_the_tolerance_or_before_steady_are_not_stalls():
     assert check(record(10, t)) is None and check(record(11, 10.0)) is None
     line = check(record(12, 10.0 * (1 + SLOW_STEP) * 1.01))  # just past: named, without stats it names no idle
     assert line.startswith("slow step: step 12 took") and "idle" not in line
+
+
+def test_a_grpo_step_is_held_against_the_plan_by_its_parts():
+    """A grpo step's record carries its rollout batch's sampling and log-prob passes on the batch's first step only:
+    the training part (train_s) is held against the plan's training step, the rollout against the plan's rollout,
+    and the steps that ran a rollout are not stalls for it."""
+    plan = ssd_plan()
+    train = plan.time["step_s"] * 0.95  # a GPU plan with a rollout phase (rollout_plan.py's keys that are read)
+    plan.rollout = {"train_step_s": train, "rollout_s": 20.0, "mode": "resident", "decode_step_s": 0.0324}
+    check = PlanCheck(plan, first_step=0)
+    said = []
+    for step in range(1, 11):  # a rollout batch of two optimizer steps: the rollout on the odd steps
+        roll = 80.0 if step % 2 else 0.0  # 4x the plan's rollout, within the plan's training time
+        line = check(record(step, train * 1.02 + roll, train_s=train * 1.02, rollout_s=roll,
+                            rollout_tokens_per_s=3275.0, rollout_decode_step_median_s=0.145))
+        said += (line or "").splitlines()
+    assert said == [f"plan check: step 3's rollout took 80.00 s (3,275 tokens/s), the plan 20.00 s (75% short; "
+                    f"resident, decode step 32.4 ms planned, 145.0 ms median measured)"], said
+
+    check = PlanCheck(plan, first_step=0)
+    line = check(record(3, train * 2 + 20.0, train_s=train * 2, rollout_s=20.0))
+    assert line.startswith(f"plan check: step 3's training took {train * 2:.2f} s, the plan {train:.2f} s (50% short")
+    assert "rollout" not in line  # within the plan's

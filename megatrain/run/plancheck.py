@@ -8,7 +8,9 @@ used (and where those came from), and, when the plan ran on built-in rates, `meg
 machine's own. Issue 16's runs are why: the disk measured at one run's start read 1.38 / 1.17 GB/s where its steps
 then got about 1.5, and the plan was 36% long with nothing in the run to say so.
 
-Stalls, also said once (any device, with a plan or without): the slowest steady step when it is more than SLOW_STEP
+A grpo step is held against the plan's training step by its own part (`train_s`: without its rollout batch's
+sampling and log-prob passes, which only a batch's first step carries), and the first steady step that ran a rollout
+against the plan's rollout phase. Stalls, also said once (any device, with a plan or without): the slowest steady step when it is more than SLOW_STEP
 behind the median of the steady steps so far (the latest WINDOW), once there are MEDIAN_OF of them, so that a step
 that stalls early is named when later ones show the median; with its GPU idle time and its longest idle stretches
 (the record's `busy_compute` and `idle_gaps`: run/stepstats.py). Issue 36's runs are why: one step of 26.2 s among
@@ -36,6 +38,8 @@ class PlanCheck:
         self.done = self.plan is None
         self.steady: deque = deque(maxlen=WINDOW)  # the latest steady steps' records, until a stall is named
         self.slow_said = False
+        self.rollout = (getattr(plan, "rollout", None) or {}) if self.plan is not None else {}  # grpo's phase
+        self.rollout_done = not self.rollout
 
     def __call__(self, record: dict) -> str | None:
         """The notices for this step's record (the logger's, with the stats and disk fields), or None."""
@@ -43,16 +47,16 @@ class PlanCheck:
             return None
         if not self.slow_said:
             self.steady.append(record)
-        lines = [line for line in (self._plan_line(record), self._slow_line()) if line]
+        lines = [line for line in (self._plan_line(record), self._rollout_line(record), self._slow_line()) if line]
         return "\n".join(lines) or None
 
     def _slow_line(self) -> str | None:
         """Once: the slowest steady step so far, when it is more than SLOW_STEP behind their median."""
         if self.slow_said or len(self.steady) < MEDIAN_OF:
             return None
-        median = statistics.median(r["step_time_s"] for r in self.steady)
-        slow = max(self.steady, key=lambda r: r["step_time_s"])
-        if slow["step_time_s"] <= median * (1 + SLOW_STEP):
+        median = statistics.median(own_time(r) for r in self.steady)
+        slow = max(self.steady, key=own_time)
+        if own_time(slow) <= median * (1 + SLOW_STEP):
             return None
         self.slow_said = True
         return slow_step_line(slow, median, len(self.steady))
@@ -62,11 +66,13 @@ class PlanCheck:
             return None
         self.done = True
         t = self.plan.time
-        measured, predicted = record["step_time_s"], t["step_s"]
+        measured = own_time(record)
+        predicted = self.rollout["train_step_s"] if self.rollout else t["step_s"]
         err = predicted / measured - 1
         if abs(err) <= TOLERANCE:
             return None
-        parts = [f"plan check: step {record['step']} took {measured:.2f} s, the plan {predicted:.2f} s "
+        what = f"step {record['step']}'s training" if "train_s" in record else f"step {record['step']}"
+        parts = [f"plan check: {what} took {measured:.2f} s, the plan {predicted:.2f} s "
                  f"({abs(err):.0%} {'long' if err > 0 else 'short'}; bound by {t['bound']})"]
         if "busy_compute" in record:
             parts.append(f"GPU idle {(1 - record['busy_compute']) * measured:.2f} s (planned "
@@ -85,11 +91,35 @@ class PlanCheck:
         return "; ".join(parts) + (". " + "; ".join(hints) if hints else "")
 
 
+    def _rollout_line(self, record: dict) -> str | None:
+        """Once, on the first steady grpo step that ran a rollout: its rollout off the plan's by more than TOLERANCE."""
+        if self.rollout_done or not record.get("rollout_s"):
+            return None
+        self.rollout_done = True
+        r, measured = self.rollout, record["rollout_s"]
+        err = r["rollout_s"] / measured - 1
+        if abs(err) <= TOLERANCE:
+            return None
+        rate = f" ({record['rollout_tokens_per_s']:,.0f} tokens/s)" if record.get("rollout_tokens_per_s") else ""
+        return (f"plan check: step {record['step']}'s rollout took {measured:.2f} s{rate}, the plan "
+                f"{r['rollout_s']:.2f} s ({abs(err):.0%} {'long' if err > 0 else 'short'}; {r['mode']}, decode step "
+                f"{r['decode_step_s'] * 1e3:.1f} ms planned"
+                + (f", {record['rollout_decode_step_median_s'] * 1e3:.1f} ms median measured"
+                   if record.get("rollout_decode_step_median_s") else "") + ")")
+
+
+def own_time(record: dict) -> float:
+    """A step's own time: a grpo step's without its rollout batch's sampling and log-prob passes (its train_s)."""
+    return record["train_s"] if "train_s" in record else record["step_time_s"]
+
+
 def slow_step_line(record: dict, median: float, steps: int) -> str:
-    """A step well behind the median of `steps` steady steps: its time, the ratio, its GPU idle time and its longest
-    idle stretches of the compute stream (each with the work it followed and the work it waited for)."""
-    t = record["step_time_s"]
-    line = (f"slow step: step {record['step']} took {t:.2f} s, {t / median:.2f}x the median {median:.2f} s of "
+    """A step well behind the median of `steps` steady steps: its time (a grpo step's training part), the ratio, its
+    GPU idle time and its longest idle stretches of the compute stream (each with the work it followed and the work
+    it waited for)."""
+    t = own_time(record)
+    what = f"step {record['step']}'s training" if "train_s" in record else f"step {record['step']}"
+    line = (f"slow step: {what} took {t:.2f} s, {t / median:.2f}x the median {median:.2f} s of "
             f"{steps} steady steps")
     if "busy_compute" in record:
         line += f"; GPU idle {(1 - record['busy_compute']) * t:.2f} s"
