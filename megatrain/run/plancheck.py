@@ -10,10 +10,12 @@ then got about 1.5, and the plan was 36% long with nothing in the run to say so.
 
 A grpo step is held against the plan's training step by its own part (`train_s`: without its rollout batch's
 sampling and log-prob passes, which only a batch's first step carries), and the first steady step that ran a rollout
-against the plan's rollout phase. Stalls, also said once (any device, with a plan or without): the slowest steady step when it is more than SLOW_STEP
-behind the median of the steady steps so far (the latest WINDOW), once there are MEDIAN_OF of them, so that a step
-that stalls early is named when later ones show the median; with its GPU idle time and its longest idle stretches
-(the record's `busy_compute` and `idle_gaps`: run/stepstats.py). Issue 36's runs are why: one step of 26.2 s among
+against the plan's rollout phase.
+
+Stalls, also said once (any device, with a plan or without): the slowest steady step (its own part) when it is more
+than SLOW_STEP behind the median of the steady steps so far (the latest WINDOW), once there are MEDIAN_OF of them, so
+that a step that stalls early is named when later ones show the median; with its GPU idle time and its longest idle
+stretches (the record's `busy_compute` and `idle_gaps`: run/stepstats.py). Issue 36's runs are why: one step of 26.2 s among
 steps of 15 s, the GPU idle 11.7 s in it.
 """
 
