@@ -15,8 +15,8 @@ against the plan's rollout phase.
 Stalls, also said once (any device, with a plan or without): the slowest steady step (its own part) when it is more
 than SLOW_STEP behind the median of the steady steps so far (the latest WINDOW), once there are MEDIAN_OF of them, so
 that a step that stalls early is named when later ones show the median; with its GPU idle time and its longest idle
-stretches (the record's `busy_compute` and `idle_gaps`: run/stepstats.py). Issue 36's runs are why: one step of 26.2 s among
-steps of 15 s, the GPU idle 11.7 s in it.
+stretches (the record's `busy_compute` and `idle_gaps`: run/stepstats.py). Issue 36's runs are why: one step of
+26.2 s among steps of 15 s, the GPU idle 11.7 s in it.
 """
 
 from __future__ import annotations
