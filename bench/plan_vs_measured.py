@@ -22,11 +22,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
 from megatrain.models import get_adapter  # noqa: E402
 from megatrain.planner import Workload, make_plan  # noqa: E402
 from megatrain.planner.profile import DEFAULTS, GiB, load_profile  # noqa: E402  (not exported by megatrain.planner)
 from megatrain.runtime.schedule import Placement  # noqa: E402
+from refruns import runs_of  # noqa: E402
 
 
 def load_results(*dirs: Path) -> list[dict]:
@@ -40,7 +42,7 @@ def load_results(*dirs: Path) -> list[dict]:
                 continue
             if not isinstance(payload, dict):
                 continue
-            for run in payload.get("runs") or [payload]:  # a reference run of several runs lists them
+            for run in runs_of(payload):  # a reference run of several runs lists them
                 r, cmd = run.get("result"), run.get("command", "")
                 cli = "bench_cli" in cmd and isinstance(r, dict) and isinstance(r.get("plan"), dict)
                 if (isinstance(r, dict) and "step_s" in r and ("bench_megatrain" in cmd or cli)

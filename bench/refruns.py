@@ -23,7 +23,11 @@ def load(name: str | Path) -> dict:
 
 def runs(name: str | Path) -> list[dict]:
     """Its runs, each a dict with command and result (one benchmark's own "runs", a dict of its modes, are one run)."""
-    payload = load(name)
+    return runs_of(load(name))
+
+
+def runs_of(payload: dict) -> list[dict]:
+    """The runs of a result.json's (or a benchmark JSON's) payload: its "runs" list, else the payload itself."""
     found = payload.get("runs")
     return found if isinstance(found, list) and found else [payload]
 

@@ -10,10 +10,13 @@ transformers runs those families (prefill and decode: repeat_kv's copies include
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
 NAME = "megatrain_rollout"
+_SDPA = None  # transformers' sdpa attention function (sdpa()), imported once, not on every layer's call
 # a decode step's kernel: "matmul" (matmul_attention) or "sdpa" (torch's fused attention over the packed heads). In
 # the sampler, with prompts of several lengths (a padding mask), matmul's decode step is the faster by far
 # (bench/bench_rollout.py --modes resident:matmul,resident:sdpa; docs/grpo.md), though the two kernels alone take
@@ -24,10 +27,6 @@ DECODE_KERNEL = "matmul"
 def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
                      **kwargs):
     """transformers' attention interface: query [B, H, q, D], key and value [B, Hkv, n, D] -> ([B, q, H, D], None)."""
-    import sys
-
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     B, H, q_len, D = query.shape
     Hkv = key.shape[1]
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:  # the family's own eager attention
@@ -37,8 +36,8 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
                 ~attention_mask, torch.finfo(query.dtype).min)
         return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if q_len != 1 or dropout or H % Hkv:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                      is_causal=is_causal, **kwargs)
     q = query.reshape(B, Hkv, H // Hkv, D)  # query head h reads key/value head h // groups (repeat_kv's order)
     mask = None if attention_mask is None else attention_mask[:, :, -1:, : key.shape[2]]  # [B, 1, 1, n]
     if DECODE_KERNEL == "matmul":
@@ -46,6 +45,16 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
     else:
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(B, H, 1, -1).transpose(1, 2).contiguous(), None
+
+
+def sdpa():
+    """transformers' sdpa attention function (imported on first use: megatrain.rollout does not import transformers)."""
+    global _SDPA
+    if _SDPA is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        _SDPA = sdpa_attention_forward
+    return _SDPA
 
 
 def matmul_attention(q, key, value, mask, scale: float) -> torch.Tensor:
