@@ -78,7 +78,7 @@ STEP_FIELDS = ["step_time_s", "wall_s", "data_wait_s", "queue_s", "gpu_wait_s", 
                "gpu_reserved_gib", "host_rss_gib", "tflops_6n_active", "router_loss", "expert_load_min",
                "expert_load_max", "expert_entropy", "disk_read_gb", "disk_write_gb", "disk_read_gbps",
                "disk_write_gbps", "disk_gbps_step", "disk_busy_s", "disk_gbps", "disk_busy", "host_pinned_cache_gib",
-               "idle_gaps"]
+               "optimizer_update_s", "optimizer_copy_wait_s", "optimizer_gparams_per_s", "idle_gaps"]
 
 
 def model_config(args) -> dict:
@@ -327,6 +327,7 @@ def run_cli(config: Path, overrides: list[str], log: Path, nproc: int = 1,
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1)
         previous = {sig: signal.signal(sig, stop_tree(proc.pid)) for sig in (signal.SIGTERM, signal.SIGINT)}
+        rc = None
         try:
             if memory is not None:
                 memory.start(proc.pid)
@@ -337,26 +338,43 @@ def run_cli(config: Path, overrides: list[str], log: Path, nproc: int = 1,
                 sys.stdout.flush()
                 f.write(line)
             rc = proc.wait()
+        except StoppedFromOutside:  # the run is killed: what it measured until then is still summarised
+            proc.wait()
+            rc = STOPPED
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            if rc != STOPPED:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
     return rc, time.perf_counter() - t0, cmd
+
+
+STOPPED = 124  # the exit status of a benchmark stopped from outside (timeout's)
+
+
+class StoppedFromOutside(Exception):
+    """Raised in the benchmark's main thread by `stop_tree`'s handler, once the run is killed."""
 
 
 def stop_tree(pid: int):
     """A signal handler for the benchmark stopped from outside (a call script's `timeout`): SIGKILL to the run it
-    launched and every process under it, then exit 124. A run stopped with SIGTERM would save a checkpoint first,
-    as `megatrain train` does for users, holding its GPU meanwhile (torchrun's ranks run in sessions of their own,
-    out of reach of a process-group signal), and a run started after it would find the GPU taken."""
+    launched and every process under it, then StoppedFromOutside, so that the steps measured until then are
+    summarised and written (the result then says it was stopped) and the benchmark exits with STOPPED. A run stopped
+    with SIGTERM would save a checkpoint first, as `megatrain train` does for users, holding its GPU meanwhile
+    (torchrun's ranks run in sessions of their own, out of reach of a process-group signal), and a run started
+    after it would find the GPU taken."""
     def handler(signum, frame):
         for p in reversed(NodeMemory._tree(pid)):  # the tree as it is now, leaves first
             try:
                 os.kill(p, signal.SIGKILL)
             except OSError:
                 pass
-        print(f"bench_cli: stopped by signal {signum}: the run (pid {pid}) and its processes were killed",
-              file=sys.stderr, flush=True)
-        os._exit(124)
+        print(f"bench_cli: stopped by signal {signum}: the run (pid {pid}) and its processes were killed; "
+              f"summarising the steps it logged", file=sys.stderr, flush=True)
+        # `timeout` signals the process and then its group, so a second SIGTERM follows: ignored while the steps are
+        # summarised (a second Ctrl-C still ends the benchmark at once)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        raise StoppedFromOutside(signum)
     return handler
 
 
@@ -550,7 +568,9 @@ def main() -> int:
         if args.docs:  # packed rows: the share of the rows' positions that hold a document's token
             res["packing_efficiency"] = min((r["tokens"] for r in steps), default=0) / full
         ok = rc == 0 and res["steps_measured"] == args.steps and not short
-        if rc:
+        if rc == STOPPED:
+            res["error"] = f"stopped from outside after {res['steps_measured']} of {args.steps} measured steps"
+        elif rc:
             res["error"] = f"megatrain train exited with {rc}"
         elif res["steps_measured"] != args.steps:
             res["error"] = f"{res['steps_measured']} measured steps in {metrics}, expected {args.steps}"
@@ -571,7 +591,7 @@ def main() -> int:
                             "slowest_idle_s"]))
         if not ok:
             print(f"bench_cli: {res['error']}", file=sys.stderr)
-        return 0 if ok else 1
+        return 0 if ok else STOPPED if rc == STOPPED else 1
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

@@ -34,13 +34,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_cli import (NodeMemory, model_config, num_params, run_cli, step_records,  # noqa: E402
+from bench_cli import (STOPPED, NodeMemory, model_config, num_params, run_cli, step_records,  # noqa: E402
                        write_model_dir, write_tokenizer)
 from common import table, write_json  # noqa: E402
 
-SPLIT = ["step_time_s", "rollout_s", "logps_s", "train_s", "rollout_tokens_per_s", "rollout_mode", "rollout_prefill_s",
-         "rollout_decode_step_median_s", "rollout_decode_step_max_s", "tokens",
-         "tokens_per_s", "gpu_peak_gib", "busy_compute", "loss", "reward", "completions/mean_length", "elapsed_s"]
+SPLIT = ["step_time_s", "rollout_s", "logps_s", "train_s", "rollout_tokens_per_s", "rollout_mode", "rollout_drain_s",
+         "rollout_setup_s", "rollout_prefill_s", "rollout_decode_s", "rollout_decode_step_median_s",
+         "rollout_decode_step_max_s", "tokens", "tokens_per_s", "gpu_peak_gib", "busy_compute", "loss", "reward",
+         "completions/mean_length", "elapsed_s"]
 
 
 def write_prompts(path: Path, rows: int, words: int, n_words: int, low: int, seed: int = 0) -> None:
@@ -155,7 +156,8 @@ def main() -> int:
             res["train_tokens_per_s"] = mean("tokens", measured) / res["train_s"]
         ok = rc == 0 and len(measured) == args.steps - args.warmup
         if not ok:
-            res["error"] = f"megatrain train exited with {rc}" if rc else f"{len(measured)} measured steps"
+            res["error"] = (f"stopped from outside after {len(measured)} measured steps" if rc == STOPPED else
+                            f"megatrain train exited with {rc}" if rc else f"{len(measured)} measured steps")
             print((work / "cli.log").read_text()[-3000:], file=sys.stderr)
         write_json(args.json, {"command": " ".join(sys.argv), "result": res})
         for r in rows:
@@ -166,7 +168,7 @@ def main() -> int:
                     "train_s": pr.get("train_step_s"), "step_s": pr.get("step_with_rollout_s")}
         print(table([res, plan_row], ["label", "rollout_mode", "rollout_s", "rollout_tokens_per_s", "logps_s",
                                       "train_s", "train_tokens_per_s", "step_s"]))
-        return 0 if ok else 1
+        return 0 if ok else STOPPED if rc == STOPPED else 1
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -94,7 +94,20 @@ def step_spread(steps: list[dict], key: str) -> dict:
     return {"step_times_s": [round(r[key], 3) for r in timed], "step_median_s": median, "slowest_step": slow["step"],
             "slowest_step_s": slow[key], "slowest_over_median": slow[key] / median if median else None,
             "slowest_idle_s": (1 - busy) * slow[key] if busy is not None else None,
-            "slowest_idle_gaps": slow.get("idle_gaps") or []}
+            "slowest_idle_gaps": slow.get("idle_gaps") or [],
+            **optimizer_spread(timed, slow)}
+
+
+def optimizer_spread(steps: list[dict], slow: dict) -> dict:
+    """The CPU AdamW's rate (Gparam/s) in the slowest step and its median over the steps, when the records carry it
+    (`optimizer_gparams_per_s`): whether a stall's GPU waited for a slowed optimizer."""
+    import statistics
+
+    rates = [r["optimizer_gparams_per_s"] for r in steps if r.get("optimizer_gparams_per_s")]
+    if not rates or not slow.get("optimizer_gparams_per_s"):
+        return {}
+    return {"optimizer_gparams_per_s_median": statistics.median(rates),
+            "slowest_optimizer_gparams_per_s": slow["optimizer_gparams_per_s"]}
 
 
 def spread_lines(res: dict) -> str:
@@ -104,7 +117,9 @@ def spread_lines(res: dict) -> str:
     lines = [f"steps (s): {' '.join(f'{t:.2f}' for t in res['step_times_s'])}; median {res['step_median_s']:.2f}; "
              f"slowest: step {res['slowest_step']}, {res['slowest_step_s']:.2f} s, {res['slowest_over_median']:.2f}x "
              f"the median" + (f", GPU idle {res['slowest_idle_s']:.2f} s" if res.get("slowest_idle_s") is not None
-                               else "")]
+                               else "")
+             + (f", CPU AdamW {res['slowest_optimizer_gparams_per_s']:.2f} Gparam/s (median "
+                f"{res['optimizer_gparams_per_s_median']:.2f})" if res.get("slowest_optimizer_gparams_per_s") else "")]
     lines += [f"  idle {g['ms']:8.1f} ms after [{g.get('after', '')}] before [{g.get('before', '')}]"
               for g in res.get("slowest_idle_gaps") or []]
     return "\n".join(lines)

@@ -1,9 +1,10 @@
 """What the host did during each training step of a run: a sampler thread reads /proc every PERIOD seconds while the
 run's process lives (bench_cli.py --trace-host), and the samples are cut at the moments its metrics.jsonl gained a
 step record. Per step: the CPU seconds of the run's process (all its threads) and of its descendants (torch.compile's
-workers), the busiest threads (name and CPU seconds), the kernel's memory events from /proc/vmstat (page faults, major
-faults, transparent huge pages allocated and collapsed, compaction stalls, direct reclaim), the most runnable tasks
-seen at once (/proc/stat's procs_running) and the run's dirty/writeback pages. A slow step whose GPU idled shows here
+workers), the machine's CPU seconds (busy, iowait, and steal: time a hypervisor gave to other guests), the busiest
+threads (name and CPU seconds), the kernel's memory events from /proc/vmstat (page faults, major faults, transparent
+huge pages allocated and collapsed, compaction stalls, direct reclaim), the most runnable tasks seen at once
+(/proc/stat's procs_running) and the run's dirty/writeback pages. A slow step whose GPU idled shows here
 whether the CPU was saturated, whether the kernel was faulting, compacting or reclaiming, or whether nothing was busy
 (then the cause is a wait, not work)."""
 
@@ -28,11 +29,18 @@ def _vmstat() -> dict[str, int]:
     return out
 
 
-def _running() -> int:
+def _machine() -> tuple[int, dict[str, float]]:
+    """From /proc/stat: the runnable tasks now, and the machine's CPU seconds so far (all cores): busy (user, nice,
+    system, irq, softirq), iowait, and steal (time the hypervisor gave this VM's CPUs to others: a step slowed by
+    a neighbour shows it)."""
+    running, cpu = 0, {}
     for line in Path("/proc/stat").read_text().splitlines():
         if line.startswith("procs_running"):
-            return int(line.split()[1])
-    return 0
+            running = int(line.split()[1])
+        elif line.startswith("cpu "):
+            f = [int(x) / CLK for x in line.split()[1:9]]
+            cpu = {"busy": f[0] + f[1] + f[2] + f[5] + f[6], "iowait": f[4], "steal": f[7]}
+    return running, cpu
 
 
 def _threads(pid: int) -> dict[int, tuple[str, float]]:
@@ -89,8 +97,9 @@ class HostTrace:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
+                running, machine = _machine()
                 self.samples.append({"t": time.perf_counter(), "steps": self._steps_logged(), "vm": _vmstat(),
-                                     "running": _running(), "threads": _threads(self.pid),
+                                     "running": running, "machine": machine, "threads": _threads(self.pid),
                                      "children_cpu": _children_cpu(self.pid)})
             except (OSError, ValueError):
                 pass  # the process ended between two reads
@@ -116,6 +125,8 @@ class HostTrace:
                             "children_cpu_s": max(0.0, b["children_cpu"] - a["children_cpu"]),
                             "busiest_threads": [f"{name}/{tid} {sec:.1f}" for tid, (name, sec) in busiest],
                             "max_running": max(w["running"] for w in window),
+                            **{f"machine_{k}_s": b["machine"].get(k, 0.0) - a["machine"].get(k, 0.0)
+                               for k in ("busy", "iowait", "steal")},
                             **{k: b["vm"].get(k, 0) - a["vm"].get(k, 0) for k in VMSTAT}})
                 start = i
         return out
@@ -127,6 +138,8 @@ def trace_lines(steps: list[dict]) -> list[str]:
     for s in steps:
         vm = ", ".join(f"{k} {s[k]:,}" for k in VMSTAT if s.get(k))
         lines.append(f"step {s['step']}: {s['window_s']:.1f} s, CPU {s['cpu_s']:.1f} s (+{s['children_cpu_s']:.1f} s "
-                     f"descendants), up to {s['max_running']} runnable; {vm or 'no memory events'}; busiest: "
+                     f"descendants; machine {s.get('machine_busy_s', 0.0):.1f} s, steal "
+                     f"{s.get('machine_steal_s', 0.0):.1f} s), up to {s['max_running']} runnable; "
+                     f"{vm or 'no memory events'}; busiest: "
                      + ", ".join(s["busiest_threads"]))
     return lines

@@ -44,6 +44,10 @@ def test_start_summary_and_step_records(demo_run):
         assert {"loss", "grad_norm", "lr", "tokens_per_s", "tflops_6n", "host_rss_gib", "eta_s"} <= set(r)
         assert r["host_rss_gib"] > 0.05
     assert steps[-1]["eta_s"] == 0
+    # the CPU AdamW's work since the record before (the updates of the step before, at least): its in-run rate
+    for r in steps[1:]:
+        assert r["optimizer_update_s"] > 0 and r["optimizer_copy_wait_s"] >= 0
+        assert r["optimizer_gparams_per_s"] > 0
     assert "mfu" not in steps[0] and "busy_compute" not in steps[0]  # CPU: no GPU peak, no streams
     # where the start-up went, phase by phase: in the summary and with this process's first step only
     startup = steps[0]["startup_s"]

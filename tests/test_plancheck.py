@@ -90,6 +90,19 @@ def test_a_stalled_step_is_named_once_with_its_idle_stretches():
             in said[0]
 
 
+def test_a_stall_names_the_optimizers_rate_in_it_against_the_median():
+    """The CPU AdamW's rate in the slow step against the steady steps' median: whether the GPU waited for a slowed
+    optimizer or for something else."""
+    check = PlanCheck(None, first_step=0)
+    rates = {3: 3.1, 4: 3.3, 5: 3.2, 6: 1.6}
+    lines = [check(record(s, 20.0 if s == 6 else 15.0, optimizer_gparams_per_s=r)) for s, r in rates.items()]
+    assert lines[:3] == [None] * 3
+    assert lines[3].startswith("slow step: step 6 took 20.00 s") and \
+        lines[3].endswith("; CPU AdamW 1.60 Gparam/s (median 3.15)")
+    check = PlanCheck(None, first_step=0)  # no optimizer fields (a record of before, a GPU-only step): nothing said
+    assert "AdamW" not in [check(record(s, 20.0 if s == 6 else 15.0)) for s in rates][3]
+
+
 def test_steps_within_the_tolerance_or_before_steady_are_not_stalls():
     check = PlanCheck(None, first_step=0)
     assert all(check(record(s, 50.0 if s <= STEADY_AFTER else 10.0)) is None for s in range(1, 10))  # warm-up slow
@@ -115,6 +128,13 @@ def test_a_grpo_step_is_held_against_the_plan_by_its_parts():
         said += (line or "").splitlines()
     assert said == [f"plan check: step 3's rollout took 80.00 s (3,275 tokens/s), the plan 20.00 s (75% short; "
                     f"resident, decode step 32.4 ms planned, 145.0 ms median measured)"], said
+
+    # the parts before and at the start of sampling, where the record and the plan both have them
+    plan.rollout.update(drain_s=2.3, setup_s=0.28, prefill_s=1.9)
+    line = PlanCheck(plan, first_step=0)(record(3, train + 27.1, train_s=train, rollout_s=27.1,
+                                                rollout_drain_s=4.1, rollout_setup_s=1.2, rollout_prefill_s=2.4))
+    assert line.endswith("; the last step's updates 4.10 s (planned 2.30); the sampler's set-up 1.20 s (planned "
+                         "0.28); prefill 2.40 s (planned 1.90)"), line
 
     check = PlanCheck(plan, first_step=0)
     line = check(record(3, train * 2 + 20.0, train_s=train * 2, rollout_s=20.0))

@@ -35,3 +35,34 @@ def test_qwen25_7b_resident_and_streamed_bounds():
     assert st["resident_bytes"] < rollout_estimate(cfg, 8, prompt, new, "resident", prof)["resident_bytes"]
     with pytest.raises(ValueError, match="rollout mode"):
         rollout_estimate(cfg, 8, prompt, new, "auto", prof)
+
+
+def test_the_rollout_phase_counts_the_updates_before_it_and_the_weights_copy():
+    """The sampler reads the store's copy, so the last step's updates finish first: with clipping all of them (they
+    otherwise overlap the next forward), without it the tail that outlasts the backward; a resident sampler then
+    copies the bf16 weights to the device at the profile's H2D rate. Both are in the rollout's time."""
+    from types import SimpleNamespace
+
+    from megatrain.models import get_adapter
+    from megatrain.planner import Workload, make_plan
+    from megatrain.planner.profile import GiB
+    from megatrain.planner.rollout_plan import plan_rollout
+
+    adapter = get_adapter(load_hf_config(CONFIGS / "qwen2.5-7b"))
+    grpo = SimpleNamespace(prompts_per_rollout=64, num_generations=8, max_new_tokens=512, num_iterations=1,
+                           beta=0.0, rollout="resident")
+    cfg = SimpleNamespace(grpo=grpo, train=SimpleNamespace(objective="grpo", micro_batch_size=64, grad_accum_steps=8),
+                          data=SimpleNamespace(max_seq_len=640))
+    for clipping in (True, False):
+        plan = make_plan(adapter, Workload((64,) * 8, 640, device="cuda", clipping=clipping), DEFAULTS,
+                         suggest=False, host_available=1024 * GiB)
+        plan_rollout(plan, cfg, adapter)
+        r, tm = plan.rollout, plan.time
+        assert r["drain_s"] == (tm["optimizer_s"] if clipping else tm["optimizer_wait_s"])
+        assert r["drain_s"] > 0 if clipping else r["drain_s"] >= 0
+        assert r["setup_s"] == pytest.approx(r["resident_bytes"] / DEFAULTS.h2d_bps)
+        assert r["rollout_s"] == pytest.approx(r["drain_s"] + r["setup_s"] + r["prefill_s"]
+                                               + r["decode_step_s"] * 512)
+    grpo.rollout = "streamed"  # the layers cross the bus in every decode step: no copy before it
+    plan_rollout(plan, cfg, adapter)
+    assert plan.rollout["setup_s"] == 0.0

@@ -5,7 +5,9 @@ streaming are the SFT plan's for those rows; the LM head runs a forward-only pas
 loop (each token's log-prob first, then its weight in the loss), as a preference objective's does. On top of it,
 once per rollout batch (prompts_per_rollout x num_generations completions, `steps_per_batch` optimizer steps):
 
-    rollout    the sampler (megatrain/rollout): prefill + max_new_tokens decode steps, every sequence taken to
+    rollout    the last step's updates finished first (the store's copy is what the sampler reads: with clipping
+               the whole update, which otherwise overlaps the next forward), a resident sampler's copy of the
+               weights to the device, then the sampler (megatrain/rollout): prefill + max_new_tokens decode steps, every sequence taken to
                max_new_tokens (an upper bound: finished rows leave the live batch). resident: the bf16 weights on
                the GPU beside the KV cache; streamed: each decode step streams the layers once (the bus bound),
                the KV cache on the GPU or, when it does not fit there, in pinned host memory. Figures from the
@@ -63,13 +65,17 @@ def plan_rollout(plan, cfg, adapter) -> None:
     kv_on_host = mode == "streamed" and plan.gpu_limit is not None and e["kv_bytes"] > plan.gpu_limit * 0.9
     if kv_on_host:
         why += "; the KV cache does not fit on the GPU either: it lives in pinned host memory"
-    rollout_s = e["prefill_s"] + e["decode_step_s"] * g.max_new_tokens
+    tm = plan.time
+    # before the sampler starts: the last step's updates finish (with clipping all of them run after its GPU work;
+    # without, the tail that outlasts the backward), and a resident sampler copies the bf16 weights to the device
+    drain_s = tm.get("optimizer_s", 0.0) if w.clipping else tm.get("optimizer_wait_s", 0.0)
+    setup_s = e["resident_bytes"] / prof.h2d_bps if mode == "resident" and w.device == "cuda" else 0.0
+    rollout_s = drain_s + setup_s + e["prefill_s"] + e["decode_step_s"] * g.max_new_tokens
     # the head's forward-only pass (every target's log-prob first), and the forward-only log-prob passes
     units = adapter.units()
     fl = executed_flops(adapter, units, w)
     targets = sum(w.micro_batches) * (w.seq_len - 1)
     head_fwd = 2.0 * adapter.vocab_size * adapter.hidden_size * targets
-    tm = plan.time
     rate = tm["executed_flops"] / max(tm["compute_s"], 1e-12)
     extra_head = head_fwd / (prof.head_flops if w.device == "cuda" else rate)
     h2d = plan.params * w.stream_elem / prof.h2d_bps if w.device == "cuda" else 0.0
@@ -84,7 +90,7 @@ def plan_rollout(plan, cfg, adapter) -> None:
     plan.rollout = {"mode": mode, "why": why, "kv_on_host": kv_on_host, "seqs": seqs, "prompt_len": prompt_len,
                     "max_new_tokens": g.max_new_tokens, "kv_bytes": e["kv_bytes"],
                     "resident_bytes": e["resident_bytes"], "decode_step_s": e["decode_step_s"],
-                    "prefill_s": e["prefill_s"], "rollout_s": rollout_s, "tokens_per_s": e["tokens_per_s"],
+                    "drain_s": drain_s, "setup_s": setup_s, "prefill_s": e["prefill_s"], "rollout_s": rollout_s, "tokens_per_s": e["tokens_per_s"],
                     "bound": e.get("bound", ""), "logps": kinds, "logps_s": logps_s, "extra_head_s": extra_head,
                     "train_step_s": train_s, "steps_per_batch": steps, "step_with_rollout_s": step}
 
@@ -102,6 +108,8 @@ def rollout_lines(plan) -> list[str]:
              f"  decode step {r['decode_step_s'] * 1e3:.2f} ms" + (f" (bound by {r['bound']})" if r["bound"] else "")
              + f", prefill {r['prefill_s']:.2f} s, rollout {r['rollout_s']:.1f} s per batch, "
              f"{r['tokens_per_s']:,.0f} rollout tokens/s",
+             f"  before it: the last step's updates {r['drain_s']:.2f} s"
+             + (f", the weights to the device {r['setup_s']:.2f} s" if r["setup_s"] else ""),
              f"  log-probs: " + (f"{' and '.join(r['logps'])}, {r['logps_s']:.2f} s per batch" if r["logps"] else
                                  "none (the batch feeds one optimizer step, no KL term)"),
              f"  training step {r['train_step_s']:.2f} s (the head's forward-only pass +{r['extra_head_s']:.3f} s); "

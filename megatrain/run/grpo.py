@@ -198,11 +198,15 @@ class Rollouts:
             raise RuntimeError("Rollouts.attach(run) before the first step")
         t0 = time.perf_counter()
         run.pipeline.drain()  # the store's streaming copy holds the last step's weights
+        t_drain = time.perf_counter()
         prompts = self.source.next_prompts(g.prompts_per_rollout)
         params = SamplingParams(g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                 n=g.num_generations, stop=tuple(g.stop), eos_token_ids=self.eos, seed=self.seed)
         sampler = Sampler(run.adapter.hf_config, StoreWeights(run.store, run.adapter), run.engine.device,
                           mode=self.mode(), dtype=run.store.compute_dtype, kv_on_host=self.kv_on_host())
+        if run.engine.device.type == "cuda":
+            torch.cuda.synchronize(run.engine.device)  # (resident: the weights' copy to the device is done)
+        t_setup = time.perf_counter()
         try:
             out = sampler.generate([p.ids for p in prompts], params, tokenizer=self.tokenizer,
                                    generator=self.generator)
@@ -225,7 +229,10 @@ class Rollouts:
         self.fields = batch_fields(per, torch.as_tensor(total), std, lengths, list(out.finished))
         self.fields["rollout_tokens_per_s"] = out.stats.get("tokens_per_s", sum(lengths) / max(rollout_s, 1e-9))
         self.fields["rollout_mode"] = out.stats.get("mode", self.mode())
-        for k in ("prefill_s", "decode_step_median_s", "decode_step_max_s"):  # where a slow rollout's time went
+        # where a slow rollout's time went: the wait for the last step's updates, the sampler's set-up (resident:
+        # the weights' copy to the device), its prefill and decode steps (median and slowest)
+        self.fields.update(rollout_drain_s=t_drain - t0, rollout_setup_s=t_setup - t_drain)
+        for k in ("prefill_s", "decode_s", "decode_step_median_s", "decode_step_max_s"):
             self.fields[f"rollout_{k}"] = out.stats.get(k)
         self.last.update(rollout_s=rollout_s, logps_s=logps_s)
 

@@ -167,3 +167,14 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
     return str(v)
+
+
+def optimizer_fields(stats: dict) -> dict:
+    """The CPU AdamW's work since the last record (OptimizerPipeline.take_stats: the updates it finished, which
+    overlap the step boundary) as a record's fields: seconds in the update, seconds waiting for gradient copies,
+    and its rate in Gparam/s. A slow step whose rate fell shows the host's memory or CPU slowed the optimizer; one at
+    the usual rate points elsewhere."""
+    if not stats.get("update_s"):
+        return {}
+    return {"optimizer_update_s": stats["update_s"], "optimizer_copy_wait_s": stats["copy_wait_s"],
+            "optimizer_gparams_per_s": stats["params"] / stats["update_s"] / 1e9}

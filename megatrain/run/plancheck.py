@@ -61,7 +61,8 @@ class PlanCheck:
         if own_time(slow) <= median * (1 + SLOW_STEP):
             return None
         self.slow_said = True
-        return slow_step_line(slow, median, len(self.steady))
+        rates = [r["optimizer_gparams_per_s"] for r in self.steady if r.get("optimizer_gparams_per_s")]
+        return slow_step_line(slow, median, len(self.steady), statistics.median(rates) if rates else None)
 
     def _plan_line(self, record: dict) -> str | None:
         if self.done:
@@ -107,7 +108,12 @@ class PlanCheck:
                 f"{r['rollout_s']:.2f} s ({abs(err):.0%} {'long' if err > 0 else 'short'}; {r['mode']}, decode step "
                 f"{r['decode_step_s'] * 1e3:.1f} ms planned"
                 + (f", {record['rollout_decode_step_median_s'] * 1e3:.1f} ms median measured"
-                   if record.get("rollout_decode_step_median_s") else "") + ")")
+                   if record.get("rollout_decode_step_median_s") else "") + ")"
+                + "".join(f"; {what} {record[k]:.2f} s (planned {r[p]:.2f})"
+                          for k, p, what in (("rollout_drain_s", "drain_s", "the last step's updates"),
+                                             ("rollout_setup_s", "setup_s", "the sampler's set-up"),
+                                             ("rollout_prefill_s", "prefill_s", "prefill"))
+                          if record.get(k) is not None and p in r))
 
 
 def own_time(record: dict) -> float:
@@ -115,10 +121,11 @@ def own_time(record: dict) -> float:
     return record["train_s"] if "train_s" in record else record["step_time_s"]
 
 
-def slow_step_line(record: dict, median: float, steps: int) -> str:
+def slow_step_line(record: dict, median: float, steps: int, optimizer_median: float | None = None) -> str:
     """A step well behind the median of `steps` steady steps: its time (a grpo step's training part), the ratio, its
     GPU idle time and its longest idle stretches of the compute stream (each with the work it followed and the work
-    it waited for)."""
+    it waited for), and the CPU AdamW's rate in it against the steady steps' median (`optimizer_median`, Gparam/s):
+    a GPU that waited for an optimizer running at its usual rate waited on something else."""
     t = own_time(record)
     what = f"step {record['step']}'s training" if "train_s" in record else f"step {record['step']}"
     line = (f"slow step: {what} took {t:.2f} s, {t / median:.2f}x the median {median:.2f} s of "
@@ -128,6 +135,9 @@ def slow_step_line(record: dict, median: float, steps: int) -> str:
     gaps = record.get("idle_gaps") or []
     if gaps:
         line += "; longest idle stretches: " + ", ".join(idle_stretch(g) for g in gaps)
+    if record.get("optimizer_gparams_per_s") and optimizer_median:
+        line += (f"; CPU AdamW {record['optimizer_gparams_per_s']:.2f} Gparam/s (median "
+                 f"{optimizer_median:.2f})")
     return line
 
 

@@ -28,7 +28,7 @@ from ..runtime.router_loss import expert_load
 from .collector import StepCollector
 from .evaluate import evaluate
 from .grpo import grpo_fields, step_split
-from .metrics import MetricsLogger, preference_fields
+from .metrics import MetricsLogger, optimizer_fields, preference_fields
 from .oom import raise_if_out_of_memory
 from .plancheck import PlanCheck
 from .prefetch import PreparedStep, StepPrefetcher
@@ -228,6 +228,7 @@ def train_step(run: Run, step: int, data: PreparedStep, stats: StepStats | None 
               "queue_s": t_queued - t0, "gpu_wait_s": t_done - t_queued}
     if clipping:
         record["clip_coef"] = coef
+    record.update(optimizer_fields(run.pipeline.take_stats()))
     if released:  # page-locked memory torch's allocator kept (a compiled step's autotuning copies)
         record["host_pinned_released_gib"] = released / 2**30
     if data.fields is not None:  # grpo: the rollout batch's rewards and lengths, the step's time split
