@@ -7,7 +7,8 @@ import statistics
 
 import torch
 
-from megatrain.run.grpo import _dec, _enc, batch_fields, collate, group_advantages, row_weights, split_targets
+from megatrain.run.grpo import (ROW_GRANULE, _dec, _enc, batch_fields, collate, group_advantages, row_length,
+                               row_weights, split_targets)
 
 
 def test_group_advantages_match_trl_formula():
@@ -85,6 +86,22 @@ def test_logps_encoding_is_exact():
     assert _dec(_enc(None)) is None
 
 
+def test_a_rollout_batch_has_one_row_length_rounded_up_within_max_seq_len():
+    """Every micro-batch of a rollout batch is padded to one length (compiled layers then run one shape): the
+    batch's longest row rounded up to a multiple of ROW_GRANULE, at most data.max_seq_len, never shorter than a
+    row."""
+    def rows(*lengths):
+        return [{"prompt": [1] * 3, "completion": [2] * (n - 3)} for n in lengths]
+    assert row_length(rows(100, 7, 64), 1000) == 128 == 2 * ROW_GRANULE
+    assert row_length(rows(128, 5), 1000) == 128 and row_length(rows(129), 1000) == 192
+    assert row_length(rows(600, 630), 641) == 640 and row_length(rows(641), 641) == 641
+    assert row_length(rows(645), 700) == 700  # (the cap: data.max_seq_len, prompt limit + max_new_tokens)
+    assert row_length(rows(700), 641) == 700  # never shorter than a row
+    b = collate([{"prompt": [5, 6], "completion": [7], "advantage": 1.0, "old": None, "ref": None}], 0, length=6)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 0, 0, 0]] and b["labels"].tolist() == [[-100, -100, 7] + [-100] * 3]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0]] and b["num_real_tokens"] == 3
+
+
 def test_a_sampled_rollout_batch_steps_as_trl_writes_it(tmp_path):
     """The run's path from a rollout to the gradient, on completions sampled at temperature 0.7 (some ended by EOS,
     kept and trained on, some cut at max_new_tokens): the sampler's kept log-probs, Engine.token_logps (the old
@@ -118,7 +135,10 @@ def test_a_sampled_rollout_batch_steps_as_trl_writes_it(tmp_path):
     rows = [{**r, "row_weight": x} for r, x in zip(rows, w)]
     obj = Objective("grpo", loss_type="dapo", temperature=T)
     mt = Megatrain(tmp_path, objective=obj)
-    mbs = prepare_step([collate(rows[i:i + 6], pad_id=0) for i in range(0, len(rows), 6)], pin=False)
+    length = row_length(rows, 40)  # as the run pads them: one length for the batch, past every row's end
+    assert length == 40 > max(len(r["prompt"]) + len(r["completion"]) for r in rows)
+    mbs = prepare_step([collate(rows[i:i + 6], pad_id=0, length=length) for i in range(0, len(rows), 6)], pin=False)
+    assert {mb.input_ids.shape[1] for mb in mbs} == {40}
     old = torch.cat(mt.engine.token_logps(mbs))
 
     loss_ref, want_old = 0.0, []

@@ -10,7 +10,8 @@ When its rollout batch is used up it makes the next one:
     rewards     megatrain.rl.rewards.score: the weighted sum per completion, each reward's values for the log
     advantages  per group of one prompt's completions: (r - mean) / (std + 1e-4) (TRL's unbiased std;
                 scale_rewards false: r - mean)
-    rows        prompt + completion, labels -100 on the prompt, right-padded per micro-batch
+    rows        prompt + completion, labels -100 on the prompt, right-padded to one length per rollout batch
+                (row_length: compiled layers run one shape)
     log-probs   the old ones (the rollout's weights) when the batch feeds more than one optimizer step, the
                 reference's (the store's frozen copy) when grpo.beta > 0: Engine.token_logps, forward only
     steps       num_iterations passes over the batch, each in an order shuffled from (train.seed, batch, pass),
@@ -33,6 +34,7 @@ import torch
 from ..errors import MegatrainError
 
 STD_EPS = 1e-4  # TRL's: advantages = (r - mean) / (std + 1e-4)
+ROW_GRANULE = 64  # a rollout batch's rows are padded to a multiple of this many tokens (row_length)
 
 
 def group_advantages(rewards: torch.Tensor, n: int, scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,11 +56,20 @@ def row_weights(lengths: list[int], loss_type: str, max_new_tokens: int) -> list
     return grpo_row_weights(loss_type, n, len(lengths), sum(lengths), max_new_tokens).tolist()
 
 
-def collate(rows: list[dict], pad_id: int) -> dict:
+def row_length(rows: list[dict], cap: int) -> int:
+    """The length every micro-batch of a rollout batch is right-padded to: its longest row rounded up to a multiple
+    of ROW_GRANULE, at most `cap` (data.max_seq_len, the plan's). Compiled layers are specialised to a micro-batch's
+    shape: padding each to its own longest row gave nearly every micro-batch a new length, so the layers compiled
+    again until torch's recompile limit and then ran uncompiled."""
+    longest = max(len(r["prompt"]) + len(r["completion"]) for r in rows)
+    return max(longest, min(cap, -(-longest // ROW_GRANULE) * ROW_GRANULE))
+
+
+def collate(rows: list[dict], pad_id: int, length: int = 0) -> dict:
     """Rows {prompt, completion (token ids), advantage, row_weight, old, ref (per completion token, or None)} ->
-    one micro-batch's dict: input_ids, labels (-100 on the prompt and padding), attention_mask, right-padded, and
-    the grpo fields in target order."""
-    T = max(len(r["prompt"]) + len(r["completion"]) for r in rows)
+    one micro-batch's dict: input_ids, labels (-100 on the prompt and padding), attention_mask, right-padded to its
+    longest row or `length`, and the grpo fields in target order."""
+    T = max(max(len(r["prompt"]) + len(r["completion"]) for r in rows), length)
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), T), -100, dtype=torch.long)
     mask = torch.zeros((len(rows), T), dtype=torch.long)
@@ -186,7 +197,8 @@ class Rollouts:
         mbs = self.cfg.train.micro_batch_size
         self.k += 1
         self.last.update(self.fields, rollout_batch=self.batch, rollout_step=self.k)
-        return [collate(rows[i:i + mbs], self.pad_id) for i in range(0, len(rows), mbs)]
+        T = row_length(self.rows, self.cfg.data.max_seq_len)
+        return [collate(rows[i:i + mbs], self.pad_id, T) for i in range(0, len(rows), mbs)]
 
     def _rollout(self) -> None:
         from ..rl.rewards import score
@@ -263,7 +275,8 @@ class Rollouts:
 
         mbs = self.cfg.train.micro_batch_size
         groups = [rows[i:i + mbs] for i in range(0, len(rows), mbs)]
-        batches = [collate(gr, self.pad_id) for gr in groups]
+        T = row_length(rows, self.cfg.data.max_seq_len)
+        batches = [collate(gr, self.pad_id, T) for gr in groups]
         wave = max(1, self.cfg.train.grad_accum_steps)
         for kind in kinds:
             values = []
