@@ -83,8 +83,8 @@ def planned_rollout(path: Path) -> dict:
         return {}
     p = json.loads(path.read_text())
     r = p.get("rollout") or {}
-    keep = ("mode", "why", "kv_bytes", "decode_step_s", "prefill_s", "rollout_s", "tokens_per_s", "logps_s",
-            "train_step_s", "steps_per_batch", "step_with_rollout_s")
+    keep = ("mode", "why", "kv_bytes", "drain_s", "setup_s", "decode_step_s", "prefill_s", "rollout_s", "tokens_per_s",
+            "logps_s", "train_step_s", "steps_per_batch", "step_with_rollout_s")
     return {"placement": p.get("placement"), "plan_step_s": p.get("step_time_s"),
             "plan_rollout": {k: r.get(k) for k in keep}}
 
