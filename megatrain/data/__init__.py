@@ -51,6 +51,9 @@ A Batch is a dict of CPU int64 tensors:
 All errors are MegatrainError with one-line messages naming the key, file and row.
 """
 
+import sys
+import types
+
 # each name is imported from its module when first asked for (`megatrain plan` reads the config's data section
 # without the loaders, their pyarrow and torch)
 _WHERE = {"DataConfig": "config", "DatasetSpec": "config", "load_exact_match": "exact_match", "Batch": "loader",
@@ -78,3 +81,15 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_WHERE))
+
+
+class _Package(types.ModuleType):
+    """This package: a submodule named as one of the names above (preview.py, loader.preview) does not take the
+    name when it is imported (as `from .loader import preview` rebound it after loader imported preview.py)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if not (name in _WHERE and isinstance(value, types.ModuleType)):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
