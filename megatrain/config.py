@@ -21,7 +21,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from .data import is_preference, is_prompt
 from .data.config import DataConfig
 from .config_checks import TooLarge, check_overlaps, check_yaml_size, expand_home, objective_problems
 from .errors import ConfigError, MegatrainError, check_dir_target, decode_utf8, load_json
@@ -410,6 +409,8 @@ def _validate(raw: dict, lines: dict[tuple, int], path: Path | None, from_cli: s
         cfg = Config.model_validate(raw)
     except ValidationError as e:
         raise _problems([_describe(err, where(tuple(err["loc"]))) for err in e.errors()]) from None
+    from .data import is_preference, is_prompt  # (their modules, and what they import, when a config is read)
+
     if problems := objective_problems(cfg, is_preference(cfg.data), is_prompt(cfg.data)):  # objective and data agree
         raise _problems([where(loc) + msg for loc, msg in problems])
     return cfg

@@ -51,15 +51,45 @@ A Batch is a dict of CPU int64 tensors:
 All errors are MegatrainError with one-line messages naming the key, file and row.
 """
 
-from .config import DataConfig, DatasetSpec
-from .exact_match import load_exact_match
-from .loader import Batch, StepLoader, build_eval_batches, build_train_loader, preview, validate_inputs
-from .preference_loader import (PairBatches, PairLoader, all_pair_batches, build_pair_eval_batches, build_pair_loader,
-                                is_preference, pair_fingerprint)
-from .prompts import PromptRow, PromptSource, build_prompt_source, is_prompt, render_prompt_preview
-from .tokenizer import load_tokenizer
+import sys
+import types
 
-__all__ = ["Batch", "DataConfig", "DatasetSpec", "PairBatches", "PairLoader", "PromptRow", "PromptSource",
-           "StepLoader", "all_pair_batches", "build_eval_batches", "build_pair_eval_batches", "build_pair_loader",
-           "build_prompt_source", "build_train_loader", "is_preference", "is_prompt", "load_exact_match",
-           "load_tokenizer", "pair_fingerprint", "preview", "render_prompt_preview", "validate_inputs"]
+# each name is imported from its module when first asked for (`megatrain plan` reads the config's data section
+# without the loaders, their pyarrow and torch)
+_WHERE = {"DataConfig": "config", "DatasetSpec": "config", "load_exact_match": "exact_match", "Batch": "loader",
+          "StepLoader": "loader", "build_eval_batches": "loader", "build_train_loader": "loader", "preview": "loader",
+          "validate_inputs": "loader", "PairBatches": "preference_loader", "PairLoader": "preference_loader",
+          "all_pair_batches": "preference_loader", "build_pair_eval_batches": "preference_loader",
+          "build_pair_loader": "preference_loader", "pair_fingerprint": "preference_loader",
+          "is_preference": "preference_examples", "PromptRow": "prompts", "PromptSource": "prompts",
+          "build_prompt_source": "prompts", "is_prompt": "prompts", "render_prompt_preview": "prompts",
+          "load_tokenizer": "tokenizer"}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{where}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))
+
+
+class _Package(types.ModuleType):
+    """This package: a submodule named as one of the names above (preview.py, loader.preview) does not take the
+    name when it is imported (as `from .loader import preview` rebound it after loader imported preview.py)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if not (name in _WHERE and isinstance(value, types.ModuleType)):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -7,10 +7,11 @@ is read; and `megatrain probe`, which measures the machine it plans for. Modules
     estimate.py     Plan (a workload's figures and whether they fit) and estimate, which computes it
     workload.py     Workload, what the run asks of the engine (step shape, engine settings), from a Config
     memory.py       host RAM by component and the GPU phase by phase, walking the runtime's step schedule
+    peak_walk.py    the placement search's walk for the GPU peak alone (a group's backward uses in one loop)
     activations.py  one layer's and the LM head's activation memory, measured by running the runtime's own
                     functions on the meta device
-    meta_trace.py   those meta-device runs without importing torch._dynamo (seconds; `megatrain plan` never
-                    compiles)
+    meta_trace.py   those meta-device runs without importing torch._dynamo or sympy (seconds; `megatrain plan`
+                    never compiles)
     timing.py       executed FLOPs and step time: an event simulation of the runtime's step schedule and of the
                     CPU optimizer pipeline
     suggest.py      what would fit when the run does not

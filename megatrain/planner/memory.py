@@ -43,6 +43,7 @@ from ..runtime.schedule import (TIED_INPUT, ScheduleVisitor, grads_to_host, iter
 from ..runtime.schedule import slot_numel as _slot_numel
 from ..runtime.store import padded_numel
 from . import activations as actsim
+from .peak_walk import walk_peak
 from .calibration import (CHECKPOINT_EXTRA, COMPILED_ACTIVATIONS, COMPILED_HOST_BASE_GIB, COMPILED_HOST_FROM_TOKENS,
                           COMPILED_HOST_FULL_TOKENS, COMPILED_HOST_RISE_GIB, CUDA_CONTEXT, DATA_BYTES_PER_TOKEN,
                           DATA_FIXED_GIB, GPU_RESERVE, GPU_RESERVE_COMPILED, GPU_RESERVE_LONG_ROW,
@@ -251,7 +252,7 @@ def gpu_peak(adapter, units, w: Workload, prof: Profile | None = None, over=None
     first phase total, above those before it, for which it holds (when the search asks only whether a peak fits)."""
     books = _GpuBooks(adapter, units, w, [], prof, peak_only=True)
     books.over = over
-    walk(iter_schedule(len(units), adapter.tied, w.placement, len(w.groups)), books)  # built as far as walked
+    walk_peak(iter_schedule(len(units), adapter.tied, w.placement, len(w.groups)), books)  # built as far as walked
     return books.peak
 
 

@@ -256,6 +256,12 @@ class _Search:
         return got
 
 
+def _step_s(adapter, units, w: Workload, prof: Profile) -> float:
+    """The predicted step of a placement the search weighs (without the other clipping mode's, which only the report
+    shows)."""
+    return step_time(adapter, units, w, prof, other_mode=False)["step_s"]
+
+
 def _candidates(s: _Search, w: Workload) -> list[tuple[float, int, float, Placement]]:
     """(step s, groups, host bytes, placement) of every placement the search finds that fits, from `w`'s."""
     adapter, units, prof = s.adapter, s.units, s.prof
@@ -266,7 +272,7 @@ def _candidates(s: _Search, w: Workload) -> list[tuple[float, int, float, Placem
         if pl is None:
             return False
         ww = s.work(pl)
-        candidates.append((step_time(adapter, units, ww, prof)["step_s"], len(ww.groups), s.memory(pl)[0], pl))
+        candidates.append((_step_s(adapter, units, ww, prof), len(ww.groups), s.memory(pl)[0], pl))
         return True
 
     # the same structure, gradients and then inputs to host: with no rebuild and one wave nothing is faster
@@ -344,7 +350,7 @@ def with_reuse(adapter, units, w: Workload, prof: Profile, host_limit: float | N
     tries = [w]
     if "seq_tile" in free and not w.placement.seq_tile and seq_tile_for(w):
         tries.append(replace(w, placement=replace(w.placement, seq_tile=seq_tile_for(w))))
-    before = step_time(adapter, units, w, prof)["step_s"]
+    before = _step_s(adapter, units, w, prof)
     best = None  # (step s, GPU need, workload)
     for base in tries:
         s = _Search(adapter, units, base, prof, host_limit, gpu_limit, frozenset({"reuse_attention"}))
@@ -362,7 +368,7 @@ def with_reuse(adapter, units, w: Workload, prof: Profile, host_limit: float | N
         if lo == 0:
             continue
         got = replace(base, placement=replace(base.placement, reuse_attention=lo))
-        cand = (step_time(adapter, units, got, prof)["step_s"], s.memory(got.placement)[1], got)
+        cand = (_step_s(adapter, units, got, prof), s.memory(got.placement)[1], got)
         best = cand if best is None or cand[:2] < best[:2] else best
     if best is None or best[0] >= before:
         return w, ""

@@ -163,8 +163,8 @@ class _Flops(ScheduleVisitor):
                                             else 3)
 
 
-def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
-    """Seconds per step and its parts, throughput, and the bound (see the module docstring)."""
+def step_time(adapter, units, w: Workload, prof: Profile, other_mode: bool = True) -> dict[str, float]:
+    """Seconds per step and its parts, throughput, the bound (module docstring); other_mode: the other clipping mode"""
     fl = executed_flops(adapter, units, w)
     total = sum(fl.values())
     tokens = w.tokens_per_step
@@ -230,11 +230,11 @@ def step_time(adapter, units, w: Workload, prof: Profile) -> dict[str, float]:
                    optimizer_window_s=0.0)
     else:
         out.update(_simulate(adapter, units, w, prof, layer_s, head_s, w.clipping))
-        # the other mode, for the report: what turning clipping off (or on) would change
-        other = _simulate(adapter, units, w, prof, layer_s, head_s, not w.clipping)
-        if w.disk_states:
-            ssd_time(other, units, w, prof)
-        out["other_mode"] = {k: other[k] for k in ("step_s", "gpu_idle_s", "optimizer_wait_s", "bound")}
+        if other_mode:  # the other mode, for the report: what turning clipping off (or on) would change
+            other = _simulate(adapter, units, w, prof, layer_s, head_s, not w.clipping)
+            if w.disk_states:
+                ssd_time(other, units, w, prof)
+            out["other_mode"] = {k: other[k] for k in ("step_s", "gpu_idle_s", "optimizer_wait_s", "bound")}
     if w.disk_states:
         ssd_time(out, units, w, prof)
     step = out["step_s"]
