@@ -14,6 +14,8 @@ has no predecessor in its document, so nothing predicts it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import chain
 
 import numpy as np
 
@@ -107,19 +109,68 @@ def tokenize_pieces(tok, pieces: list[tuple[str, bool]], add_special_tokens: boo
             ids += part
             labels += part if train else [IGNORE] * len(part)
         return ids, labels
+    enc = _encode(tok, text, add_special_tokens)
+    if enc is not None:
+        ids = enc.ids
+        return ids, piece_labels(pieces, ids, enc.offsets)
     enc = tok(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
-    char_trained = np.zeros(len(text) + 1, dtype=np.int64)
+    return ids, piece_labels(pieces, ids, enc["offset_mapping"])
+
+
+def piece_labels(pieces: list[tuple[str, bool]], ids: list[int], offsets) -> list[int]:
+    """The labels of the tokens `ids` of the pieces' text, whose (start, end) characters are `offsets`: a token's id
+    where its characters overlap a trained piece, IGNORE elsewhere."""
+    char_trained = np.zeros(sum(len(t) for t, _ in pieces) + 1, dtype=np.int64)
     pos = 0
     for t, train in pieces:
         if train:
             char_trained[pos + 1: pos + len(t) + 1] = 1
         pos += len(t)
     cum = np.cumsum(char_trained)  # cum[j] = trained characters among text[:j]
-    off = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-    hit = cum[off[:, 1]] - cum[off[:, 0]] > 0 if len(ids) else np.zeros(0, dtype=bool)
-    labels = [i if h else IGNORE for i, h in zip(ids, hit.tolist())]
-    return ids, labels
+    off = np.fromiter(chain.from_iterable(offsets), dtype=np.int64, count=2 * len(ids)).reshape(-1, 2)
+    hit = cum[off[:, 1]] - cum[off[:, 0]] > 0
+    return [i if h else IGNORE for i, h in zip(ids, hit.tolist())]
+
+
+# The steps of transformers' own call tok(text, ...) -> backend.encode_batch([text]) (transformers 4 and 5): a
+# tokenizer class that overrides one may change the text or the result, so it is always called as tok(...).
+_BASE_MODULES = ("transformers.tokenization_utils_base", "transformers.tokenization_utils_fast",
+                 "transformers.tokenization_utils_tokenizers")
+_CALL_PATH = ("__call__", "_call_one", "encode_plus", "_encode_plus", "_batch_encode_plus",
+              "set_truncation_and_padding", "_convert_encoding")
+
+
+@lru_cache(maxsize=None)
+def _plain_call_path(cls: type) -> bool:
+    for name in _CALL_PATH:
+        owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+        if owner is not None and owner.__module__ not in _BASE_MODULES:
+            return False
+    return True
+
+
+def backend(tok):
+    """The Rust tokenizer of a fast tokenizer where tok(text, add_special_tokens=a) gives exactly its
+    encode(text, add_special_tokens=a)'s ids and offsets (what tok(...) calls, less transformers' per-call work):
+    transformers' own call path, no truncation or padding set on the backend (tok(...) clears them first), special
+    tokens split as tok(...) would set. Else None (tokenise with tok(...))."""
+    b = getattr(tok, "_tokenizer", None) if getattr(tok, "is_fast", False) else None
+    if (b is None or b.truncation is not None or b.padding is not None or hasattr(tok, "_switch_to_input_mode")
+            or getattr(b, "encode_special_tokens", False) != bool(getattr(tok, "split_special_tokens", False))):
+        return None
+    return b if _plain_call_path(type(tok)) else None
+
+
+def _encode(tok, text: str, add_special_tokens: bool):
+    """backend(tok).encode(text), or None: no such backend, or it raised (tok(...) then raises its own error)."""
+    b = backend(tok)
+    if b is None:
+        return None
+    try:
+        return b.encode(text, add_special_tokens=add_special_tokens)
+    except Exception:
+        return None
 
 
 def cut_pieces(pieces: list[tuple[str, bool]], chars: int) -> list[tuple[str, bool]]:
@@ -156,7 +207,8 @@ def _text_ids(tok, text: str, opts: EncodeOptions) -> tuple[list[int], int]:
     from .tokenizer import CHARS_PER_TOKEN_FIRST
 
     def ids_of(t: str, first: bool = True) -> list[int]:
-        return list(tok(t, add_special_tokens=first)["input_ids"])
+        enc = _encode(tok, t, first)
+        return enc.ids if enc is not None else list(tok(t, add_special_tokens=first)["input_ids"])
 
     if opts.split and opts.max_tokens:
         m = CHARS_PER_TOKEN_FIRST * opts.max_tokens
@@ -173,27 +225,87 @@ def encode(tok, sample: dict, opts: EncodeOptions) -> tuple[list[int], list[int]
 
 def encode_counted(tok, sample: dict, opts: EncodeOptions) -> tuple[list[int], list[int], int]:
     """A sample (see formats.py) -> (input_ids, labels, characters cut before tokenising: EncodeOptions.max_tokens)."""
+    return _encode_planned(tok, sample, opts, _plan(tok, sample, opts))
+
+
+def _plan(tok, sample: dict, opts: EncodeOptions) -> tuple[list[tuple[str, bool]], bool]:
+    """What a sample's tokens are of: its (text, trained) pieces (a chat rendered here) and add_special_tokens."""
     kind = sample["kind"]
+    if kind == "text":
+        return [(sample["text"], True)], True
+    if kind == "completion":
+        return [(sample["prompt"], opts.train_on_prompt), (sample["completion"], True)], True
+    return chat_pieces(tok, sample["messages"], sample.get("tools"), sample.get("loss_from", 0),
+                       opts.mask_history), False  # (the template writes BOS)
+
+
+def _encode_planned(tok, sample: dict, opts: EncodeOptions, plan) -> tuple[list[int], list[int], int]:
+    pieces, special = plan
+    if sample["kind"] == "text":
+        (ids, cut), labels = _text_ids(tok, sample["text"], opts), None
+    else:
+        (ids, labels), cut = bounded(lambda k: tokenize_pieces(tok, cut_pieces(pieces, k), special),
+                                     sum(len(t) for t, _ in pieces), opts.max_tokens)
+    return (*_finish(tok, sample["kind"], ids, labels, opts), cut)
+
+
+def _finish(tok, kind: str, ids: list[int], labels: list[int] | None, opts: EncodeOptions):
+    """A sample's (input_ids, labels) from its tokens (and their labels, but for text): EOS, the first label."""
     eos = tok.eos_token_id
     if kind == "text":
-        ids, cut = _text_ids(tok, sample["text"], opts)
         if opts.add_eos and eos is not None and (not ids or ids[-1] != eos):
             ids.append(eos)
         labels = list(ids)
     elif kind == "completion":
-        pieces = [(sample["prompt"], opts.train_on_prompt), (sample["completion"], True)]
-        (ids, labels), cut = bounded(lambda k: tokenize_pieces(tok, cut_pieces(pieces, k), add_special_tokens=True),
-                                     sum(len(t) for t, _ in pieces), opts.max_tokens)
         if opts.add_eos and eos is not None and (not ids or ids[-1] != eos):
             ids.append(eos)
             labels.append(eos)
-    else:
-        pieces = chat_pieces(tok, sample["messages"], sample.get("tools"), sample.get("loss_from", 0),
-                             opts.mask_history)
-        (ids, labels), cut = bounded(lambda k: tokenize_pieces(tok, cut_pieces(pieces, k), add_special_tokens=False),
-                                     sum(len(t) for t, _ in pieces), opts.max_tokens)  # (the template writes BOS)
-        if opts.train_on_prompt:
-            labels = list(ids)
+    elif opts.train_on_prompt:
+        labels = list(ids)
     if labels:
         labels[0] = IGNORE
-    return ids, labels, cut
+    return ids, labels
+
+
+def encode_many(tok, samples: list, opts: EncodeOptions, threads: bool = False) -> list:
+    """encode_counted of each sample (None for None), or the exception it raised. The texts of the samples that are
+    tokenised whole (all but those over CHARS_PER_TOKEN_FIRST x opts.max_tokens characters) go to the Rust tokenizer
+    together (backend(tok); threads: its encode_batch, on this process's cores, else one after another); a text it
+    fails on is tokenised again alone, as encode_counted would."""
+    from .tokenizer import CHARS_PER_TOKEN_FIRST
+
+    b, limit = backend(tok), CHARS_PER_TOKEN_FIRST * opts.max_tokens
+    out, whole = [None] * len(samples), {True: [], False: []}  # add_special_tokens -> [(sample index, plan)]
+    for i, s in enumerate(samples):
+        if s is None:
+            continue
+        try:
+            plan = _plan(tok, s, opts)
+            n = sum(len(t) for t, _ in plan[0])
+            if b is not None and 0 < n and (not limit or n <= limit):  # bounded() tokenises these whole
+                whole[plan[1]].append((i, plan))
+            else:
+                out[i] = _encode_planned(tok, s, opts, plan)
+        except Exception as e:
+            out[i] = e
+    for special, items in whole.items():
+        texts = ["".join(t for t, _ in plan[0]) for _, plan in items]
+        try:
+            encs = b.encode_batch(texts, add_special_tokens=special) if threads else \
+                [b.encode(t, add_special_tokens=special) for t in texts]
+        except Exception:
+            encs = [None] * len(items)
+        for (i, plan), enc in zip(items, encs):
+            kind = samples[i]["kind"]
+            try:
+                if enc is None:
+                    raise LookupError
+                ids = enc.ids
+                out[i] = (*_finish(tok, kind, ids, None if kind == "text" else piece_labels(plan[0], ids, enc.offsets),
+                                   opts), 0)
+            except Exception:  # alone, as encode_counted would (its error is the row's)
+                try:
+                    out[i] = _encode_planned(tok, samples[i], opts, plan)
+                except Exception as e:
+                    out[i] = e
+    return out
