@@ -17,7 +17,7 @@ from megatrain.data.config import DEFAULT_COLUMNS, DEFAULT_ROLES
 from megatrain.data.encode import encode_row, encode_rows, read_row, tokenise
 from megatrain.data.formats import RowError, to_sample
 from megatrain.data.sources import ERR_COL, RAW_COL, ROW_COL, RawPart, Source
-from megatrain.data.template import IGNORE, EncodeOptions, tokenize_pieces
+from megatrain.data.template import IGNORE, EncodeOptions, backend, tokenize_pieces
 
 
 # ---- the reference: the per-row encoding as it was ----------------------------------------------------------------
@@ -373,6 +373,8 @@ def test_the_reference_covers_the_cases():
     assert not tools["error"] and tools["num_targets"] > 0
     unstable = ref_encode_row(raw_rows("messages")[0], 0, **kwargs(plain(UNSTABLE), "messages", EncodeOptions()))
     assert unstable["error"].startswith("the chat template is not prefix-stable")
+    assert backend(tokenizer()) is not None and backend(no_bos()) is not None and backend(lowering()) is None
+    assert backend(truncating()) is None and backend(splitting()) is None  # (until tok(...) has reset them)
     split = [ref_encode_row(raw_rows("text")[4], 4, **kwargs(t, "text", EncodeOptions()))["input_ids"]
              for t in (tokenizer(), splitting())]
     assert split[0] != split[1]

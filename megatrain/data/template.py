@@ -14,7 +14,6 @@ has no predecessor in its document, so nothing predicts it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import chain
 
 import numpy as np
@@ -133,21 +132,17 @@ def piece_labels(pieces: list[tuple[str, bool]], ids: list[int], offsets) -> lis
     return [i if h else IGNORE for i, h in zip(ids, hit.tolist())]
 
 
-# The steps of transformers' own call tok(text, ...) -> backend.encode_batch([text]) (transformers 4 and 5): a
-# tokenizer class that overrides one may change the text or the result, so it is always called as tok(...).
+# The steps of transformers' own call tok(text, ...) -> backend.encode_batch([text]) (transformers 4 and 5): where a
+# class overrides one, or one is replaced (a spy), it may change the text or the result, so tok(...) is called.
 _BASE_MODULES = ("transformers.tokenization_utils_base", "transformers.tokenization_utils_fast",
                  "transformers.tokenization_utils_tokenizers")
 _CALL_PATH = ("__call__", "_call_one", "encode_plus", "_encode_plus", "_batch_encode_plus",
               "set_truncation_and_padding", "_convert_encoding")
 
 
-@lru_cache(maxsize=None)
 def _plain_call_path(cls: type) -> bool:
-    for name in _CALL_PATH:
-        owner = next((c for c in cls.__mro__ if name in vars(c)), None)
-        if owner is not None and owner.__module__ not in _BASE_MODULES:
-            return False
-    return True
+    return all(getattr(getattr(cls, name, None), "__module__", _BASE_MODULES[0]) in _BASE_MODULES
+               for name in _CALL_PATH)
 
 
 def backend(tok):
