@@ -481,3 +481,27 @@ def test_other_encoders_map_in_batches_as_row_by_row(tmp_path):
     tok = tokenizer()
     want = [encode_pair_row(r, i, **kwargs(tok, "preference", opts)) for i, r in enumerate(raws)]
     assert got == want and any(w["error"] for w in want) and any(not w["error"] for w in want)
+
+
+@pytest.mark.parametrize("threads,chars", [(False, None), (True, None), (True, 60)])
+def test_rows_tokenised_whole_come_from_the_batch_itself(monkeypatch, threads, chars):
+    """The rows above match the reference through the batch's own encodings, not through the row-alone fallback
+    (which would match too); chars: the texts handed to the tokenizer at once (template.BATCH_CHARS)."""
+    import megatrain.data.template as template
+
+    def alone(*a, **kw):
+        raise AssertionError("tokenised alone")
+
+    for fmt in ROWS:
+        for opts in (EncodeOptions(), EncodeOptions(train_on_prompt=True, mask_history=True, max_tokens=4096)):
+            raws = raw_rows(fmt)[:3]
+            want = [ref_encode_row(r, i, **kwargs(tokenizer(), fmt, opts, fmt == "text")) for i, r in enumerate(raws)]
+            assert not any(w["error"] for w in want) and sum(w["length"] > 0 for w in want) >= 2
+            tok = tokenizer()
+            monkeypatch.setattr(template, "_encode_planned", alone)
+            if chars:
+                monkeypatch.setattr(template, "BATCH_CHARS", chars)
+            kw = kwargs(tok, fmt, opts, fmt == "text")
+            got = rows_of(encode_rows(batch_of(raws), [0, 1, 2], threads=threads, **kw))
+            monkeypatch.undo()
+            assert got == want

@@ -127,9 +127,15 @@ def piece_labels(pieces: list[tuple[str, bool]], ids: list[int], offsets) -> lis
             char_trained[pos + 1: pos + len(t) + 1] = 1
         pos += len(t)
     cum = np.cumsum(char_trained)  # cum[j] = trained characters among text[:j]
-    off = np.fromiter(chain.from_iterable(offsets), dtype=np.int64, count=2 * len(ids)).reshape(-1, 2)
-    hit = cum[off[:, 1]] - cum[off[:, 0]] > 0
-    return [i if h else IGNORE for i, h in zip(ids, hit.tolist())]
+    n = len(ids)
+    off = np.fromiter(chain.from_iterable(offsets), dtype=np.int64, count=2 * n).reshape(-1, 2)
+    hit = np.zeros(n + 2, dtype=bool)
+    hit[1: n + 1] = cum[off[:, 1]] > cum[off[:, 0]]
+    edges = np.flatnonzero(hit[1:] != hit[:-1]).tolist()  # where runs of labelled tokens start and end
+    labels = [IGNORE] * n
+    for a, b in zip(edges[::2], edges[1::2]):
+        labels[a:b] = ids[a:b]
+    return labels
 
 
 # The steps of transformers' own call tok(text, ...) -> backend.encode_batch([text]) (transformers 4 and 5): where a
@@ -262,45 +268,66 @@ def _finish(tok, kind: str, ids: list[int], labels: list[int] | None, opts: Enco
     return ids, labels
 
 
+BATCH_CHARS = 1 << 21  # characters handed to the Rust tokenizer at once: their Encodings (~100 bytes a token)
+
+
 def encode_many(tok, samples: list, opts: EncodeOptions, threads: bool = False) -> list:
     """encode_counted of each sample (None for None), or the exception it raised. The texts of the samples that are
     tokenised whole (all but those over CHARS_PER_TOKEN_FIRST x opts.max_tokens characters) go to the Rust tokenizer
-    together (backend(tok); threads: its encode_batch, on this process's cores, else one after another); a text it
-    fails on is tokenised again alone, as encode_counted would."""
+    together, BATCH_CHARS at most at once (backend(tok); threads: its encode_batch, on this process's cores, else one
+    after another); a text it fails on is tokenised again alone, as encode_counted would."""
     from .tokenizer import CHARS_PER_TOKEN_FIRST
 
     b, limit = backend(tok), CHARS_PER_TOKEN_FIRST * opts.max_tokens
-    out, whole = [None] * len(samples), {True: [], False: []}  # add_special_tokens -> [(sample index, plan)]
+    out, whole = [None] * len(samples), {True: [], False: []}  # add_special_tokens -> [(sample index, plan, text)]
     for i, s in enumerate(samples):
         if s is None:
             continue
         try:
             plan = _plan(tok, s, opts)
-            n = sum(len(t) for t, _ in plan[0])
-            if b is not None and 0 < n and (not limit or n <= limit):  # bounded() tokenises these whole
-                whole[plan[1]].append((i, plan))
+            text = "".join(t for t, _ in plan[0])
+            if b is not None and text and (not limit or len(text) <= limit):  # bounded() tokenises these whole
+                whole[plan[1]].append((i, plan, text))
             else:
                 out[i] = _encode_planned(tok, s, opts, plan)
         except Exception as e:
             out[i] = e
     for special, items in whole.items():
-        texts = ["".join(t for t, _ in plan[0]) for _, plan in items]
-        try:
-            encs = b.encode_batch(texts, add_special_tokens=special) if threads else \
-                [b.encode(t, add_special_tokens=special) for t in texts]
-        except Exception:
-            encs = [None] * len(items)
-        for (i, plan), enc in zip(items, encs):
-            kind = samples[i]["kind"]
+        for chunk in _chunks(items):
+            texts = [t for _, _, t in chunk]
             try:
-                if enc is None:
-                    raise LookupError
-                ids = enc.ids
-                out[i] = (*_finish(tok, kind, ids, None if kind == "text" else piece_labels(plan[0], ids, enc.offsets),
-                                   opts), 0)
-            except Exception:  # alone, as encode_counted would (its error is the row's)
-                try:
-                    out[i] = _encode_planned(tok, samples[i], opts, plan)
-                except Exception as e:
-                    out[i] = e
+                encs = b.encode_batch(texts, add_special_tokens=special) if threads else \
+                    [b.encode(t, add_special_tokens=special) for t in texts]
+            except Exception:
+                encs = [None] * len(chunk)
+            for (i, plan, _), enc in zip(chunk, encs):
+                out[i] = _encoded(tok, samples[i], opts, plan, enc)
     return out
+
+
+def _chunks(items: list) -> list[list]:
+    """items (.., .., text) in consecutive runs of BATCH_CHARS characters at most (or one item)."""
+    out, chars = [[]], 0
+    for it in items:
+        if out[-1] and chars + len(it[2]) > BATCH_CHARS:
+            out.append([])
+            chars = 0
+        out[-1].append(it)
+        chars += len(it[2])
+    return out if out[-1] else []
+
+
+def _encoded(tok, sample: dict, opts: EncodeOptions, plan, enc):
+    """encode_counted's result for a sample tokenised whole into the Encoding enc (None: its batch failed)."""
+    kind = sample["kind"]
+    if enc is not None:
+        try:
+            ids = enc.ids
+            labels = None if kind == "text" else piece_labels(plan[0], ids, enc.offsets)
+            return (*_finish(tok, kind, ids, labels, opts), 0)
+        except Exception:
+            pass
+    try:  # alone, as encode_counted would: its error is the row's
+        return _encode_planned(tok, sample, opts, plan)
+    except Exception as e:
+        return e
