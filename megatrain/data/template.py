@@ -41,28 +41,30 @@ def _render(tok, messages: list[dict], tools, generation_prompt: bool) -> str:
         raise RowError(f"the chat template rejected this conversation: {msg}") from None
 
 
-def check_tools_rendered(tok, messages: list[dict], tools=None) -> None:
+def check_tools_rendered(tok, messages: list[dict], tools=None, prefix=None) -> None:
     """Tool definitions, an assistant's tool calls and tool turns must reach what the model sees: a template that
     leaves them out (its render is the same without them) would drop them silently, and train an empty reply where
-    the assistant only called a tool. RowError naming the message."""
+    the assistant only called a tool. RowError naming the message. prefix(n, generation_prompt, tools): the
+    rendering of messages[:n] (chat_pieces's, which renders them again)."""
     def render(msgs, t=tools):
         return _render(tok, msgs, t, False)
 
-    if tools and render(messages) == render(messages, None):
+    prefix = prefix or (lambda n, gp, t=tools: _render(tok, messages[:n], t, gp))
+    if tools and prefix(len(messages), False) == prefix(len(messages), False, None):
         raise RowError("the chat template does not render the tools column (the tool definitions); the model would "
                        "not see them: use a template that renders tools (data.chat_template)")
     for i, m in enumerate(messages):
         if m["role"] == "assistant" and m.get("tool_calls"):
             without = dict(m)
             del without["tool_calls"]
-            if render(messages[: i + 1]) == render(messages[:i] + [without]):
+            if prefix(i + 1, False) == render(messages[:i] + [without]):
                 raise RowError(f"message {i + 1}: the chat template does not render the assistant's tool_calls; the "
                                f"model would not see them and would learn "
                                f"{'an empty reply' if not m['content'].strip() else 'the reply without them'}: use a "
                                f"template that renders tool calls (data.chat_template)")
         elif m["role"] == "tool":
             changed = dict(m, content=m["content"] + " (changed)")
-            if render(messages[: i + 1]) == render(messages[:i] + [changed]):
+            if prefix(i + 1, False) == render(messages[:i] + [changed]):
                 raise RowError(f"message {i + 1}: the chat template does not render tool turns (role 'tool'); the "
                                f"model would not see the tool's answer: use a template that renders them "
                                f"(data.chat_template)")
@@ -72,8 +74,16 @@ def chat_pieces(tok, messages: list[dict], tools=None, loss_from: int = 0,
                 mask_history: bool = False) -> list[tuple[str, bool]]:
     """The rendered conversation as consecutive (text, trained) pieces; trained pieces are assistant replies.
     Tools, tool calls and tool turns are checked to be rendered first (check_tools_rendered)."""
+    renders: dict = {}
+
+    def prefix(n: int, generation_prompt: bool, t=tools) -> str:  # the rendering of messages[:n], once
+        key = (n, generation_prompt, t is None)
+        if key not in renders:
+            renders[key] = _render(tok, messages[:n], t, generation_prompt)
+        return renders[key]
+
     if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
-        check_tools_rendered(tok, messages, tools)
+        check_tools_rendered(tok, messages, tools, prefix)
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= loss_from]
     trained = set(replies[-1:] if mask_history else replies)
     pieces: list[tuple[str, bool]] = []
@@ -91,10 +101,10 @@ def chat_pieces(tok, messages: list[dict], tools=None, loss_from: int = 0,
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        extend(_render(tok, messages[:i], tools, True), f"messages 1-{i} with the generation prompt", False)
-        extend(_render(tok, messages[: i + 1], tools, False), f"messages 1-{i + 1}", i in trained)
+        extend(prefix(i, True), f"messages 1-{i} with the generation prompt", False)
+        extend(prefix(i + 1, False), f"messages 1-{i + 1}", i in trained)
     if len(done) == 0 or messages[-1]["role"] != "assistant":
-        extend(_render(tok, messages, tools, False), f"messages 1-{len(messages)}", False)
+        extend(prefix(len(messages), False), f"messages 1-{len(messages)}", False)
     return [(t, tr) for t, tr in pieces if t]
 
 
