@@ -132,7 +132,9 @@ def tokenise(part: RawPart, tok, opts: EncodeOptions, root: str, num_proc: int |
              encoder=None, features=None, version: str = ENCODER_VERSION):
     """The tokenised dataset of one raw part (from the cache when it is there). encoder(raw, index, **kwargs) -> the
     columns of `features()` with at least row, error, length and cut_chars (preference.py's pairs have their own);
-    version: the encoder's, in the cache key. Default: encode_row and its columns."""
+    version: the encoder's, in the cache key. Default: encode_row's columns, by encode_rows a
+    batch at a time (the Rust tokenizer on this process's cores when it maps alone); another encoder row by row
+    within each batch (each_row)."""
     default = encoder is None
     encoder, features = encoder or encode_row, features or _features
     src = part.source
