@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import MegatrainError
 from .formats import RowError, to_sample
 from .sources import ERR_COL, RAW_COL, ROW_COL, RawPart, check_strings_utf8
-from .template import IGNORE, EncodeOptions, encode_counted
+from .template import IGNORE, EncodeOptions, encode_many
 from .tokenizer import tokenizer_fingerprint
 
 ENCODER_VERSION = "2"  # bump when the encoding of a row changes
@@ -43,22 +43,60 @@ def _features():
 
 def encode_row(raw: dict, index: int, *, tok, fmt: str, columns: dict, roles: dict, blank_ok: bool,
                opts: EncodeOptions) -> dict:
-    """One raw row -> its tokenised columns. Module level, so `map` can send it to worker processes."""
-    row_no, row, err = read_row(raw, index)
-    if err:
-        return _bad(row_no, err)
-    try:
-        sample = to_sample(row, fmt, columns, roles, blank_ok)
-        if sample is None:  # a blank line of a text file: not a row
-            return {"input_ids": [], "labels": [], "row": row_no, "error": "", "length": 0, "num_targets": 0,
-                    "cut_chars": 0}
-        ids, labels, cut = encode_counted(tok, sample, opts)
-    except RowError as e:
-        return _bad(row_no, str(e))
-    except Exception as e:  # anything else a strange row provokes (the template, the tokenizer): name it
-        return _bad(row_no, f"{type(e).__name__}: {e}".splitlines()[0])
-    return {"input_ids": ids, "labels": labels, "row": row_no, "error": "", "length": len(ids),
-            "num_targets": len(labels) - labels.count(IGNORE), "cut_chars": cut}
+    """One raw row -> its tokenised columns (encode_rows of a batch of one)."""
+    out = encode_rows({k: [raw[k]] for k in raw}, [index], tok=tok, fmt=fmt, columns=columns, roles=roles,
+                      blank_ok=blank_ok, opts=opts)
+    return {k: v[0] for k, v in out.items()}
+
+
+def encode_rows(batch, indices: list[int], *, tok, fmt: str, columns: dict, roles: dict, blank_ok: bool,
+                opts: EncodeOptions, threads: bool = False) -> dict:
+    """A batch of raw rows (column -> values) -> their tokenised columns (column -> values), the rows' texts
+    tokenised together (template.encode_many; threads: on this process's cores). Module level, so `map` can send it
+    to worker processes."""
+    cols = {k: batch[k] for k in batch}
+    rows, samples = [], []
+    for j, index in enumerate(indices):
+        row_no, row, err = read_row({k: v[j] for k, v in cols.items()}, index)
+        sample = None
+        if not err:
+            try:
+                sample = to_sample(row, fmt, columns, roles, blank_ok)
+            except Exception as e:
+                err = _why(e)
+        rows.append((row_no, err))
+        samples.append(None if err else sample)
+    out = {k: [] for k in _COLUMNS}
+    for (row_no, err), sample, enc in zip(rows, samples, encode_many(tok, samples, opts, threads)):
+        if isinstance(enc, Exception):
+            err = _why(enc)
+        if err or sample is None:  # a bad row, or a blank line of a text file (not a row)
+            ids, labels, cut = [], [], 0
+        else:
+            ids, labels, cut = enc
+        for k, v in zip(_COLUMNS, (ids, labels, row_no, err, len(ids), len(labels) - labels.count(IGNORE), cut)):
+            out[k].append(v)
+    return out
+
+
+_COLUMNS = ("input_ids", "labels", "row", "error", "length", "num_targets", "cut_chars")
+
+
+def _why(e: Exception) -> str:
+    """A row's error: a RowError's message; anything else a strange row provokes (the template, the tokenizer)
+    named by its type and first line."""
+    return str(e) if isinstance(e, RowError) else f"{type(e).__name__}: {e}".splitlines()[0]
+
+
+def each_row(batch, indices: list[int], *, encoder, names: list[str], **kwargs) -> dict:
+    """A batch of raw rows (column -> values) -> encoder(raw row, index, **kwargs)'s columns `names`, row by row."""
+    cols = {k: batch[k] for k in batch}
+    out = {k: [] for k in names}
+    for j, index in enumerate(indices):
+        r = encoder({k: v[j] for k, v in cols.items()}, index, **kwargs)
+        for k in names:
+            out[k].append(r[k])
+    return out
 
 
 def read_row(raw: dict, index: int) -> tuple[int, object, str]:
@@ -71,10 +109,6 @@ def read_row(raw: dict, index: int) -> tuple[int, object, str]:
         return raw[ROW_COL], json.loads(raw[RAW_COL]), ""
     except json.JSONDecodeError as e:
         return raw[ROW_COL], None, f"malformed JSON: {e.msg} (column {e.colno})"
-
-
-def _bad(row_no: int, msg: str) -> dict:
-    return {"input_ids": [], "labels": [], "row": row_no, "error": msg, "length": 0, "num_targets": 0, "cut_chars": 0}
 
 
 def cache_root(cfg) -> str:
@@ -98,7 +132,10 @@ def tokenise(part: RawPart, tok, opts: EncodeOptions, root: str, num_proc: int |
              encoder=None, features=None, version: str = ENCODER_VERSION):
     """The tokenised dataset of one raw part (from the cache when it is there). encoder(raw, index, **kwargs) -> the
     columns of `features()` with at least row, error, length and cut_chars (preference.py's pairs have their own);
-    version: the encoder's, in the cache key. Default: encode_row and its columns."""
+    version: the encoder's, in the cache key. Default: encode_row's columns, by encode_rows a
+    batch at a time (the Rust tokenizer on this process's cores when it maps alone); another encoder row by row
+    within each batch (each_row)."""
+    default = encoder is None
     encoder, features = encoder or encode_row, features or _features
     src = part.source
     if src.format not in ("text", "prompt_completion", "preference", "prompt") and not tok.chat_template:
@@ -122,8 +159,11 @@ def tokenise(part: RawPart, tok, opts: EncodeOptions, root: str, num_proc: int |
                                  f"(set data.skip_bad_rows: true to skip and count such rows)")
     out.parent.mkdir(parents=True, exist_ok=True)
     nproc = processes(num_proc, len(ds))
-    return ds.map(encoder, with_indices=True, fn_kwargs=kwargs, remove_columns=ds.column_names,
-                  features=features(), cache_file_name=str(out), load_from_cache_file=True, new_fingerprint=fp,
+    feats = features()
+    fn, fn_kwargs = (encode_rows, dict(kwargs, threads=nproc is None)) if default else \
+        (each_row, dict(kwargs, encoder=encoder, names=list(feats)))
+    return ds.map(fn, with_indices=True, batched=True, fn_kwargs=fn_kwargs, remove_columns=ds.column_names,
+                  features=feats, cache_file_name=str(out), load_from_cache_file=True, new_fingerprint=fp,
                   num_proc=nproc, desc=f"Tokenising {part.file.name}")
 
 

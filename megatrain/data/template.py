@@ -14,6 +14,7 @@ has no predecessor in its document, so nothing predicts it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -40,28 +41,30 @@ def _render(tok, messages: list[dict], tools, generation_prompt: bool) -> str:
         raise RowError(f"the chat template rejected this conversation: {msg}") from None
 
 
-def check_tools_rendered(tok, messages: list[dict], tools=None) -> None:
+def check_tools_rendered(tok, messages: list[dict], tools=None, prefix=None) -> None:
     """Tool definitions, an assistant's tool calls and tool turns must reach what the model sees: a template that
     leaves them out (its render is the same without them) would drop them silently, and train an empty reply where
-    the assistant only called a tool. RowError naming the message."""
+    the assistant only called a tool. RowError naming the message. prefix(n, generation_prompt, tools): the
+    rendering of messages[:n] (chat_pieces's, which renders them again)."""
     def render(msgs, t=tools):
         return _render(tok, msgs, t, False)
 
-    if tools and render(messages) == render(messages, None):
+    prefix = prefix or (lambda n, gp, t=tools: _render(tok, messages[:n], t, gp))
+    if tools and prefix(len(messages), False) == prefix(len(messages), False, None):
         raise RowError("the chat template does not render the tools column (the tool definitions); the model would "
                        "not see them: use a template that renders tools (data.chat_template)")
     for i, m in enumerate(messages):
         if m["role"] == "assistant" and m.get("tool_calls"):
             without = dict(m)
             del without["tool_calls"]
-            if render(messages[: i + 1]) == render(messages[:i] + [without]):
+            if prefix(i + 1, False) == render(messages[:i] + [without]):
                 raise RowError(f"message {i + 1}: the chat template does not render the assistant's tool_calls; the "
                                f"model would not see them and would learn "
                                f"{'an empty reply' if not m['content'].strip() else 'the reply without them'}: use a "
                                f"template that renders tool calls (data.chat_template)")
         elif m["role"] == "tool":
             changed = dict(m, content=m["content"] + " (changed)")
-            if render(messages[: i + 1]) == render(messages[:i] + [changed]):
+            if prefix(i + 1, False) == render(messages[:i] + [changed]):
                 raise RowError(f"message {i + 1}: the chat template does not render tool turns (role 'tool'); the "
                                f"model would not see the tool's answer: use a template that renders them "
                                f"(data.chat_template)")
@@ -71,8 +74,16 @@ def chat_pieces(tok, messages: list[dict], tools=None, loss_from: int = 0,
                 mask_history: bool = False) -> list[tuple[str, bool]]:
     """The rendered conversation as consecutive (text, trained) pieces; trained pieces are assistant replies.
     Tools, tool calls and tool turns are checked to be rendered first (check_tools_rendered)."""
+    renders: dict = {}
+
+    def prefix(n: int, generation_prompt: bool, t=tools) -> str:  # the rendering of messages[:n], once
+        key = (n, generation_prompt, t is None)
+        if key not in renders:
+            renders[key] = _render(tok, messages[:n], t, generation_prompt)
+        return renders[key]
+
     if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
-        check_tools_rendered(tok, messages, tools)
+        check_tools_rendered(tok, messages, tools, prefix)
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= loss_from]
     trained = set(replies[-1:] if mask_history else replies)
     pieces: list[tuple[str, bool]] = []
@@ -90,10 +101,10 @@ def chat_pieces(tok, messages: list[dict], tools=None, loss_from: int = 0,
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        extend(_render(tok, messages[:i], tools, True), f"messages 1-{i} with the generation prompt", False)
-        extend(_render(tok, messages[: i + 1], tools, False), f"messages 1-{i + 1}", i in trained)
+        extend(prefix(i, True), f"messages 1-{i} with the generation prompt", False)
+        extend(prefix(i + 1, False), f"messages 1-{i + 1}", i in trained)
     if len(done) == 0 or messages[-1]["role"] != "assistant":
-        extend(_render(tok, messages, tools, False), f"messages 1-{len(messages)}", False)
+        extend(prefix(len(messages), False), f"messages 1-{len(messages)}", False)
     return [(t, tr) for t, tr in pieces if t]
 
 
@@ -107,19 +118,70 @@ def tokenize_pieces(tok, pieces: list[tuple[str, bool]], add_special_tokens: boo
             ids += part
             labels += part if train else [IGNORE] * len(part)
         return ids, labels
+    enc = _encode(tok, text, add_special_tokens)
+    if enc is not None:
+        ids = enc.ids
+        return ids, piece_labels(pieces, ids, enc.offsets)
     enc = tok(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
-    char_trained = np.zeros(len(text) + 1, dtype=np.int64)
+    return ids, piece_labels(pieces, ids, enc["offset_mapping"])
+
+
+def piece_labels(pieces: list[tuple[str, bool]], ids: list[int], offsets) -> list[int]:
+    """The labels of the tokens `ids` of the pieces' text, whose (start, end) characters are `offsets`: a token's id
+    where its characters overlap a trained piece, IGNORE elsewhere."""
+    char_trained = np.zeros(sum(len(t) for t, _ in pieces) + 1, dtype=np.int64)
     pos = 0
     for t, train in pieces:
         if train:
             char_trained[pos + 1: pos + len(t) + 1] = 1
         pos += len(t)
     cum = np.cumsum(char_trained)  # cum[j] = trained characters among text[:j]
-    off = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-    hit = cum[off[:, 1]] - cum[off[:, 0]] > 0 if len(ids) else np.zeros(0, dtype=bool)
-    labels = [i if h else IGNORE for i, h in zip(ids, hit.tolist())]
-    return ids, labels
+    n = len(ids)
+    off = np.fromiter(chain.from_iterable(offsets), dtype=np.int64, count=2 * n).reshape(-1, 2)
+    hit = np.zeros(n + 2, dtype=bool)
+    hit[1: n + 1] = cum[off[:, 1]] > cum[off[:, 0]]
+    edges = np.flatnonzero(hit[1:] != hit[:-1]).tolist()  # where runs of labelled tokens start and end
+    labels = [IGNORE] * n
+    for a, b in zip(edges[::2], edges[1::2]):
+        labels[a:b] = ids[a:b]
+    return labels
+
+
+# The steps of transformers' own call tok(text, ...) -> backend.encode_batch([text]) (transformers 4 and 5): where a
+# class overrides one, or one is replaced (a spy), it may change the text or the result, so tok(...) is called.
+_BASE_MODULES = ("transformers.tokenization_utils_base", "transformers.tokenization_utils_fast",
+                 "transformers.tokenization_utils_tokenizers")
+_CALL_PATH = ("__call__", "_call_one", "encode_plus", "_encode_plus", "_batch_encode_plus",
+              "set_truncation_and_padding", "_convert_encoding")
+
+
+def _plain_call_path(cls: type) -> bool:
+    return all(getattr(getattr(cls, name, None), "__module__", _BASE_MODULES[0]) in _BASE_MODULES
+               for name in _CALL_PATH)
+
+
+def backend(tok):
+    """The Rust tokenizer of a fast tokenizer where tok(text, add_special_tokens=a) gives exactly its
+    encode(text, add_special_tokens=a)'s ids and offsets (what tok(...) calls, less transformers' per-call work):
+    transformers' own call path, no truncation or padding set on the backend (tok(...) clears them first), special
+    tokens split as tok(...) would set. Else None (tokenise with tok(...))."""
+    b = getattr(tok, "_tokenizer", None) if getattr(tok, "is_fast", False) else None
+    if (b is None or b.truncation is not None or b.padding is not None or hasattr(tok, "_switch_to_input_mode")
+            or getattr(b, "encode_special_tokens", False) != bool(getattr(tok, "split_special_tokens", False))):
+        return None
+    return b if _plain_call_path(type(tok)) else None
+
+
+def _encode(tok, text: str, add_special_tokens: bool):
+    """backend(tok).encode(text), or None: no such backend, or it raised (tok(...) then raises its own error)."""
+    b = backend(tok)
+    if b is None:
+        return None
+    try:
+        return b.encode(text, add_special_tokens=add_special_tokens)
+    except Exception:
+        return None
 
 
 def cut_pieces(pieces: list[tuple[str, bool]], chars: int) -> list[tuple[str, bool]]:
@@ -156,7 +218,8 @@ def _text_ids(tok, text: str, opts: EncodeOptions) -> tuple[list[int], int]:
     from .tokenizer import CHARS_PER_TOKEN_FIRST
 
     def ids_of(t: str, first: bool = True) -> list[int]:
-        return list(tok(t, add_special_tokens=first)["input_ids"])
+        enc = _encode(tok, t, first)
+        return enc.ids if enc is not None else list(tok(t, add_special_tokens=first)["input_ids"])
 
     if opts.split and opts.max_tokens:
         m = CHARS_PER_TOKEN_FIRST * opts.max_tokens
@@ -173,27 +236,108 @@ def encode(tok, sample: dict, opts: EncodeOptions) -> tuple[list[int], list[int]
 
 def encode_counted(tok, sample: dict, opts: EncodeOptions) -> tuple[list[int], list[int], int]:
     """A sample (see formats.py) -> (input_ids, labels, characters cut before tokenising: EncodeOptions.max_tokens)."""
+    return _encode_planned(tok, sample, opts, _plan(tok, sample, opts))
+
+
+def _plan(tok, sample: dict, opts: EncodeOptions) -> tuple[list[tuple[str, bool]], bool]:
+    """What a sample's tokens are of: its (text, trained) pieces (a chat rendered here) and add_special_tokens."""
     kind = sample["kind"]
+    if kind == "text":
+        return [(sample["text"], True)], True
+    if kind == "completion":
+        return [(sample["prompt"], opts.train_on_prompt), (sample["completion"], True)], True
+    return chat_pieces(tok, sample["messages"], sample.get("tools"), sample.get("loss_from", 0),
+                       opts.mask_history), False  # (the template writes BOS)
+
+
+def _encode_planned(tok, sample: dict, opts: EncodeOptions, plan) -> tuple[list[int], list[int], int]:
+    pieces, special = plan
+    if sample["kind"] == "text":
+        (ids, cut), labels = _text_ids(tok, sample["text"], opts), None
+    else:
+        (ids, labels), cut = bounded(lambda k: tokenize_pieces(tok, cut_pieces(pieces, k), special),
+                                     sum(len(t) for t, _ in pieces), opts.max_tokens)
+    return (*_finish(tok, sample["kind"], ids, labels, opts), cut)
+
+
+def _finish(tok, kind: str, ids: list[int], labels: list[int] | None, opts: EncodeOptions):
+    """A sample's (input_ids, labels) from its tokens (and their labels, but for text): EOS, the first label."""
     eos = tok.eos_token_id
     if kind == "text":
-        ids, cut = _text_ids(tok, sample["text"], opts)
         if opts.add_eos and eos is not None and (not ids or ids[-1] != eos):
             ids.append(eos)
         labels = list(ids)
     elif kind == "completion":
-        pieces = [(sample["prompt"], opts.train_on_prompt), (sample["completion"], True)]
-        (ids, labels), cut = bounded(lambda k: tokenize_pieces(tok, cut_pieces(pieces, k), add_special_tokens=True),
-                                     sum(len(t) for t, _ in pieces), opts.max_tokens)
         if opts.add_eos and eos is not None and (not ids or ids[-1] != eos):
             ids.append(eos)
             labels.append(eos)
-    else:
-        pieces = chat_pieces(tok, sample["messages"], sample.get("tools"), sample.get("loss_from", 0),
-                             opts.mask_history)
-        (ids, labels), cut = bounded(lambda k: tokenize_pieces(tok, cut_pieces(pieces, k), add_special_tokens=False),
-                                     sum(len(t) for t, _ in pieces), opts.max_tokens)  # (the template writes BOS)
-        if opts.train_on_prompt:
-            labels = list(ids)
+    elif opts.train_on_prompt:
+        labels = list(ids)
     if labels:
         labels[0] = IGNORE
-    return ids, labels, cut
+    return ids, labels
+
+
+BATCH_CHARS = 1 << 21  # characters handed to the Rust tokenizer at once: their Encodings (~100 bytes a token)
+
+
+def encode_many(tok, samples: list, opts: EncodeOptions, threads: bool = False) -> list:
+    """encode_counted of each sample (None for None), or the exception it raised. The texts of the samples that are
+    tokenised whole (all but those over CHARS_PER_TOKEN_FIRST x opts.max_tokens characters) go to the Rust tokenizer
+    together, BATCH_CHARS at most at once (backend(tok); threads: its encode_batch, on this process's cores, else one
+    after another); a text it fails on is tokenised again alone, as encode_counted would."""
+    from .tokenizer import CHARS_PER_TOKEN_FIRST
+
+    b, limit = backend(tok), CHARS_PER_TOKEN_FIRST * opts.max_tokens
+    out, whole = [None] * len(samples), {True: [], False: []}  # add_special_tokens -> [(sample index, plan, text)]
+    for i, s in enumerate(samples):
+        if s is None:
+            continue
+        try:
+            plan = _plan(tok, s, opts)
+            text = "".join(t for t, _ in plan[0])
+            if b is not None and text and (not limit or len(text) <= limit):  # bounded() tokenises these whole
+                whole[plan[1]].append((i, plan, text))
+            else:
+                out[i] = _encode_planned(tok, s, opts, plan)
+        except Exception as e:
+            out[i] = e
+    for special, items in whole.items():
+        for chunk in _chunks(items):
+            texts = [t for _, _, t in chunk]
+            try:
+                encs = b.encode_batch(texts, add_special_tokens=special) if threads else \
+                    [b.encode(t, add_special_tokens=special) for t in texts]
+            except Exception:
+                encs = [None] * len(chunk)
+            for (i, plan, _), enc in zip(chunk, encs):
+                out[i] = _encoded(tok, samples[i], opts, plan, enc)
+    return out
+
+
+def _chunks(items: list) -> list[list]:
+    """items (.., .., text) in consecutive runs of BATCH_CHARS characters at most (or one item)."""
+    out, chars = [[]], 0
+    for it in items:
+        if out[-1] and chars + len(it[2]) > BATCH_CHARS:
+            out.append([])
+            chars = 0
+        out[-1].append(it)
+        chars += len(it[2])
+    return out if out[-1] else []
+
+
+def _encoded(tok, sample: dict, opts: EncodeOptions, plan, enc):
+    """encode_counted's result for a sample tokenised whole into the Encoding enc (None: its batch failed)."""
+    kind = sample["kind"]
+    if enc is not None:
+        try:
+            ids = enc.ids
+            labels = None if kind == "text" else piece_labels(plan[0], ids, enc.offsets)
+            return (*_finish(tok, kind, ids, labels, opts), 0)
+        except Exception:
+            pass
+    try:  # alone, as encode_counted would: its error is the row's
+        return _encode_planned(tok, sample, opts, plan)
+    except Exception as e:
+        return e
