@@ -140,13 +140,13 @@ def test_config_mistakes_are_named(tmp_path, data, message):
 
 def test_second_run_reads_the_cache_and_changed_settings_retokenise(tmp_path, monkeypatch):
     calls = []
-    real = encode_mod.encode_row
+    real = encode_mod.encode_rows
 
-    def counting(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
+    def counting(batch, indices, **kw):  # the rows the map encodes (encode_row, the first-row check, is one)
+        calls.append(len(indices))
+        return real(batch, indices, **kw)
 
-    monkeypatch.setattr(encode_mod, "encode_row", counting)
+    monkeypatch.setattr(encode_mod, "encode_rows", counting)
     path = str(FORMATS / "messages.jsonl")
 
     def build(**kw):

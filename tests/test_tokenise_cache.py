@@ -1,5 +1,5 @@
 """Tokenising fast: JSON lines read a block at a time (cache_raw.py) give sources._json_rows's rows, and the examples
-each row's encode_row; a restarted run on several processes reads both caches and tokenises nothing."""
+each row's encoding (encode_rows); a restarted run on several processes reads both caches and tokenises nothing."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def test_restart_on_several_processes_tokenises_nothing_and_gives_the_same_examp
     def never(*a, **kw):
         raise AssertionError("tokenised or read again")
 
-    monkeypatch.setattr(encode_mod, "encode_row", never)  # (also the first-row check before mapping)
+    monkeypatch.setattr(encode_mod, "encode_rows", never)  # the map's batches, and encode_row (a batch of one:
+    monkeypatch.setattr(encode_mod, "encode_row", never)  # the first-row check before mapping)
     monkeypatch.setattr(cache_raw, "write_rows", never)
     again = build_examples(cfg, tokenizer(), "train")
     assert again.counts == first.counts and first.counts.rows == 300
