@@ -99,3 +99,40 @@ def needs_more():
 print(measure(needs_more))
 """
     assert _run(code).split()[-1] == "torch.fx.experimental.symbolic_shapes"
+
+
+def test_the_shapes_stand_in_answers_as_torch_on_plain_values():
+    """Each guard function of the symbolic shapes' stand-in gives what torch's own gives on plain ints and bools
+    (for the names this torch has; has_hint and size_hint are the names older releases' meta kernels import), and
+    trips on a name it lacks."""
+    import pytest
+    import torch
+    import torch.fx.experimental.symbolic_shapes as real
+
+    from megatrain.planner.meta_trace import Tripped, _shapes_stand_in
+
+    def trip(what):
+        raise Tripped(what)
+
+    stub = _shapes_stand_in(torch, trip)
+    unary = ("has_hint", "size_hint", "has_guarding_hint", "guarding_hint_or_throw", "is_nested_int")
+    checked = 0
+    for name in unary:
+        for value in (0, 7, 4096):
+            assert getattr(stub, name)(value) == getattr(stub, name)(value)
+            if hasattr(real, name):
+                assert getattr(stub, name)(value) == getattr(real, name)(value), (name, value)
+                checked += 1
+    for name in ("expect_true", "guard_or_false", "guard_or_true", "guard_size_oblivious", "statically_known_true"):
+        for value in (True, False):
+            assert getattr(stub, name)(value) == getattr(real, name)(value), (name, value)
+            checked += 1
+    assert stub.sym_eq((1, 2), (1, 2)) == real.sym_eq((1, 2), (1, 2)) and stub.sym_eq(3, 4) == real.sym_eq(3, 4)
+    assert stub.sym_and(True, False) == real.sym_and(True, False)
+    assert stub.sym_or(False, True) == real.sym_or(False, True)
+    assert checked >= 19  # the five guards on two bools, and three unary functions this torch has on three ints
+    assert stub.has_hint(5) is True and stub.size_hint(5) == 5  # older torch: has_hint(int) True, size_hint(int) itself
+    with pytest.raises(AssertionError):
+        stub.size_hint(2.5)
+    with pytest.raises(Tripped):
+        stub.ShapeEnv

@@ -96,9 +96,15 @@ def _shapes_stand_in(torch, trip) -> types.ModuleType:
             return a
         trip(f"{SHAPES}.guarding_hint_or_throw of {type(a).__name__}")
 
-    def has_guarding_hint(a):
+    def has_guarding_hint(a):  # (and has_hint, its older name)
         concrete(a)
         return True
+
+    def size_hint(a, fallback=None):  # (torch releases before guarding_hint_or_throw)
+        concrete(a)
+        if type(a) is not int:
+            raise AssertionError(f"Expected int, got {type(a)}")
+        return a
 
     def free_unbacked_symbols(x):
         if isinstance(x, torch.Tensor) and x.layout == torch.strided and not x.is_nested and \
@@ -112,6 +118,7 @@ def _shapes_stand_in(torch, trip) -> types.ModuleType:
     stub.sym_eq, stub.sym_and, stub.sym_or = sym_eq, joined(operator.and_), joined(operator.or_)
     stub.is_nested_int, stub.guarding_hint_or_throw, stub.has_guarding_hint = \
         is_nested_int, guarding_hint_or_throw, has_guarding_hint
+    stub.has_hint, stub.size_hint = has_guarding_hint, size_hint
     stub.free_unbacked_symbols = free_unbacked_symbols
     stub.__getattr__ = _other(f"{SHAPES}.", trip)
     return stub
