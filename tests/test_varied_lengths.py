@@ -103,3 +103,68 @@ def test_varied_lengths_step_equals_eager(tmp_path):
             for name in grads_e:
                 assert rel(grads_c[name], grads_e[name]) <= 1e-5, name
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_tune_first_compiles_the_graphs_the_run_then_uses(tmp_path, monkeypatch, resumed):
+    """engine.tune_first's copy runs the shapes in the run's order (a fresh run evaluates step 0 first, a resumed
+    one trains first), so its first shape, compiled static, is the run's, and the run over varied lengths compiles
+    nothing after it (one recording backend for both: Dynamo's graphs are shared between the copy and the run)."""
+    from megatrain.models import get_adapter, load_hf_config
+    from megatrain.runtime import EngineOptions, MicroBatch
+    from megatrain.run.tune_first import tune_first
+
+    make_model_dir(tmp_path, "qwen3", seed=45)
+    torch._dynamo.reset()
+    graphs = []
+    real = torch.compile
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=backend, **kw))
+    step = Megatrain.microbatches(random_batches(3, 2, 97, [40, 57, 33], seed=700))
+    evals = random_batches(2, 2, 97, [29, 61], seed=701)
+    tune_first(get_adapter(load_hf_config(tmp_path)), torch.device("cpu"),
+               EngineOptions(compile_layers=True, placement=Placement()), "fp32", step, evals, resumed)
+    copied = len(graphs)
+    mt = Megatrain(tmp_path, compile_layers=True)
+
+    def evaluate():
+        for b in evals:
+            mt.engine.eval_loss([MicroBatch.from_labels(b["input_ids"], b["labels"])])
+
+    if not resumed:
+        evaluate()
+    mt.train_step(random_batches(3, 2, 97, [40, 57, 33], seed=700))
+    if resumed:
+        evaluate()
+    mt.close()
+    torch._dynamo.reset()
+    assert copied > 0 and len(graphs) == copied, (copied, len(graphs))
+
+
+def test_step_records_count_the_graphs_compiled(tmp_path):
+    """metrics.jsonl's step records: the graphs Dynamo compiled since the last step record, and its recompile-limit
+    hits (a function left uncompiled from then on)."""
+    import json
+
+    from megatrain.run.metrics import MetricsLogger
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x.sin() + 1, dynamic=False, backend="eager")
+    fn(torch.randn(3))  # before the logger: not a step's
+    log = MetricsLogger(tmp_path, 3, stream=open(tmp_path / "log.txt", "w"))
+    record = {"loss": 1.0, "grad_norm": 1.0, "lr": 1e-5, "tokens_per_s": 1.0}
+    with torch._dynamo.config.patch(recompile_limit=2):
+        fn(torch.randn(3))
+        log.log({"step": 1, **record})
+        fn(torch.randn(4))
+        fn(torch.randn(5))  # a third shape: past the limit of 2, run uncompiled
+        fn(torch.randn(6))
+        log.log({"step": 2, **record})
+    log.close()
+    torch._dynamo.reset()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["compiled_graphs"], r["compile_limit_hits"]) for r in rows] == [(0, 0), (1, 1)]
