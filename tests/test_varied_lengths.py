@@ -168,3 +168,37 @@ def test_step_records_count_the_graphs_compiled(tmp_path):
     torch._dynamo.reset()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["compiled_graphs"], r["compile_limit_hits"]) for r in rows] == [(0, 0), (1, 1)]
+
+
+def test_a_compiled_layer_is_not_guarded_on_the_longest_document(monkeypatch):
+    """Packed rows on CUDA run the variable-length kernel outside the compiled graph, given the micro-batch's
+    segments and its longest one (AttnContext.max_seqlen); the compiled layer must not be specialised to that number,
+    which changes from micro-batch to micro-batch (the kernel stood in for by SDPA here, on CPU)."""
+    from torch._dynamo.utils import counters
+
+    import megatrain.models.varlen_call as call
+    from conftest import tiny_hf_config
+    from megatrain.models import get_adapter
+    from megatrain.models.base import AttnContext
+
+    @torch.compiler.disable
+    def kernel(q, k, v, ctx, scale):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+    monkeypatch.setattr(call, "varlen_call", kernel)
+    adapter = get_adapter(tiny_hf_config("qwen3", layers=1, vocab=97))
+    unit = next(u for u in adapter.units() if u.kind == "layer")
+    w = unit.views(torch.randn(unit.numel, generator=torch.Generator().manual_seed(46)) * 0.02)
+    torch._dynamo.reset()
+    layer = torch.compile(adapter.layer_forward, dynamic=False, backend="eager")
+    B, T = 2, 64
+    cos, sin = adapter.rope(torch.arange(T).repeat(B, 1), torch.float32)
+    frames = []
+    for longest in (10, 20, 30, 40):
+        ctx = AttnContext(cos=cos, sin=sin, mask=None, cu_seqlens=torch.tensor([0, 64, 128], dtype=torch.int32),
+                          max_seqlen=longest)
+        with torch.no_grad():
+            layer(w, torch.randn(B, T, adapter.hidden_size), ctx)
+        frames.append(counters["frames"]["total"])
+    torch._dynamo.reset()
+    assert frames[1:] == frames[:1] * 3, frames
