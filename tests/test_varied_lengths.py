@@ -74,7 +74,7 @@ PLACEMENTS = [
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_varied_lengths_compile_each_graph_at_most_twice(tmp_path, monkeypatch, placement):
+def test_varied_lengths_compile_the_first_shape_static_and_every_other_once(tmp_path, monkeypatch, placement):
     """Ten lengths compile each function's graphs for the first micro-batch's shape, static, as rows of that one
     length do, and at most once more per way it is called (MODES) with dynamic sizes, however many lengths follow;
     nothing runs uncompiled. Rows of one length compile static graphs only."""
