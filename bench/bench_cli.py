@@ -14,7 +14,8 @@ In --workdir (default: a temporary folder, removed afterwards) it writes
               data.max_seq_len tokens (no padding, no packing: every row is full, as bench_megatrain.py's random
               full-length rows; every token but the last predicts one, as there); with --docs LOW:HIGH instead
               documents of LOW..HIGH tokens packed into the rows (data.packing: true; the result's
-              packing_efficiency is the share of the rows' positions they fill);
+              packing_efficiency is the share of the rows' positions they fill); with --lengths LOW:HIGH rows of
+              LOW..HIGH tokens, unpacked, each micro-batch padded to its longest (varied_rows.py);
   run.yaml    train.steps = --warmup + --steps, micro_batch_size --micro, grad_accum_steps --seqs / --micro,
               precision bf16, lr 1e-5 constant, weight decay 0.1, clipping 1.0 (bench_megatrain.py's optimizer),
               engine.compile on with --compile (off without, as bench_megatrain.py), no evaluation,
@@ -67,6 +68,7 @@ sys.path.insert(0, str(HERE))
 
 from common import spread_lines, step_spread, table, write_json  # noqa: E402
 from host_trace import HostTrace, trace_lines  # noqa: E402
+import varied_rows  # noqa: E402
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 # the precomputed reference pass's record (run/reference.py), copied into the result
@@ -78,7 +80,8 @@ STEP_FIELDS = ["step_time_s", "wall_s", "data_wait_s", "queue_s", "gpu_wait_s", 
                "gpu_reserved_gib", "host_rss_gib", "tflops_6n_active", "router_loss", "expert_load_min",
                "expert_load_max", "expert_entropy", "disk_read_gb", "disk_write_gb", "disk_read_gbps",
                "disk_write_gbps", "disk_gbps_step", "disk_busy_s", "disk_gbps", "disk_busy", "host_pinned_cache_gib",
-               "optimizer_update_s", "optimizer_copy_wait_s", "optimizer_gparams_per_s", "idle_gaps"]
+               "optimizer_update_s", "optimizer_copy_wait_s", "optimizer_gparams_per_s", "idle_gaps",
+               "compiled_graphs", "compile_limit_hits"]
 
 
 def model_config(args) -> dict:
@@ -490,6 +493,8 @@ def main() -> int:
                    help="sample /proc during the run: each step's CPU, busiest threads and memory events (host_trace.py)")
     p.add_argument("--docs", default=None, metavar="LOW:HIGH",
                    help="packed rows (data.packing): documents of LOW..HIGH tokens, uniform, packed into --seq rows")
+    p.add_argument("--lengths", default=None, metavar="LOW:HIGH",
+                   help="unpacked rows of LOW..HIGH tokens, uniform (data.packing false; varied_rows.py)")
     p.add_argument("--objective", default="sft", choices=["sft", "dpo", "ipo", "simpo", "orpo"],
                    help="train.objective; a preference objective trains on pairs (--seqs, --micro: rows, 2 a pair)")
     p.add_argument("--reference", default="auto", choices=["auto", "precompute", "stream"],
@@ -501,6 +506,13 @@ def main() -> int:
         if not 1 <= low <= high < args.seq:
             p.error(f"--docs {args.docs}: need 1 <= LOW <= HIGH < --seq")
         args.docs = (low, high)
+    if args.lengths:
+        try:
+            args.lengths = varied_rows.parse(args.lengths, args.seq)
+        except ValueError as e:
+            p.error(str(e))
+        if args.docs or args.objective != "sft":
+            p.error("--lengths: unpacked SFT rows (no --docs, --objective sft)")
     if args.objective != "sft" and (args.micro % 2 or args.seqs % 2 or args.docs):
         p.error("--objective: --seqs and --micro count rows, two per pair: give even numbers (and no --docs: pairs "
                 "are not packed)")
@@ -533,6 +545,8 @@ def main() -> int:
         rows = args.seqs * args.nproc_per_node * (args.warmup + args.steps)
         if args.objective != "sft":
             write_pairs(work / "data.jsonl", rows // 2, args.seq, n_words)
+        elif args.lengths:
+            row_lengths = varied_rows.write_rows(work / "data.jsonl", rows, *args.lengths, n_words=n_words)
         elif args.docs:  # a quarter more than the steps need: the packer's last rows of an epoch are the emptiest
             write_documents(work / "data.jsonl", rows * args.seq * 5 // 4, *args.docs, n_words=n_words)
         else:
@@ -563,7 +577,9 @@ def main() -> int:
             res["host_trace"] = traces[0].per_step()
         full = args.seqs * args.seq * args.nproc_per_node
         # (pairs: each side's end-of-sequence token is the data layer's; the steps must at least be alike)
-        short = [] if args.docs else [r["step"] for r in steps if r.get("tokens") != (
+        if args.lengths:
+            res.update(varied_rows.summary(steps, args.warmup, row_lengths, args.seq))
+        short = [] if args.docs or args.lengths else [r["step"] for r in steps if r.get("tokens") != (
             full if args.objective == "sft" else steps[0].get("tokens"))]
         if args.docs:  # packed rows: the share of the rows' positions that hold a document's token
             res["packing_efficiency"] = min((r["tokens"] for r in steps), default=0) / full
@@ -581,6 +597,8 @@ def main() -> int:
               f"descendants {res['host_children_rss_gib']:.2f}; largest mappings:",
               ", ".join(f"{m['mapping']} {m['rss_gib']:.2f}" for m in res["host_rss_top"][:8]))
         print(spread_lines(res))
+        if args.lengths:
+            print(varied_rows.line(res))
         if res.get("host_trace"):
             print("\n".join(trace_lines(res["host_trace"])))
         print(table([res], ["label", "objective", "params", "tokens_per_step", "step_s", "wall_step_s", "tokens_per_s",

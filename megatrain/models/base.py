@@ -132,8 +132,8 @@ class AttnContext:
     max_seqlen: int = 0
 
     @property
-    def varlen(self) -> bool:
-        return self.max_seqlen > 0
+    def varlen(self) -> bool:  # not max_seqlen > 0: a compiled layer would be guarded on each micro-batch's longest
+        return self.cu_seqlens is not None
 
     def with_token_mask(self, mask: torch.Tensor | None) -> "AttnContext":
         """Sets the micro-batch's real-token mask on this context and its variants; returns self."""

@@ -4,8 +4,10 @@ TensorBoard and wandb when enabled.
 Each step's record carries what the trainer measured (loss, grad norm, `clipping` and, when on, `clip_coef`, lr,
 tokens/s) and what `stats`, when set (megatrain.run.stepstats.StepStats), adds: TFLOP/s, MFU, GPU and host memory,
 the busy shares of the compute, H2D and D2H streams; the logger adds the ETA, and with an SSD tier (`disk`, set to
-the store's runtime.disk_tier.DiskTier) the disk's traffic since the last record: `disk_fields`. `check`, when set
-(run/plancheck.PlanCheck), may add a line about a record: the plan held against the steady steps."""
+the store's runtime.disk_tier.DiskTier) the disk's traffic since the last record: `disk_fields`; once torch.compile has
+run in the process, the graphs Dynamo compiled since the last step record and the functions it gave up compiling
+(its recompile limit hit): `CompileCounts`. `check`, when set (run/plancheck.PlanCheck), may add a line about a
+record: the plan held against the steady steps."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class MetricsLogger:
         self.stats = None  # callable(record) -> extra fields for step records
         self.disk = None  # the SSD tier (runtime/disk_tier.DiskTier) whose counters each step record reads
         self.check = None  # callable(record) -> a line to show, or None (run/plancheck.PlanCheck)
+        self.compiles = CompileCounts()
         self.wandb = None
         self.tb = None
         if tensorboard:
@@ -65,6 +68,7 @@ class MetricsLogger:
                 record = {**record, **self.stats(record)}
             if self.disk is not None:
                 record = {**record, **disk_fields(self.disk.take_stats(), record.get("step_time_s"))}
+            record = {**record, **self.compiles.take()}
             done = step - self.start_step
             elapsed = time.perf_counter() - self.t0
             record["elapsed_s"] = elapsed  # since the logger opened: steps' wall time, evaluations and saves
@@ -99,6 +103,32 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.finish()
         self.file.close()
+
+
+class CompileCounts:
+    """Dynamo's counters since the last `take`, as a step record's fields: `compiled_graphs` (graphs compiled: a step
+    that compiles again has rows of a shape the compiled layers had not run) and `compile_limit_hits` (functions
+    Dynamo stopped compiling at its recompile limit: they run uncompiled from then on). Nothing while torch._dynamo
+    is not loaded (an uncompiled run does not import it for this)."""
+
+    def __init__(self):
+        self.last = self._now() or (0, 0)  # what compiled before the logger opened (engine.tune_first) is not a step's
+
+    @staticmethod
+    def _now() -> tuple[int, int] | None:
+        dynamo = sys.modules.get("torch._dynamo.utils")
+        if dynamo is None:
+            return None
+        c = dynamo.counters
+        hits = sum(n for k, n in c["unimplemented"].items() if "limit exceeded" in k.lower())
+        return int(c["stats"]["unique_graphs"]), int(hits)
+
+    def take(self) -> dict:
+        now = self._now()
+        if now is None:
+            return {}
+        before, self.last = self.last, now
+        return {"compiled_graphs": max(now[0] - before[0], 0), "compile_limit_hits": max(now[1] - before[1], 0)}
 
 
 def preference_fields(metrics: dict) -> dict:

@@ -299,7 +299,8 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
         t0 = time.perf_counter()
         beside = Beside(build_store)
         try:
-            tuned = tune_first(adapter, inp.device, options.engine, cfg.train.precision, step, inp.eval_batches)
+            tuned = tune_first(adapter, inp.device, options.engine, cfg.train.precision, step, inp.eval_batches,
+                               inp.resumed is not None)
             t_tuned = time.perf_counter() - t0
         except BaseException:
             beside.wait_quietly()  # (a signal or a failure: the store is dropped; nothing was written)
@@ -308,7 +309,8 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
         clock.overlapped(overlapped_phases((tune_phase, t_tuned), beside.laps, time.perf_counter() - t0))
     else:
         if tuning:
-            tuned = tune_first(adapter, inp.device, options.engine, cfg.train.precision, step, inp.eval_batches)
+            tuned = tune_first(adapter, inp.device, options.engine, cfg.train.precision, step, inp.eval_batches,
+                               inp.resumed is not None)
             clock.lap(tune_phase)
         store = build_store(clock.lap)
     if inp.resumed is not None:

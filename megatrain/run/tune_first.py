@@ -14,8 +14,12 @@ step (drawn from the loader and put back: the step resumed from, after a resume)
 happens while host RAM holds only that copy. Then the copy is freed and torch's page-locked blocks are returned.
 The run's own engine reuses the compiled graphs: Dynamo's guards hold for another adapter of the same shapes
 (bench/autotune_copies.py, mode two-engines; tests/test_tune_first.py), so the run compiles and tunes nothing
-again for those shapes. A later step whose batches have other shapes (rows padded to a shorter length with
-data.group_by_length) compiles and tunes in that step, as without this.
+again for those shapes. A compiled template runs its first micro-batch shape with static graphs and every other
+shape with one graph whose token dimension is dynamic (runtime/layer.ShapeCompiled): the copy runs the shapes in
+the run's order (a fresh run evaluates step 0 before its first step, a resumed one does not), so that its first
+shape is the run's, and the graphs it compiles are the ones the run uses. A later step whose micro-batches have
+other lengths (unpacked rows, padded to each micro-batch's longest) runs the dynamic graphs already compiled, if
+the first step had two shapes or more; else it compiles them once, in that step.
 """
 
 from __future__ import annotations
@@ -68,10 +72,11 @@ def trim_heap() -> bool:
 
 
 def tune_first(run_adapter: ModelAdapter, device: torch.device, options: EngineOptions, precision: str,
-               step: list[MicroBatch], eval_batches=None) -> str:
+               step: list[MicroBatch], eval_batches=None, resumed: bool = False) -> str:
     """Run the layers' compiling and tuning on a truncated copy of the model (see the module's note) over `step`'s
-    micro-batch shapes and the evaluation batches'; return what it did. `options`: the run's engine options (their
-    tiles, stash and attention blocks decide the graphs; the rest of the placement does not)."""
+    micro-batch shapes and the evaluation batches', in the run's order (`resumed`: the run starts with its step,
+    else with the step-0 evaluation); return what it did. `options`: the run's engine options (their tiles, stash
+    and attention blocks decide the graphs; the rest of the placement does not)."""
     t0 = time.perf_counter()
     layers, adapter = copy_adapter(run_adapter)
     placement = copy_placement(options.placement, layers)
@@ -81,20 +86,20 @@ def tune_first(run_adapter: ModelAdapter, device: torch.device, options: EngineO
         engine=EngineOptions(loss_chunk_tokens=options.loss_chunk_tokens, num_slots=options.num_slots,
                              compile_layers=options.compile_layers, placement=placement,
                              head_kernels=options.head_kernels)))
-    shapes = 0
+    evals = {}  # one batch of each shape, before any is prepared (an evaluation set may have thousands)
+    for b in eval_batches or []:
+        evals.setdefault((tuple(b["input_ids"].shape), b.get("position_ids") is not None), b)
+    work = [(True, mb) for mb in distinct(step)]
+    work = work + [(False, b) for b in evals.values()] if resumed else [(False, b) for b in evals.values()] + work
     try:
-        for mb in distinct(step):
-            runtime.pipeline.begin_step(lr=None)
-            out = runtime.engine.train_step([mb])
-            out.loss_sum.item()
-            runtime.pipeline.finish_step(lr=0.0, clip_coef=1.0)
-            shapes += 1
-        evals = {}  # one batch of each shape, before any is prepared (an evaluation set may have thousands)
-        for b in eval_batches or []:
-            evals.setdefault((tuple(b["input_ids"].shape), b.get("position_ids") is not None), b)
-        for b in evals.values():
-            runtime.engine.eval_loss([MicroBatch.from_labels(b["input_ids"], b["labels"], b.get("position_ids"))])
-            shapes += 1
+        for train, mb in work:
+            if train:
+                runtime.pipeline.begin_step(lr=None)
+                runtime.engine.train_step([mb]).loss_sum.item()
+                runtime.pipeline.finish_step(lr=0.0, clip_coef=1.0)
+            else:
+                runtime.engine.eval_loss([MicroBatch.from_labels(mb["input_ids"], mb["labels"],
+                                                                 mb.get("position_ids"))])
         runtime.pipeline.drain()
     finally:
         runtime.close()
@@ -106,5 +111,6 @@ def tune_first(run_adapter: ModelAdapter, device: torch.device, options: EngineO
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         released = release_torch_pinned_cache(min_idle=0)
+    shapes = len(work)
     return (f"{shapes} shape{'s' if shapes != 1 else ''} on a {layers}-layer copy in {time.perf_counter() - t0:.1f} "
             f"s" + (f", {released / 2**30:.2f} GiB of autotuning copies returned" if released else ""))

@@ -134,6 +134,75 @@ class AttentionStash:
         return grads
 
 
+# Graphs Dynamo may compile for one function of a template (its recompile limit, 8 by default, counts them per
+# function): the first micro-batch shape's static ones (a tile and the last, shorter tile, each in the three ways
+# a function is called: the forward wave, the backward's recompute without autograd, the backward with autograd;
+# with and without a padding mask) and as many dynamic ones.
+TEMPLATE_GRAPHS = 24
+
+
+class Shapes:
+    """The micro-batch shapes a compiled template runs: the first one's graphs are compiled static, any other
+    shape's with its token dimension dynamic (ShapeCompiled). `note(h)` at each entry of the template ([B, T, H]
+    hidden states) sets `varied` for the parts it calls."""
+
+    __slots__ = ("first", "varied")
+
+    def __init__(self):
+        self.first: tuple[int, int] | None = None
+        self.varied = False
+
+    def note(self, h: torch.Tensor) -> bool:
+        shape = (int(h.shape[0]), int(h.shape[1]))
+        if self.first is None:
+            self.first = shape
+        self.varied = shape != self.first
+        return self.varied
+
+
+def _mark_rows(h: torch.Tensor, ctx) -> None:
+    """Rows and tokens of a whole micro-batch dynamic: h [B, T, H] and its context's per-token tensors."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    for t, dims in ((h, (0, 1)),) + tuple((t, d) for c in (ctx, *ctx.variants.values()) for t, d in (
+            (c.cos, (0, 1)), (c.sin, (0, 1)), (c.mask, (0, 2, 3)), (c.token_mask, (0, 1))) if t is not None):
+        for d in dims:
+            maybe_mark_dynamic(t, d)
+
+
+class ShapeCompiled:
+    """A layer template's function compiled (engine.compile). Dynamo specialises a graph to its inputs' sizes, and
+    unpacked rows (padded per micro-batch to its longest row) give nearly every micro-batch a length of its own: a
+    graph per length, each compiled (and on CUDA tuned) anew, until torch's recompile limit (8), past which Dynamo
+    silently runs the function uncompiled. So two compiled entries: `static` (dynamic=False) for the template's
+    first micro-batch shape (`Shapes`), exactly the graphs a run of one shape has always had; `varied` for every
+    other shape, its inputs' token dimension (and rows) marked dynamic: one graph for every length. Dynamo keeps
+    their graphs apart (a graph is used only by the compile call it was made for: `dynamic` is part of the match),
+    so the dynamic graph never takes the static shape's calls (Dynamo tries the graph it used last first).
+    `rows`: called as (w, h [B, T, H], ctx), else (w, per-token tensors [tokens, ...] or None ...)."""
+
+    def __init__(self, fn, shapes: Shapes, rows: bool):
+        self.static = torch.compile(fn, dynamic=False)
+        self.varied = torch.compile(fn, dynamic=None)  # with automatic dynamic shapes off (below): only the marks
+        self.shapes, self.rows = shapes, rows
+
+    def __call__(self, w, *args):
+        from torch._dynamo import config, maybe_mark_dynamic
+
+        if not (self.shapes.note(args[0]) if self.rows else self.shapes.varied):
+            with config.patch(recompile_limit=TEMPLATE_GRAPHS):
+                return self.static(w, *args)
+        if self.rows:
+            _mark_rows(*args)
+        else:
+            for t in args:
+                if isinstance(t, torch.Tensor):
+                    maybe_mark_dynamic(t, 0)
+        # automatic dynamic shapes off: only the marked dimensions are dynamic, the weights' stay static
+        with config.patch(recompile_limit=TEMPLATE_GRAPHS, automatic_dynamic_shapes=False):
+            return self.varied(w, *args)
+
+
 class TiledLayer:
     """A layer template whose per-token parts run over tiles of `tile` tokens. Called like `layer_forward` (without
     autograd: the forward wave and rebuilds); `layer_backward` runs its `backward`. A micro-batch of at most one tile
@@ -141,13 +210,15 @@ class TiledLayer:
     attention part whole and only its MLP part over tiles."""
 
     def __init__(self, adapter, tile: int, compile: bool = False):
-        def maybe_compiled(fn):
-            return torch.compile(fn, dynamic=False) if compile else fn
+        self.shapes = Shapes()
+
+        def maybe_compiled(fn, rows: bool = False):
+            return ShapeCompiled(fn, self.shapes, rows) if compile else fn
 
         self.tile, self.moe = int(tile), bool(adapter.moe)
         self.split_attention = bool(getattr(adapter, "splits_attention", False))
-        self.whole = maybe_compiled(adapter.layer_forward)
-        self.attention = maybe_compiled(adapter.attention_part)
+        self.whole = maybe_compiled(adapter.layer_forward, rows=True)
+        self.attention = maybe_compiled(adapter.attention_part, rows=True)
         self.mlp = maybe_compiled(adapter.mlp_part)
         self.reduce = adapter.mlp_reduce
         if self.split_attention:
@@ -216,6 +287,7 @@ class TiledLayer:
                                "(layer_backward recomputes with autograd)")
         B, T, H = h.shape
         ranges = token_tiles(B * T, self.tile)
+        self.shapes.note(h)
         if self._whole(ctx, ranges, T):
             return self.whole(w, h, ctx)
         outs: list = []
@@ -236,6 +308,7 @@ class TiledLayer:
         if torch.is_grad_enabled():
             raise RuntimeError("forward_stash writes its tiles in place: call it without autograd")
         B, T, _ = h.shape
+        self.shapes.note(h)
         stash: list = []
         out = self._split_forward(w, h, ctx, token_tiles(B * T, self.tile), stash)
         return out, stash[0]
@@ -282,6 +355,7 @@ class TiledLayer:
         below are skipped, the rest is the same code on the same numbers."""
         B, T, H = checkpoint.shape
         ranges = token_tiles(B * T, self.tile)
+        self.shapes.note(checkpoint)
         if self._whole(ctx, ranges, T) and stash is None:
             return _whole_backward(self.whole, w, checkpoint, ctx, dh, grad_views, extra_grad)
         params = {k: v.detach().requires_grad_(True) for k, v in w.items()}
@@ -370,7 +444,7 @@ def layer_template(adapter, seq_tile: int = 0, compile: bool = False, stash: boo
                          "layers cannot keep their attention for the backward (memory.reuse_attention: 0)")
     if (seq_tile or stash or attn_block) and getattr(adapter, "splits_layer", False):
         return TiledLayer(adapter, seq_tile, compile)
-    return torch.compile(adapter.layer_forward, dynamic=False) if compile else adapter.layer_forward
+    return ShapeCompiled(adapter.layer_forward, Shapes(), rows=True) if compile else adapter.layer_forward
 
 
 def layer_backward(layer_fn: Callable, w: dict[str, torch.Tensor], checkpoint: torch.Tensor, ctx,
