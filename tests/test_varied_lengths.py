@@ -105,6 +105,40 @@ def test_varied_lengths_step_equals_eager(tmp_path):
     torch._dynamo.reset()
 
 
+def test_a_dynamic_graph_that_fails_to_compile_falls_back_to_static_graphs(tmp_path, monkeypatch):
+    """A compiler that cannot take symbolic sizes: the run warns once, runs the other lengths uncompiled and
+    computes the eager layers' step."""
+    make_model_dir(tmp_path, "qwen3", seed=45)
+    torch._dynamo.reset()
+    real, static_graphs = torch.compile, []
+
+    def compile(fn, **kwargs):
+        def backend(gm, inputs):
+            if any(isinstance(x, torch.SymInt) for x in inputs) or any(
+                    isinstance(s, torch.SymInt) for x in inputs if isinstance(x, torch.Tensor) for s in x.shape):
+                raise NotImplementedError("no symbolic sizes here")
+            static_graphs.append(getattr(fn, "__name__", ""))
+            return gm.forward
+        return real(fn, backend=backend, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile)
+    eager, compiled = Megatrain(tmp_path), Megatrain(tmp_path, compile_layers=True)
+    lengths = [41, 29, 50]
+    with pytest.warns(UserWarning, match="dynamic token dimension failed") as caught:
+        batches = random_batches(3, 2, 97, lengths, seed=700)
+        loss_e, grads_e = eager.step(batches)
+        loss_c, grads_c = compiled.step(batches)
+    assert sum("dynamic token dimension failed" in str(w.message) for w in caught) == 1
+    assert abs(loss_c - loss_e) <= 1e-6 * loss_e
+    for name in grads_e:
+        assert rel(grads_c[name], grads_e[name]) <= 1e-5, name
+    assert static_graphs and all(n == "layer_forward" for n in static_graphs)  # the first shape's, compiled
+    eager.close()
+    compiled.close()
+    monkeypatch.undo()
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("resumed", [False, True])
 def test_tune_first_compiles_the_graphs_the_run_then_uses(tmp_path, monkeypatch, resumed):
     """engine.tune_first's copy runs the shapes in the run's order (a fresh run evaluates step 0 first, a resumed

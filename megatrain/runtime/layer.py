@@ -184,14 +184,19 @@ class ShapeCompiled:
     def __init__(self, fn, shapes: Shapes, rows: bool):
         self.static = torch.compile(fn, dynamic=False)
         self.varied = torch.compile(fn, dynamic=None)  # with automatic dynamic shapes off (below): only the marks
-        self.shapes, self.rows = shapes, rows
+        self.fn, self.shapes, self.rows = fn, shapes, rows
+        self.uncompiled = False  # the dynamic graph failed to compile: other shapes run uncompiled
 
     def __call__(self, w, *args):
         from torch._dynamo import config, maybe_mark_dynamic
+        from torch._dynamo.exc import TorchDynamoException
 
-        if not (self.shapes.note(args[0]) if self.rows else self.shapes.varied):
+        varied = self.shapes.note(args[0]) if self.rows else self.shapes.varied
+        if not varied:
             with config.patch(recompile_limit=TEMPLATE_GRAPHS):
                 return self.static(w, *args)
+        if self.uncompiled:
+            return self.fn(w, *args)
         if self.rows:
             _mark_rows(*args)
         else:
@@ -199,8 +204,18 @@ class ShapeCompiled:
                 if isinstance(t, torch.Tensor):
                     maybe_mark_dynamic(t, 0)
         # automatic dynamic shapes off: only the marked dimensions are dynamic, the weights' stay static
-        with config.patch(recompile_limit=TEMPLATE_GRAPHS, automatic_dynamic_shapes=False):
-            return self.varied(w, *args)
+        try:
+            with config.patch(recompile_limit=TEMPLATE_GRAPHS, automatic_dynamic_shapes=False):
+                return self.varied(w, *args)
+        except TorchDynamoException as e:  # a compiler that cannot take symbolic sizes: slower, not wrong
+            import warnings
+
+            # (not the static graphs: the marks stay on the inputs, and a static compile honours them too)
+            self.uncompiled = True
+            warnings.warn(f"megatrain: compiling {getattr(self.fn, '__name__', 'a layer function')} with a dynamic "
+                          f"token dimension failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); micro-batches "
+                          "of other shapes than the first run it uncompiled", stacklevel=2)
+            return self.fn(w, *args)
 
 
 class TiledLayer:
