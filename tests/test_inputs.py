@@ -138,3 +138,16 @@ def test_cli_prints_one_line_errors(tmp_path):
                        capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 2
     assert "did you mean 'train.steps'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_profile_sets_the_optimizers_chunks_per_call(setup):
+    """A profile's cpu.adamw_chunks_per_call reaches the run's CPU AdamW (runtime/adamw.CpuAdamW); without it, one."""
+    tmp_path, model_dir, data = setup
+    run = prepare(load_config(write_config(tmp_path, model_dir, data)))
+    assert run.runtime.pipeline.optimizer.chunks_per_call == 1
+    run.runtime.close()
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"host": "", "cpu": {"adamw_params_per_s": 2e9, "adamw_chunks_per_call": 4}}))
+    run = prepare(load_config(write_config(tmp_path, model_dir, data), [f"plan.profile={profile}"]))
+    assert run.runtime.pipeline.optimizer.chunks_per_call == 4
+    run.runtime.close()

@@ -35,6 +35,36 @@ def test_piecewise_update_equals_whole_tile(tmp_path, monkeypatch):
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("chunks_per_call", [2, 3, 7])
+def test_several_chunks_per_call_equal_one(tmp_path, monkeypatch, chunks_per_call):
+    """Blocks updated several to a kernel call (a list of them) and their streaming copies written together: the
+    weights, Adam states and bf16 copy equal one block a call bit for bit, whole tiles and pieces at an offset, with
+    the decay/no-decay boundary inside a call's blocks."""
+    import megatrain.runtime.adamw
+
+    monkeypatch.setattr(megatrain.runtime.adamw, "CHUNK", 512)
+    make_model_dir(tmp_path, "qwen3", seed=32)
+    a, b = Megatrain(tmp_path, dtype=torch.bfloat16), Megatrain(tmp_path, dtype=torch.bfloat16)
+    one, several = CpuAdamW(weight_decay=0.1), CpuAdamW(weight_decay=0.1, chunks_per_call=chunks_per_call)
+    g = torch.Generator().manual_seed(1)
+    before = state(a.store)
+    for step in range(3):
+        for ta, tb in zip(a.store.tiles, b.store.tiles):
+            assert ta.numel > 512 * chunks_per_call  # (a call of several blocks happens)
+            grad = torch.randn(ta.numel, generator=g)
+            if step == 1:  # in pieces, as landing buffers give them
+                for off in range(0, ta.numel, 512 * 5):
+                    for opt, t in ((one, ta), (several, tb)):
+                        opt.update(t, grad[off: off + 512 * 5].clone(), lr=1e-3, clip_coef=0.7, offset=off,
+                                   new_step=(off == 0))
+            else:
+                one.update(ta, grad.clone(), lr=1e-3, clip_coef=0.7)
+                several.update(tb, grad.clone(), lr=1e-3, clip_coef=0.7)
+    assert not any(torch.equal(x, y) for x, y in zip(state(a.store), before))  # (the steps changed each array)
+    for x, y in zip(state(a.store), state(b.store)):
+        assert torch.equal(x, y)
+
+
 def test_threaded_pipeline_is_bit_exact(tmp_path):
     make_model_dir(tmp_path, "llama", tied=True, seed=32)
     sequential = Megatrain(tmp_path, dtype=torch.bfloat16, threaded_optimizer=False)

@@ -110,6 +110,7 @@ class Profile:
     head_flops: float = DEFAULT_HEAD_FLOPS
     adamw_params_per_s: float = DEFAULT_ADAMW_PARAMS_PER_S
     adamw_threads: int | None = None  # the optimizer's intra-op threads the rate was measured with (None: torch's)
+    adamw_chunks_per_call: int = 1  # CHUNK blocks per AdamW kernel call (runtime/adamw.CpuAdamW)
     cpu_count: int | None = None
     # CPU-device plans: a step's executed FLOP/s in fp32 and in bf16 (a CPU without bf16 instructions emulates it,
     # ~10x slower). A probed profile: square matmuls; `megatrain train` and `plan` on a CPU measure one layer of the
@@ -208,6 +209,7 @@ def from_dict(raw: dict, source: str) -> Profile:
     cpu = raw.get("cpu") or {}
     prof.adamw_params_per_s = cpu.get("adamw_params_per_s", prof.adamw_params_per_s)
     prof.adamw_threads = cpu.get("adamw_threads")
+    prof.adamw_chunks_per_call = int(cpu.get("adamw_chunks_per_call", 1))
     prof.cpu_count = cpu.get("count")
     prof.cpu_flops = cpu.get("matmul_flops", prof.cpu_flops)
     prof.cpu_bf16_flops = cpu.get("matmul_bf16_flops", prof.cpu_flops)

@@ -316,7 +316,8 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
     if inp.resumed is not None:
         inp.loader.load_state_dict(inp.resumed.state["loader"])
 
-    optimizer = CpuAdamW(cfg.train.betas, cfg.train.eps, cfg.train.weight_decay)
+    optimizer = CpuAdamW(cfg.train.betas, cfg.train.eps, cfg.train.weight_decay,
+                         plan.profile.adamw_chunks_per_call if plan is not None else 1)
     with host_allocation("pinned buffers (gradient landing buffers, offloaded gradients)", plan, adapter):
         ranks.store_filled(store)  # the node's ranks take the store local rank 0 filled
         clock.waited()

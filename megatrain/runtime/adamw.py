@@ -53,10 +53,16 @@ def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
 
 
 class CpuAdamW:
-    def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+    def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 chunks_per_call: int = 1):
+        """chunks_per_call: CHUNK blocks per kernel call (a list of them, each its own tensor, so the same ranges and
+        the same numbers), then their streaming copies in one call. More is fewer returns to Python, each of which
+        must take the GIL back from the engine's launch thread; one is each block's copy written while it is hot in
+        cache (profile.adamw_chunks_per_call)."""
         self.beta1, self.beta2 = betas
         self.eps = eps
         self.weight_decay = weight_decay
+        self.chunks_per_call = max(1, int(chunks_per_call))
 
     def update(self, tile: LayerTile, grad: torch.Tensor, *, lr: float, clip_coef: float = 1.0,
                offset: int = 0, new_step: bool = True, states: dict[str, torch.Tensor] | None = None) -> None:
@@ -85,16 +91,25 @@ class CpuAdamW:
         separate_copy = tile.master is None or tile.stream.data_ptr() != tile.master.data_ptr()
         start = offset
         while start < n:
-            end = min(n, (start // CHUNK + 1) * CHUNK)
-            for a, b, wd in ((start, min(end, split), self.weight_decay), (max(start, split), end, 0.0)):
-                if a >= b:
+            blocks = []  # this call's CHUNK-aligned blocks: (start, end)
+            while start < n and len(blocks) < self.chunks_per_call:
+                end = min(n, (start // CHUNK + 1) * CHUNK)
+                blocks.append((start, end))
+                start = end
+            for wd, ranges in ((self.weight_decay, [(a, min(b, split)) for a, b in blocks]),
+                               (0.0, [(max(a, split), b) for a, b in blocks])):
+                ranges = [(a - offset, b - offset) for a, b in ranges if a < b]
+                if not ranges:
                     continue
-                p, q = a - offset, b - offset
                 torch._fused_adamw_(
-                    [master[p:q]], [grad[p:q]], [exp_avg[p:q]], [exp_avg_sq[p:q]], [], [tile.step],
-                    lr=lr, beta1=self.beta1, beta2=self.beta2, weight_decay=wd, eps=self.eps,
-                    amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None,
+                    [master[p:q] for p, q in ranges], [grad[p:q] for p, q in ranges],
+                    [exp_avg[p:q] for p, q in ranges], [exp_avg_sq[p:q] for p, q in ranges], [],
+                    [tile.step] * len(ranges), lr=lr, beta1=self.beta1, beta2=self.beta2, weight_decay=wd,
+                    eps=self.eps, amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None,
                 )
-            if separate_copy:
-                tile.stream[start:end].copy_(master[start - offset:end - offset])
-            start = end
+            if separate_copy and len(blocks) == 1:
+                (a, b), = blocks
+                tile.stream[a:b].copy_(master[a - offset:b - offset])
+            elif separate_copy:
+                torch._foreach_copy_([tile.stream[a:b] for a, b in blocks],
+                                     [master[a - offset:b - offset] for a, b in blocks])
