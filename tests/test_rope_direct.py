@@ -78,3 +78,63 @@ def test_the_tables_import_no_modeling_module():
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == "[]"
+
+
+FAMILY_ROTARY = {  # model_type -> transformers' rotary embedding class the family's tables must equal
+    "gemma2": "transformers.models.gemma2.modeling_gemma2.Gemma2RotaryEmbedding",
+    "gemma3_text": "transformers.models.gemma3.modeling_gemma3.Gemma3RotaryEmbedding",
+    "gemma3": "transformers.models.gemma3.modeling_gemma3.Gemma3RotaryEmbedding",
+    "olmo2": "transformers.models.olmo2.modeling_olmo2.Olmo2RotaryEmbedding",
+    "phi3": "transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding",
+}
+
+
+def _family_reference(cfg) -> dict[str, tuple[torch.Tensor, float]]:
+    """Per layer type (or "" for one set), transformers' own tables for the family."""
+    import importlib
+
+    module, name = FAMILY_ROTARY[cfg.model_type].rsplit(".", 1)
+    rotary = getattr(importlib.import_module(module), name)(copy.deepcopy(cfg))
+    out = {lt: (getattr(rotary, f"{lt}_inv_freq"), float(getattr(rotary, f"{lt}_attention_scaling")))
+           for lt in ("full_attention", "sliding_attention") if hasattr(rotary, f"{lt}_inv_freq")}
+    return out or {"": (rotary.inv_freq, float(rotary.attention_scaling))}
+
+
+def _variants(cfg):
+    """The config as shipped, and with its rope made linear (factor 4) and, for phi3, partial (0.5): the direct
+    formulas' other branches."""
+    yield "as shipped", cfg
+    linear = copy.deepcopy(cfg)
+    params = linear.rope_parameters
+    for p in (params.values() if isinstance(params.get("full_attention"), dict) else [params]):
+        if isinstance(p, dict):
+            p.update(rope_type="linear", factor=4.0)
+    yield "linear", linear
+    if cfg.model_type == "phi3":
+        partial = copy.deepcopy(cfg)
+        partial.rope_parameters["partial_rotary_factor"] = 0.5
+        yield "partial", partial
+
+
+FAMILY_DIRS = [(n, p) for n, p in DIRS if __import__("json").loads((p / "config.json").read_text())
+               .get("model_type") in FAMILY_ROTARY]
+
+
+@pytest.mark.parametrize("name,path", FAMILY_DIRS, ids=[n for n, _ in FAMILY_DIRS])
+def test_family_tables_equal_their_transformers_class(name, path):
+    """Gemma 2 and 3 (per layer type), OLMo 2 and Phi-3 compute their rope tables without transformers' modeling
+    modules (decoder.static_rope): equal bit for bit to the family's own rotary class, for the real config and for
+    the linear type (and phi3's partial rotation)."""
+    from megatrain.models import ADAPTERS
+
+    assert len(FAMILY_DIRS) >= 4
+    base = load_hf_config(str(path))
+    for what, cfg in _variants(base):
+        adapter = ADAPTERS[cfg.model_type](cfg) if cfg.model_type in ADAPTERS else get_adapter(cfg)
+        ref = _family_reference(cfg)
+        ropes = getattr(adapter, "ropes", None)
+        for lt, (ref_inv, ref_scale) in ref.items():
+            inv, scale = ropes["sliding" if lt == "sliding_attention" else "full"] if ropes else \
+                (adapter.inv_freq, adapter.rope_scaling)
+            assert torch.equal(inv, ref_inv.detach().float()), (what, lt)
+            assert scale == ref_scale, (what, lt)

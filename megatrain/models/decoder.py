@@ -16,17 +16,30 @@ from .base import AttnContext, ModelAdapter, TensorSpec, Unit
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def llama_rope(c) -> tuple[torch.Tensor, float]:
-    """(inv_freq, attention scaling) as transformers' LlamaRotaryEmbedding(c) computes them: its default rope type's
-    formula, the others' functions from transformers.modeling_rope_utils (what that class calls), without importing
-    modeling_llama (seconds: it loads transformers' modeling_utils). tests/test_rope_direct.py compares the two."""
-    params = c.rope_parameters
-    if params["rope_type"] == "default":  # LlamaRotaryEmbedding.compute_default_rope_parameters
-        dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+def static_rope(c, params: dict, partial: bool = False, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention scaling) of one set of rope parameters, as the families' rotary embeddings compute them:
+    'default' and 'linear' by their formulas, here (importing transformers' rope functions loads its core: seconds,
+    on every `megatrain plan`), the other types by transformers.modeling_rope_utils' functions, which those classes
+    call. `partial`: the family's default type rotates head_dim x partial_rotary_factor dimensions (phi3; llama's,
+    gemma's and olmo2's ignore the factor; the linear type always applies it). tests/test_rope_direct.py compares
+    each family's tables with its transformers class."""
+    rope_type = params.get("rope_type", "default")
+    if rope_type in ("default", "linear"):
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0)) if partial or rope_type == "linear" \
+            else head_dim
+        inv = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return (inv if rope_type == "default" else inv / params["factor"]), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    return ROPE_INIT_FUNCTIONS[params["rope_type"]](c)
+    fn = ROPE_INIT_FUNCTIONS[rope_type]
+    return fn(c, layer_type=layer_type) if layer_type is not None else fn(c)
+
+
+def llama_rope(c) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention scaling) as transformers' LlamaRotaryEmbedding(c) computes them, without importing
+    modeling_llama (seconds: it loads transformers' modeling_utils). tests/test_rope_direct.py compares the two."""
+    return static_rope(c, c.rope_parameters)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

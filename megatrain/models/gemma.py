@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..errors import MegatrainError
 from .base import AttnContext, TensorSpec, Unit
 from .attention import attention_context, causal_attention
-from .decoder import STATIC_ROPE_TYPES, DecoderAdapter, rotate_half
+from .decoder import STATIC_ROPE_TYPES, DecoderAdapter, rotate_half, static_rope
 
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
@@ -75,7 +75,8 @@ class GemmaAdapter(DecoderAdapter):
         return kinds
 
     def _init_gemma_rope(self, c) -> None:
-        """inv_freq and attention scaling per layer kind, from transformers' own rotary embedding."""
+        """inv_freq and attention scaling per layer kind, as transformers' Gemma2/Gemma3RotaryEmbedding compute them
+        (decoder.static_rope: Gemma 3 has parameters per layer type)."""
         params = getattr(c, "rope_parameters", None) or {}
         per_kind = self.gemma3 and isinstance(params.get("full_attention"), dict)
         for name, p in (params.items() if per_kind else [("rope_parameters", params)]):
@@ -83,18 +84,12 @@ class GemmaAdapter(DecoderAdapter):
             if rope_type not in STATIC_ROPE_TYPES:
                 raise MegatrainError(f"config.json: rope_parameters {name}: rope_type '{rope_type}' is not supported; "
                                      f"supported: {', '.join(STATIC_ROPE_TYPES)}")
-        if self.gemma3:
-            from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding as Rotary
-        else:
-            from transformers.models.gemma2.modeling_gemma2 import Gemma2RotaryEmbedding as Rotary
-        rotary = Rotary(c)
         self.ropes: dict[str, tuple[torch.Tensor, float]] = {}
         for kind, layer_type in (("full", "full_attention"), ("sliding", "sliding_attention")):
-            if hasattr(rotary, f"{layer_type}_inv_freq"):  # gemma3: one per layer type
-                inv = getattr(rotary, f"{layer_type}_inv_freq")
-                scaling = getattr(rotary, f"{layer_type}_attention_scaling")
-            else:
-                inv, scaling = rotary.inv_freq, rotary.attention_scaling
+            p = params.get(layer_type) if per_kind else params
+            if per_kind and p is None:  # (a layer type without its own parameters: as transformers, none)
+                continue
+            inv, scaling = static_rope(c, p, layer_type=layer_type if per_kind else None)
             self.ropes[kind] = (inv.detach().float().clone(), float(scaling))
         self.inv_freq, self.rope_scaling = self.ropes["full"]
 

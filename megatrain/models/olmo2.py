@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..errors import MegatrainError
 from .base import AttnContext, TensorSpec, Unit
-from .decoder import STATIC_ROPE_TYPES, DecoderAdapter, rotate_half
+from .decoder import STATIC_ROPE_TYPES, DecoderAdapter, rotate_half, static_rope
 
 
 def olmo2_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,8 +47,6 @@ class Olmo2Adapter(DecoderAdapter):
         self.sliding_window = None  # transformers' OLMo 2 attends to the whole causal prefix on every layer
 
     def _init_rope(self, c) -> None:
-        from transformers.models.olmo2.modeling_olmo2 import Olmo2RotaryEmbedding
-
         params = getattr(c, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
         if rope_type not in STATIC_ROPE_TYPES:
@@ -58,9 +56,9 @@ class Olmo2Adapter(DecoderAdapter):
         if factor is not None and float(factor) != 1.0:
             raise MegatrainError(f"config.json: rope_parameters.partial_rotary_factor {factor} is not supported for "
                                  "olmo2 (only 1.0: transformers' OLMo 2 rotates whole heads)")
-        rotary = Olmo2RotaryEmbedding(c)
-        self.inv_freq = rotary.inv_freq.detach().float().clone()
-        self.rope_scaling = float(rotary.attention_scaling)
+        inv, scaling = static_rope(c, params)  # as transformers' Olmo2RotaryEmbedding
+        self.inv_freq = inv.detach().float().clone()
+        self.rope_scaling = float(scaling)
 
     # ---- tensor layout -------------------------------------------------------------------------
     def units(self) -> list[Unit]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..errors import MegatrainError
 from .base import TensorSpec, Unit
-from .decoder import STATIC_ROPE_TYPES, DecoderAdapter, rms_norm, rotate_half
+from .decoder import STATIC_ROPE_TYPES, DecoderAdapter, rms_norm, rotate_half, static_rope
 
 DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attention_dropout")
 BIAS_KEYS = ("attention_bias", "mlp_bias")
@@ -42,18 +42,16 @@ class Phi3Adapter(DecoderAdapter):
         self.qk_norm = None
 
     def _init_rope(self, c) -> None:
-        """inv_freq and attention scaling from transformers' Phi3RotaryEmbedding (partial_rotary_factor applied)."""
-        from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
-
+        """inv_freq and attention scaling as transformers' Phi3RotaryEmbedding (partial_rotary_factor applied)."""
         params = getattr(c, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
         if rope_type not in STATIC_ROPE_TYPES:
             raise MegatrainError(f"config.json: rope_parameters.rope_type '{rope_type}' is not supported for phi3; "
                                  f"supported: {', '.join(STATIC_ROPE_TYPES)}")
         factor = float(params.get("partial_rotary_factor", 1.0) or 1.0)
-        rotary = Phi3RotaryEmbedding(c)
-        self.inv_freq = rotary.inv_freq.detach().float().clone()
-        self.rope_scaling = float(rotary.attention_scaling)
+        inv, scaling = static_rope(c, params, partial=True)
+        self.inv_freq = inv.detach().float().clone()
+        self.rope_scaling = float(scaling)
         self.rotary_dim = 2 * self.inv_freq.numel()
         if self.rotary_dim > self.head_dim:
             raise MegatrainError(f"config.json: rope_parameters.partial_rotary_factor {factor} gives "
