@@ -104,19 +104,29 @@ class EpochPlanner:
         return [[[k] for k in mb.tolist()] for mb in mbs + short]
 
 
-def plan_efficiency(plan: Plan, lengths: np.ndarray, row_length: int | None = None) -> tuple[int, int]:
-    """(real tokens, tokens in the padded micro-batches) of a plan; row_length: rows padded to it (packed rows)."""
-    rows = [row for mb in plan for row in mb]  # numpy over all rows at once: a million examples in a second
+def micro_batch_shapes(plan: Plan, lengths: np.ndarray, row_length: int | None = None) -> tuple[np.ndarray, np.ndarray,
+                                                                                                 np.ndarray]:
+    """Per micro-batch of a plan: (rows, the padded row length: its longest row or row_length if longer, real
+    tokens). Numpy over all rows at once: a million examples in a second."""
+    rows = [row for mb in plan for row in mb]
+    per_mb = np.fromiter(map(len, plan), np.int64, len(plan))
     if not rows:
-        return 0, 0
+        return per_mb, np.zeros(len(plan), np.int64), np.zeros(len(plan), np.int64)
     per_row = np.fromiter(map(len, rows), np.int64, len(rows))
     ks = np.fromiter((k for row in rows for k in row), np.int64, int(per_row.sum()))
     row_lens = np.zeros(len(rows), np.int64)
     np.add.at(row_lens, np.repeat(np.arange(len(rows)), per_row), lengths[ks].astype(np.int64))
-    per_mb = np.fromiter(map(len, plan), np.int64, len(plan))
-    longest = np.zeros(len(plan), np.int64)
-    np.maximum.at(longest, np.repeat(np.arange(len(plan)), per_mb), row_lens)
-    return int(row_lens.sum()), int((per_mb * np.maximum(longest, row_length or 0)).sum())
+    mb_of_row = np.repeat(np.arange(len(plan)), per_mb)
+    longest, real = np.zeros(len(plan), np.int64), np.zeros(len(plan), np.int64)
+    np.maximum.at(longest, mb_of_row, row_lens)
+    np.add.at(real, mb_of_row, row_lens)
+    return per_mb, np.maximum(longest, row_length or 0), real
+
+
+def plan_efficiency(plan: Plan, lengths: np.ndarray, row_length: int | None = None) -> tuple[int, int]:
+    """(real tokens, tokens in the padded micro-batches) of a plan; row_length: rows padded to it (packed rows)."""
+    rows, padded, real = micro_batch_shapes(plan, lengths, row_length)
+    return int(real.sum()), int((rows * padded).sum())
 
 
 class ResumableSampler:

@@ -246,6 +246,36 @@ def documents_span(lengths) -> float:
     return sum(float(d) * float(d) for d in lengths) / total if total else 0.0
 
 
+def rows_timing(rows, padded) -> tuple[float, float]:
+    """Unpacked micro-batches of `rows` rows each padded to `padded` tokens: (the mean padded tokens per micro-batch,
+    the attention span sum(r·L²)/sum(r·L), the length a token's causal attention is counted at)."""
+    tokens = sum(int(r) * int(L) for r, L in zip(rows, padded))
+    if not tokens:
+        return 0.0, 0.0
+    return tokens / len(rows), sum(float(r) * float(L) * float(L) for r, L in zip(rows, padded)) / tokens
+
+
+def retime_unpacked(plan: Plan, adapter, mb_tokens: float, span: float) -> None:
+    """Unpacked rows, once the data is read: each micro-batch is padded to its longest row, not to max_seq_len, so
+    the step is timed again at the data's mean padded micro-batch (mb_tokens) and attention span (rows_timing).
+    Memory and placement stay those of max_seq_len (the epoch's largest micro-batch comes first). The plan's
+    workload keeps its shape: only its time, tokens and FLOPs change."""
+    w = plan.workload
+    if w.packed or not mb_tokens:
+        return
+    micro = max(w.micro_batches)
+    seq = max(1, min(w.seq_len, round(mb_tokens / micro)))  # the rows' padded length the step's tokens average to
+    if seq >= w.seq_len:
+        return
+    timed = replace(w, seq_len=seq, rows_span=min(float(w.seq_len), span),
+                    targets_per_row=None if w.targets_per_row is None else min(w.targets_per_row, seq - 1))
+    plan.time = world_time(step_time(adapter, adapter.units(), timed, plan.profile), plan.comm, plan.world)
+    plan.time["timed_rows"] = {"mean_padded_row": seq, "attention_span": timed.span_len}
+    plan.notes.append(f"unpacked rows: the step timed at the data's micro-batches, each padded to its longest row: "
+                      f"{seq:,} tokens a row on average (of max_seq_len {w.seq_len:,}), attention over "
+                      f"{timed.span_len:,.0f} (sum(r·L²)/sum(r·L))")
+
+
 def retime_packed(plan: Plan, adapter, attn_len: float) -> None:
     """Packed rows, once the data is read: the step timed again with its documents' attention span (a row of
     documents attends within each one, not over the row the plan was made for). Memory and placement stay: they

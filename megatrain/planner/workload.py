@@ -42,11 +42,16 @@ class Workload:
     #                           (engine.tune_first, run/tune_first.py): the autotuner's copies are not on the peak
     attn_len: float | None = None  # packed rows: the documents' mean attention span, sum(d²)/sum(d) over the data
     #                                (None: seq_len, a bound); attention's FLOPs and time scale with it, memory not
+    rows_span: float | None = None  # unpacked rows timed at the data's micro-batches (estimate.retime_unpacked):
+    #                                 sum(r·L²)/sum(r·L) over micro-batches of r rows padded to L (None: seq_len)
 
     @property
     def span_len(self) -> float:
-        """The length attention's work per token is counted at: attn_len for packed rows when known, else seq_len."""
-        return min(self.attn_len, self.seq_len) if self.packed and self.attn_len else self.seq_len
+        """The length attention's work per token is counted at: attn_len for packed rows when known, rows_span for
+        unpacked rows timed at the data's lengths, else seq_len."""
+        if self.packed:
+            return min(self.attn_len, self.seq_len) if self.attn_len else self.seq_len
+        return self.rows_span or self.seq_len
 
     @property
     def tokens_per_step(self) -> int:

@@ -128,7 +128,8 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
     ranks waiting only for local rank 0 to tokenise the data; a bad input is reported once, by the first rank to find
     it (Distributed.failed)."""
     from ..planner import check_before_run
-    from ..planner.estimate import documents_span, retime_packed
+    from ..data.sampler import micro_batch_shapes
+    from ..planner.estimate import documents_span, retime_packed, retime_unpacked, rows_timing
     from ..planner.precision import resolve_precision
     from ..planner.profile import default_profile_path
 
@@ -200,6 +201,9 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
     if cfg.data.packing and plan is not None and not grpo:  # the documents are known now: attention timed over
         #                                                        their span
         retime_packed(plan, adapter, documents_span(loader.examples.lengths))
+    elif plan is not None and not grpo and not pairs:  # unpacked rows: each micro-batch padded to its longest row
+        rows, padded, _ = micro_batch_shapes(loader.sampler.plan, loader.examples.lengths)
+        retime_unpacked(plan, adapter, *rows_timing(rows, padded))
     reference = choose_reference(cfg, plan, adapter, loader, tokenizer, eval_batches, resumed) if pairs else \
         Reference()
     if exact and not tokenizer.chat_template:  # (the loader has set data.chat_template on it, when given)
