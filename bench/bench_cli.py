@@ -81,7 +81,7 @@ STEP_FIELDS = ["step_time_s", "wall_s", "data_wait_s", "queue_s", "gpu_wait_s", 
                "expert_load_max", "expert_entropy", "disk_read_gb", "disk_write_gb", "disk_read_gbps",
                "disk_write_gbps", "disk_gbps_step", "disk_busy_s", "disk_gbps", "disk_busy", "host_pinned_cache_gib",
                "optimizer_update_s", "optimizer_copy_wait_s", "optimizer_gparams_per_s", "idle_gaps",
-               "compiled_graphs", "compile_limit_hits"]
+               "compiled_graphs", "compile_limit_hits", "gc_s"]
 
 
 def model_config(args) -> dict:

@@ -41,3 +41,27 @@ def test_disabled_collector_leaves_the_interpreter_alone():
     assert c.between_steps() == 0.0 and not c.frozen
     c.close()
     assert gc.isenabled() == was
+
+
+def test_start_up_is_collected_and_frozen_before_the_first_step():
+    """The first, full collection runs before step 1 (no update in flight); the first step's survivors are frozen
+    after it as well, so a later collection walks only what was made since."""
+    was = gc.isenabled()
+    c = StepCollector()
+    try:
+        garbage = Node()
+        ref = weakref.ref(garbage)
+        del garbage
+        assert c.before_first_step() >= 0.0 and c.frozen
+        assert ref() is None  # start-up's cycles freed
+        frozen = gc.get_freeze_count()
+        made_in_step_1 = [Node() for _ in range(50)]
+        c.between_steps()
+        assert gc.get_freeze_count() >= frozen + len(made_in_step_1)  # step 1's survivors frozen too
+        after_1 = gc.get_freeze_count()
+        made_in_step_2 = [Node() for _ in range(50)]
+        c.between_steps()
+        assert gc.get_freeze_count() == after_1 and made_in_step_2  # later steps only collect
+    finally:
+        c.close()
+    assert gc.isenabled() == was and gc.get_freeze_count() == 0

@@ -85,6 +85,7 @@ def test_tune_first_compiles_what_the_run_runs_and_changes_nothing(tmp_path, mon
     assert [[r.get(k) for k in keys] for r in records["tuned"]] == [[r.get(k) for k in keys] for r in records["plain"]]
     startup = next(r["startup_s"] for r in records["tuned"] if "startup_s" in r)
     assert list(startup)[1] == "kernels compiled and tuned first (a copy of the model with one layer of each kind)"
+    assert list(startup)[-1] == "garbage collected and frozen before step 1"  # (run/collector.py)
     files = sorted(p.relative_to(tmp_path / "tuned") for p in (tmp_path / "tuned").rglob("*.safetensors"))
     assert files
     for f in files:

@@ -80,6 +80,9 @@ def _train(run: Run, stop: StopOnSignal) -> dict:
                                     f"no step was trained") from None
         raise
     collector = StepCollector()  # Python's cyclic garbage collected between steps, never inside one
+    gc_start = collector.before_first_step()  # start-up's objects: walked now, not behind step 1's updates
+    if run.startup_s:
+        run.startup_s["garbage collected and frozen before step 1"] = gc_start
     try:
         if requested := run.agree_stop(stop.requested):  # during the step-0 evaluation: nothing to save
             return stopped(s, s.first_step, requested)
