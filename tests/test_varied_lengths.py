@@ -141,11 +141,11 @@ def test_a_dynamic_graph_that_fails_to_compile_falls_back_to_static_graphs(tmp_p
 
 @pytest.mark.parametrize("resumed", [False, True])
 def test_tune_first_compiles_the_graphs_the_run_then_uses(tmp_path, monkeypatch, resumed):
-    """engine.tune_first's copy runs the shapes in the run's order (a fresh run evaluates step 0 first, a resumed
-    one trains first), so its first shape, compiled static, is the run's, and the run over varied lengths compiles
-    nothing after it (one recording backend for both: Dynamo's graphs are shared between the copy and the run)."""
+    """engine.tune_first's copy and the run compile the first training micro-batch's shape static (a fresh run
+    evaluates step 0 first, a resumed one trains first), and the run over varied lengths compiles nothing after it (one recording backend for both: Dynamo's graphs are shared between the copy and the run)."""
     from megatrain.models import get_adapter, load_hf_config
     from megatrain.runtime import EngineOptions, MicroBatch
+    from megatrain.runtime.layer import expect_first_shape
     from megatrain.run.tune_first import tune_first
 
     make_model_dir(tmp_path, "qwen3", seed=45)
@@ -164,6 +164,7 @@ def test_tune_first_compiles_the_graphs_the_run_then_uses(tmp_path, monkeypatch,
                EngineOptions(compile_layers=True, placement=Placement()), "fp32", step, evals, resumed)
     copied = len(graphs)
     mt = Megatrain(tmp_path, compile_layers=True)
+    expect_first_shape(mt.engine.layer, *step[0].input_ids.shape)  # as the run does (run/prepare.py)
 
     def evaluate():
         for b in evals:
@@ -236,3 +237,40 @@ def test_a_compiled_layer_is_not_guarded_on_the_longest_document(monkeypatch):
         frames.append(counters["frames"]["total"])
     torch._dynamo.reset()
     assert frames[1:] == frames[:1] * 3, frames
+
+
+def test_the_training_shape_gets_the_static_graphs_after_an_evaluation_of_other_rows(tmp_path, monkeypatch):
+    """A fresh run evaluates step 0 before its first step, often over rows of another length: the run names its
+    first training micro-batch's shape before anything runs (expect_first_shape), so the evaluation takes the
+    dynamic graphs and the training exactly the static graphs a run of its one shape compiles."""
+    from megatrain.runtime import MicroBatch
+    from megatrain.runtime.layer import expect_first_shape
+
+    make_model_dir(tmp_path, "qwen3", seed=46)
+    fixed, _ = run(tmp_path, monkeypatch, Placement(), [40], steps=1)
+    torch._dynamo.reset()
+    compiles = Compiles(monkeypatch)
+    mt = Megatrain(tmp_path, compile_layers=True)
+    expect_first_shape(mt.engine.layer, 2, 40)
+    ev = random_batches(1, 2, 97, [29], seed=703)[0]
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        mt.engine.eval_loss([MicroBatch.from_labels(ev["input_ids"], ev["labels"])])
+        assert compiles.graphs and compiles.count(dynamic=False) == {}, compiles.graphs
+        evaluated = len(compiles.graphs)
+        mt.step(random_batches(1, 2, 97, [40], seed=500))
+    mt.close()
+    monkeypatch.undo()
+    torch._dynamo.reset()
+    trained = compiles.graphs[evaluated:]
+    assert trained and not any(dynamic for _, dynamic in trained), trained
+    assert compiles.count(dynamic=False) == fixed.count(dynamic=False)
+
+
+def test_expect_first_shape_leaves_a_template_that_ran_and_an_uncompiled_one():
+    from megatrain.runtime.layer import Shapes, ShapeCompiled, expect_first_shape
+
+    shapes = Shapes()
+    shapes.note(torch.zeros(3, 7, 4))
+    expect_first_shape(ShapeCompiled(lambda w, h, ctx: h, shapes, rows=True), 2, 40)
+    assert shapes.first == (3, 7)
+    expect_first_shape(lambda w, h, ctx: h, 2, 40)  # an uncompiled template: nothing to set

@@ -32,6 +32,7 @@ from ..errors import MegatrainError, load_json
 from ..models import ModelAdapter, get_adapter, load_hf_config
 from ..runtime import (CpuAdamW, Engine, EngineOptions, HostStore, OptimizerPipeline, Placement, Runtime,
                        RuntimeOptions, store_dtypes)
+from ..runtime.layer import expect_first_shape
 from ..planner.workload import compiles_layers, fixed_placement, tunes_first
 from .oom import host_allocation
 from .reference import Reference, check_reference_path, choose_reference
@@ -295,7 +296,8 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
         return store
 
     tune_phase = "kernels compiled and tuned first (a copy of the model with one layer of each kind)"
-    if tuning:
+    step = None  # compiled layers: the first training step, whose first micro-batch's shape gets the static graphs
+    if tuning or options.engine.compile_layers and cfg.train.objective != "grpo":
         from .tune_first import first_step, tune_first
 
         step = first_step(inp.loader, inp.resumed.state["loader"] if inp.resumed is not None else None)
@@ -326,6 +328,8 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
         ranks.store_filled(store)  # the node's ranks take the store local rank 0 filled
         clock.waited()
         runtime = ranks.build_runtime(store, optimizer, options)
+    if step:  # (the step-0 evaluation, run first, may have other rows)
+        expect_first_shape(runtime.engine.layer, *step[0].input_ids.shape)
     clock.lap("runtime built (buffers pinned, slots allocated)")
     return Run(cfg, adapter, runtime, inp.loader, inp.eval_batches, inp.exact_match, inp.tokenizer, inp.out_dir,
                ranks, inp.resumed, plan, startup_s=clock.phases, tuned_first=tuned, reference=inp.reference)

@@ -15,9 +15,10 @@ happens while host RAM holds only that copy. Then the copy is freed and torch's 
 The run's own engine reuses the compiled graphs: Dynamo's guards hold for another adapter of the same shapes
 (bench/autotune_copies.py, mode two-engines; tests/test_tune_first.py), so the run compiles and tunes nothing
 again for those shapes. A compiled template runs its first micro-batch shape with static graphs and every other
-shape with one graph whose token dimension is dynamic (runtime/layer.ShapeCompiled): the copy runs the shapes in
-the run's order (a fresh run evaluates step 0 before its first step, a resumed one does not), so that its first
-shape is the run's, and the graphs it compiles are the ones the run uses. A later step whose micro-batches have
+shape with one graph whose token dimension is dynamic (runtime/layer.ShapeCompiled). The copy and the run both
+name the first training micro-batch's shape as the static one (layer.expect_first_shape; a fresh run's step-0
+evaluation, which runs first, may have other rows), and the copy runs the shapes in the run's order (a fresh run
+evaluates step 0 before its first step, a resumed one does not): the graphs it compiles are the ones the run uses. A later step whose micro-batches have
 other lengths (unpacked rows, padded to each micro-batch's longest) runs the dynamic graphs already compiled, if
 the first step had two shapes or more; else it compiles them once, in that step.
 """
@@ -36,6 +37,7 @@ from ..models import ModelAdapter
 from ..planner.tune_copy import copy_adapter, copy_placement
 from ..runtime import CpuAdamW, EngineOptions, HostStore, MicroBatch, RuntimeOptions, build_runtime
 from ..runtime.pinned import release_torch_pinned_cache
+from ..runtime.layer import expect_first_shape
 from ..runtime.store import store_dtypes
 from .prefetch import prepare_step
 
@@ -86,6 +88,7 @@ def tune_first(run_adapter: ModelAdapter, device: torch.device, options: EngineO
         engine=EngineOptions(loss_chunk_tokens=options.loss_chunk_tokens, num_slots=options.num_slots,
                              compile_layers=options.compile_layers, placement=placement,
                              head_kernels=options.head_kernels)))
+    expect_first_shape(runtime.engine.layer, *step[0].input_ids.shape)  # the static graphs: the training's
     evals = {}  # one batch of each shape, before any is prepared (an evaluation set may have thousands)
     for b in eval_batches or []:
         evals.setdefault((tuple(b["input_ids"].shape), b.get("position_ids") is not None), b)

@@ -160,6 +160,15 @@ class Shapes:
         return self.varied
 
 
+def expect_first_shape(layer, rows: int, tokens: int) -> None:
+    """Compile a template's static graphs for this micro-batch shape (the run's first training micro-batch), whatever
+    runs first: an evaluation of other rows before step 1 then takes the dynamic graphs, not the training. A no-op
+    for an uncompiled template, or one that has run already."""
+    shapes = getattr(layer, "shapes", None)
+    if isinstance(shapes, Shapes) and shapes.first is None:
+        shapes.first = (int(rows), int(tokens))
+
+
 def _mark_rows(h: torch.Tensor, ctx) -> None:
     """Rows and tokens of a whole micro-batch dynamic: h [B, T, H] and its context's per-token tensors."""
     from torch._dynamo import maybe_mark_dynamic
