@@ -142,7 +142,8 @@ def test_a_dynamic_graph_that_fails_to_compile_falls_back_to_static_graphs(tmp_p
 @pytest.mark.parametrize("resumed", [False, True])
 def test_tune_first_compiles_the_graphs_the_run_then_uses(tmp_path, monkeypatch, resumed):
     """engine.tune_first's copy and the run compile the first training micro-batch's shape static (a fresh run
-    evaluates step 0 first, a resumed one trains first), and the run over varied lengths compiles nothing after it (one recording backend for both: Dynamo's graphs are shared between the copy and the run)."""
+    evaluates step 0 first, a resumed one trains first), and the run over varied lengths compiles nothing after it
+    (one recording backend for both: Dynamo's graphs are shared between the copy and the run)."""
     from megatrain.models import get_adapter, load_hf_config
     from megatrain.runtime import EngineOptions, MicroBatch
     from megatrain.runtime.layer import expect_first_shape

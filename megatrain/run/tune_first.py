@@ -18,9 +18,10 @@ again for those shapes. A compiled template runs its first micro-batch shape wit
 shape with one graph whose token dimension is dynamic (runtime/layer.ShapeCompiled). The copy and the run both
 name the first training micro-batch's shape as the static one (layer.expect_first_shape; a fresh run's step-0
 evaluation, which runs first, may have other rows), and the copy runs the shapes in the run's order (a fresh run
-evaluates step 0 before its first step, a resumed one does not): the graphs it compiles are the ones the run uses. A later step whose micro-batches have
-other lengths (unpacked rows, padded to each micro-batch's longest) runs the dynamic graphs already compiled, if
-the first step had two shapes or more; else it compiles them once, in that step.
+evaluates step 0 before its first step, a resumed one does not): the graphs it compiles are the ones the run uses.
+A later step whose micro-batches have other lengths (unpacked rows, padded to each micro-batch's longest) runs the
+dynamic graphs already compiled, if the first step had two shapes or more; else it compiles them once, in that
+step.
 """
 
 from __future__ import annotations
