@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+import numpy as np
+
 from ..runtime.layer import can_stash
 from .memory import (DEVICE_WORK, TUNE_COPY, autotune_host, checkpoint_bytes, gpu_needed, gpu_phases, host_memory,
                      peak_phase, pinned_bytes)
@@ -249,10 +251,11 @@ def documents_span(lengths) -> float:
 def rows_timing(rows, padded) -> tuple[float, float]:
     """Unpacked micro-batches of `rows` rows each padded to `padded` tokens: (the mean padded tokens per micro-batch,
     the attention span sum(r·L²)/sum(r·L), the length a token's causal attention is counted at)."""
-    tokens = sum(int(r) * int(L) for r, L in zip(rows, padded))
+    r, L = np.asarray(rows, dtype=np.float64), np.asarray(padded, dtype=np.float64)  # (an epoch: 10^5 and more)
+    tokens = float((r * L).sum())
     if not tokens:
         return 0.0, 0.0
-    return tokens / len(rows), sum(float(r) * float(L) * float(L) for r, L in zip(rows, padded)) / tokens
+    return tokens / len(r), float((r * L * L).sum()) / tokens
 
 
 def retime_unpacked(plan: Plan, adapter, mb_tokens: float, span: float) -> None:
