@@ -41,8 +41,9 @@ spreads it over the run's steps (the pass scores each pair of the run once), aga
 
 `--nproc-per-node N` runs it as N ranks of one node (`torchrun --standalone --nproc-per-node N -m megatrain train`):
 --seqs and --micro stay per rank (the step is N times larger), and the node's host memory is sampled every 0.5 s
-while it runs: the sum of the processes' proportional set sizes (PSS: the shared store counted once) and the
-machine's used memory above what it was before the launch (`host_node_pss_gib`, `host_node_used_gib`, peaks).
+while it runs: the processes' anonymous and file-backed resident memory plus the shared store once, and the
+machine's used memory above what it was before the launch (`host_node_rss_gib`, `host_node_used_gib`, peaks;
+NodeMemory says why these are kernel counters, not PSS).
 """
 
 from __future__ import annotations
@@ -198,29 +199,34 @@ def write_config(path: Path, args, model_dir: Path, tokenizer: Path, data: Path,
 
 
 class NodeMemory:
-    """Peaks of a process tree's summed PSS and of the machine's used memory above a baseline, sampled on a thread
-    from /proc (no psutil on the device images); and what the launched process's own resident set is made of at
-    its peak (`host_rss_parts_gib`: smaps_rollup's anonymous, file-backed and shared-memory shares: shared
-    libraries' pages are file-backed and reclaimable, the store and pinned buffers anonymous) with its largest
-    mappings by resident size (`host_rss_top`, anonymous ones summed as "[anon]"), refreshed whenever the peak has
-    grown by RESAMPLE bytes (or a tenth); and the peak summed RSS of its descendants (torch.compile's workers) apart."""
+    """Peaks of a process tree's resident memory and of the machine's used memory above a baseline, sampled every
+    0.5 s on a thread from kernel counters (/proc/PID/status, /proc/meminfo; no psutil on the device images).
 
-    RESAMPLE = 2**29
+    Only counters: /proc/PID/smaps and smaps_rollup walk the process's page tables under its mmap lock, and with
+    ~120 GiB resident each read held the run's page faults (its optimizer threads') for ~0.5 s: sampled twice a
+    second they made a step 1.2x the median and the CPU AdamW run at 1.0-1.5 Gparam/s instead of 2.2
+    (bench/results/stall-qwen2.5-7b-158x1024-h200-cli). So there is no PSS here: `host_node_rss_gib` is the tree's
+    anonymous and file-backed resident bytes plus the machine's shared memory above the baseline (/proc/meminfo's
+    Shmem: the ranks' shared store, a memfd, counted once, as PSS counts it; shared libraries' file pages are
+    counted once per process, which PSS would split). `host_rss_parts_gib`: the launched process's RssAnon, RssFile
+    and RssShmem at its RSS peak; `host_children_rss_gib`: the peak summed RSS of its descendants (torch.compile's
+    workers)."""
 
     def __init__(self):
-        self.base = self._used()
-        self.pss = self.used = 0.0
-        self.rss, self.parts, self.top, self.children = 0.0, {}, [], 0.0
-        self._top_at = -float(self.RESAMPLE)
+        info = self._meminfo()
+        self.base = float(info["MemTotal"] - info["MemAvailable"])
+        self.base_shmem = float(info.get("Shmem", 0))
+        self.node = self.used = 0.0
+        self.rss, self.parts, self.children = 0.0, {}, 0.0
         self._stop = None
 
     @staticmethod
-    def _used() -> float:
+    def _meminfo() -> dict[str, int]:
         info = {}
         for line in Path("/proc/meminfo").read_text().splitlines():
             k, v = line.split(":", 1)
             info[k] = int(v.split()[0]) * 1024
-        return float(info["MemTotal"] - info["MemAvailable"])
+        return info
 
     @staticmethod
     def _tree(pid: int) -> list[int]:
@@ -236,46 +242,30 @@ class NodeMemory:
         return out
 
     @staticmethod
-    def _rollup(pid: int) -> dict[str, float]:
-        """/proc/PID/smaps_rollup's fields in bytes (empty once the process is gone)."""
+    def _status(pid: int) -> dict[str, float]:
+        """/proc/PID/status's resident counters in bytes (empty once the process is gone)."""
         out = {}
         try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
-                k, v = line.split(":", 1)
-                out[k] = int(v.split()[0]) * 1024.0
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                k, _, v = line.partition(":")
+                if k in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                    out[k] = int(v.split()[0]) * 1024.0
         except (OSError, ValueError, IndexError):
             pass
         return out
 
-    @classmethod
-    def _pss(cls, pid: int) -> float:
-        return cls._rollup(pid).get("Pss", 0.0)
-
-    @staticmethod
-    def _mappings(pid: int, n: int = 12) -> list[dict]:
-        """The n largest mappings of PID by resident bytes, summed by path ("[anon]": no path)."""
-        by, name = {}, None
-        try:
-            for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-                head = line.split(None, 5)
-                if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
-                    name = head[5].strip() if len(head) == 6 else "[anon]"
-                elif line.startswith("Rss:") and name is not None:
-                    by[name] = by.get(name, 0) + int(line.split()[1]) * 1024
-        except (OSError, ValueError):
-            return []
-        top = sorted(by.items(), key=lambda kv: -kv[1])[:n]
-        return [{"mapping": k, "rss_gib": round(v / 2**30, 3)} for k, v in top]
-
-    def _sample_parts(self, pid: int) -> None:
-        r = self._rollup(pid)
-        if r.get("Rss", 0.0) > self.rss:
-            self.rss = r["Rss"]
-            self.parts = {k: r.get(f, 0.0) / 2**30 for k, f in (("rss", "Rss"), ("anon", "Pss_Anon"),
-                                                                 ("file", "Pss_File"), ("shmem", "Pss_Shmem"))}
-            if self.rss - self._top_at >= min(self.RESAMPLE, 0.1 * self.rss):
-                self._top_at = self.rss
-                self.top = self._mappings(pid)
+    def sample(self, pid: int) -> None:
+        tree = [(p, self._status(p)) for p in self._tree(pid)]
+        info = self._meminfo()
+        shmem = max(0.0, info.get("Shmem", 0) - self.base_shmem)
+        self.node = max(self.node, sum(st.get("RssAnon", 0.0) + st.get("RssFile", 0.0) for _, st in tree) + shmem)
+        own = tree[0][1]
+        if own.get("VmRSS", 0.0) > self.rss:
+            self.rss = own["VmRSS"]
+            self.parts = {k: own.get(f, 0.0) / 2**30 for k, f in (("rss", "VmRSS"), ("anon", "RssAnon"),
+                                                                 ("file", "RssFile"), ("shmem", "RssShmem"))}
+        self.children = max(self.children, sum(st.get("VmRSS", 0.0) for _, st in tree[1:]))
+        self.used = max(self.used, info["MemTotal"] - info["MemAvailable"] - self.base)
 
     def start(self, pid: int) -> None:
         import threading
@@ -284,11 +274,7 @@ class NodeMemory:
 
         def sample():
             while not self._stop.wait(0.5):
-                tree = self._tree(pid)
-                self.pss = max(self.pss, sum(self._pss(p) for p in tree))
-                self._sample_parts(pid)
-                self.children = max(self.children, sum(self._rollup(p).get("Rss", 0.0) for p in tree[1:]))
-                self.used = max(self.used, self._used() - self.base)
+                self.sample(pid)
 
         self._thread = threading.Thread(target=sample, daemon=True)
         self._thread.start()
@@ -297,19 +283,18 @@ class NodeMemory:
         if self._stop is not None:
             self._stop.set()
             self._thread.join(timeout=5)
-        return {"host_node_pss_gib": self.pss / 2**30, "host_node_used_gib": self.used / 2**30,
-                "host_rss_parts_gib": self.parts, "host_rss_top": self.top,
-                "host_children_rss_gib": self.children / 2**30}
+        return {"host_node_rss_gib": self.node / 2**30, "host_node_used_gib": self.used / 2**30,
+                "host_rss_parts_gib": self.parts, "host_children_rss_gib": self.children / 2**30}
 
 
 def node_host_per_param(res: dict, nproc: int) -> dict:
-    """A distributed run's host bytes per parameter are the node's (PSS: the shared store counted once), not one
-    rank's RSS, which holds only the part of the store that rank touched (x4-h100-b: 9.8 B/param by rank 0's RSS at
-    4 ranks, 16.7 by the node's PSS)."""
-    if nproc <= 1 or not res.get("host_node_pss_gib") or not res.get("params"):
+    """A distributed run's host bytes per parameter are the node's (the shared store counted once), not one rank's
+    RSS, which holds only the part of the store that rank touched (9.8 B/param by rank 0's RSS at 4 ranks, 16.7 by
+    the node's)."""
+    if nproc <= 1 or not res.get("host_node_rss_gib") or not res.get("params"):
         return {}
-    return {"host_bytes_per_param": res["host_node_pss_gib"] * 2**30 / res["params"],
-            "host_bytes_per_param_of": "node PSS"}
+    return {"host_bytes_per_param": res["host_node_rss_gib"] * 2**30 / res["params"],
+            "host_bytes_per_param_of": "node resident (the shared store once)"}
 
 
 def run_cli(config: Path, overrides: list[str], log: Path, nproc: int = 1,
@@ -594,8 +579,7 @@ def main() -> int:
             res["error"] = f"steps {short} did not have {full} real tokens ({args.seqs} full rows of {args.seq})"
         write_json(args.json, {"command": " ".join(sys.argv), "result": res})
         print("host RSS at its peak (GiB):", {k: round(v, 2) for k, v in res["host_rss_parts_gib"].items()},
-              f"descendants {res['host_children_rss_gib']:.2f}; largest mappings:",
-              ", ".join(f"{m['mapping']} {m['rss_gib']:.2f}" for m in res["host_rss_top"][:8]))
+              f"descendants {res['host_children_rss_gib']:.2f}")
         print(spread_lines(res))
         if args.lengths:
             print(varied_rows.line(res))
@@ -604,7 +588,7 @@ def main() -> int:
         print(table([res], ["label", "objective", "params", "tokens_per_step", "step_s", "wall_step_s", "tokens_per_s",
                             "reference_pass_s", "tokens_per_s_with_reference",
                             "tflops_6n", "tflops_6n_active", "mfu", "gpu_idle", "busy_h2d", "busy_d2h", "gpu_peak_gib",
-                            "host_peak_rss_gib", "host_node_pss_gib", "host_node_used_gib",
+                            "host_peak_rss_gib", "host_node_rss_gib", "host_node_used_gib",
                             "host_bytes_per_param", "step_median_s", "slowest_step", "slowest_over_median",
                             "slowest_idle_s"]))
         if not ok:

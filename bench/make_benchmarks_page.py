@@ -18,7 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from refruns import REQUIRED, load, names, runs  # noqa: E402
+from refruns import REQUIRED, host_measured, load, names, runs  # noqa: E402
 
 PAGE = HERE.parent / "docs" / "benchmarks.md"
 
@@ -99,7 +99,7 @@ def run_row(name: str, payload: dict, run: dict) -> str | None:
                 f"| {short_kind(payload)} |")
     gpus = r.get("nproc_per_node") or 1
     tflops = r.get("tflops_6n_active") or r.get("tflops_6n")
-    host = r.get("host_node_pss_gib") if gpus > 1 and r.get("host_node_pss_gib") else r.get("host_peak_rss_gib")
+    host = host_measured(r) or r.get("host_peak_rss_gib")
     bpp = f" ({r['host_bytes_per_param']:.1f} B/param)" if r.get("host_bytes_per_param") else ""
     return (f"| `{name}` | {label} | {shape} | {step} | {fmt(r.get('tokens_per_s'), ',.0f')} | "
             f"{fmt(tflops / gpus if tflops else None, '.0f')} | {fmt(r.get('mfu'), '.1%')} | "
@@ -129,7 +129,7 @@ def plan_table() -> list[str]:
             if not (isinstance(r, dict) and isinstance(r.get("plan"), dict) and r.get("step_s")):
                 continue
             p = r["plan"]
-            host = r["host_node_pss_gib"] if (r.get("nproc_per_node") or 1) > 1 else r["host_peak_rss_gib"]
+            host = host_measured(r)
             out.append(f"| `{name}` | {r['label']} | {p['gpu_peak_gib']:.1f} / {r['gpu_peak_gib']:.1f} "
                        f"({p['gpu_peak_gib'] / r['gpu_peak_gib'] - 1:+.1%}) | {p['host_peak_gib']:.1f} / {host:.1f} "
                        f"({p['host_peak_gib'] / host - 1:+.1%}) | {p['step_time_s']:.2f} / {r['step_s']:.2f} "

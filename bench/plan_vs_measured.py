@@ -28,7 +28,7 @@ from megatrain.models import get_adapter  # noqa: E402
 from megatrain.planner import Workload, make_plan  # noqa: E402
 from megatrain.planner.profile import DEFAULTS, GiB, load_profile  # noqa: E402  (not exported by megatrain.planner)
 from megatrain.runtime.schedule import Placement  # noqa: E402
-from refruns import runs_of  # noqa: E402
+from refruns import host_measured, runs_of  # noqa: E402
 
 
 def load_results(*dirs: Path) -> list[dict]:
@@ -98,9 +98,9 @@ def compare(r: dict, profile=DEFAULTS) -> dict:
     if isinstance(r.get("plan"), dict):  # a `megatrain train` run: the plan it made at its start
         p = r["plan"]
         gpu, host, step = p["gpu_peak_gib"], p["host_peak_gib"], p["step_time_s"]
-        # several ranks: the plan's host figure is the node's, measured as the ranks' summed PSS (a rank's RSS
-        # counts the shared store and leaves the other ranks out)
-        host_meas = r["host_node_pss_gib"] if (r.get("nproc_per_node") or 1) > 1 else r["host_peak_rss_gib"]
+        # several ranks: the plan's host figure is the node's, the shared store once (a rank's RSS counts the
+        # shared store and leaves the other ranks out)
+        host_meas = host_measured(r)
         return {"label": r["label"], "file": r["file"], "compile": bool(r.get("compile")),
                 "gpu_pred": gpu, "gpu_meas": r["gpu_peak_gib"], "gpu_err": gpu / r["gpu_peak_gib"] - 1,
                 "host_pred": host, "host_meas": host_meas, "host_err": host / host_meas - 1,

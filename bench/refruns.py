@@ -40,6 +40,15 @@ def result(name: str | Path, label: str | None = None) -> dict:
     return found[0]
 
 
+def host_measured(r: dict) -> float | None:
+    """A `megatrain train` run's measured host peak (GiB) as its plan counts it: one process's peak RSS; several
+    ranks' the node's (the shared store once): bench_cli's counter-based `host_node_rss_gib`, or the summed PSS
+    that older results hold."""
+    if (r.get("nproc_per_node") or 1) > 1:
+        return r.get("host_node_rss_gib") or r.get("host_node_pss_gib")
+    return r.get("host_peak_rss_gib")
+
+
 def names() -> list[str]:
     """Every reference run under bench/results, by name."""
     return sorted(p.parent.name for p in RESULTS.glob("*/result.json"))
