@@ -202,10 +202,10 @@ class NodeMemory:
     """Peaks of a process tree's resident memory and of the machine's used memory above a baseline, sampled every
     0.5 s on a thread from kernel counters (/proc/PID/status, /proc/meminfo; no psutil on the device images).
 
-    Only counters: /proc/PID/smaps and smaps_rollup walk the process's page tables under its mmap lock, and with
-    ~120 GiB resident each read held the run's page faults (its optimizer threads') for ~0.5 s: sampled twice a
-    second they made a step 1.2x the median and the CPU AdamW run at 1.0-1.5 Gparam/s instead of 2.2
-    (bench/results/stall-qwen2.5-7b-158x1024-h200-cli). So there is no PSS here: `host_node_rss_gib` is the tree's
+    Only counters: reading /proc/PID/smaps or smaps_rollup walks the process's page tables under its memory-map lock,
+    and a page fault in the run waits until the walk is done. Read twice a second they stalled the optimizer's first
+    pass six times for 0.4-0.6 s, a step 1.18x the median, the CPU AdamW at 1.5 Gparam/s instead of 2.2
+    (bench/results/stall-smaps-sampler-qwen2.5-7b-158x1024-h200-cli). So there is no PSS here: `host_node_rss_gib` is the tree's
     anonymous and file-backed resident bytes plus the machine's shared memory above the baseline (/proc/meminfo's
     Shmem: the ranks' shared store, a memfd, counted once, as PSS counts it; shared libraries' file pages are
     counted once per process, which PSS would split). `host_rss_parts_gib`: the launched process's RssAnon, RssFile
