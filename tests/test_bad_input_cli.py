@@ -125,7 +125,7 @@ def test_every_subcommand_reports_user_errors_the_same_way(tmp_path, capsys, mon
 
 
 def test_the_installed_command_prints_no_traceback(tmp_path):
-    """The same through a real process: `python -m megatrain.cli` (there is no megatrain/__main__.py)."""
+    """The same through a real process: `python -m megatrain.cli`."""
     bad = tmp_path / "bad.yaml"
     bad.write_bytes(b"model:\n  path: caf\xe9\n")
     for argv in (["train", str(bad)], ["probe", "--layer", "x"], ["train", "--bogus"]):
