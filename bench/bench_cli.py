@@ -205,12 +205,12 @@ class NodeMemory:
     Only counters: reading /proc/PID/smaps or smaps_rollup walks the process's page tables under its memory-map lock,
     and a page fault in the run waits until the walk is done. Read twice a second they stalled the optimizer's first
     pass six times for 0.4-0.6 s, a step 1.18x the median, the CPU AdamW at 1.5 Gparam/s instead of 2.2
-    (bench/results/stall-smaps-sampler-qwen2.5-7b-158x1024-h200-cli). So there is no PSS here: `host_node_rss_gib` is the tree's
-    anonymous and file-backed resident bytes plus the machine's shared memory above the baseline (/proc/meminfo's
-    Shmem: the ranks' shared store, a memfd, counted once, as PSS counts it; shared libraries' file pages are
-    counted once per process, which PSS would split). `host_rss_parts_gib`: the launched process's RssAnon, RssFile
-    and RssShmem at its RSS peak; `host_children_rss_gib`: the peak summed RSS of its descendants (torch.compile's
-    workers)."""
+    (bench/results/stall-smaps-sampler-qwen2.5-7b-158x1024-h200-cli). So there is no PSS here:
+    `host_node_rss_gib` is the tree's anonymous and file-backed resident bytes plus the machine's shared memory above
+    the baseline (/proc/meminfo's Shmem: the ranks' shared store, a memfd, counted once, as PSS counts it; shared
+    libraries' file pages are counted once per process, which PSS would split). `host_rss_parts_gib`: the launched
+    process's RssAnon, RssFile and RssShmem at its RSS peak; `host_children_rss_gib`: the peak summed RSS of its
+    descendants (torch.compile's workers)."""
 
     def __init__(self):
         info = self._meminfo()
