@@ -100,14 +100,19 @@ def step_spread(steps: list[dict], key: str) -> dict:
 
 def optimizer_spread(steps: list[dict], slow: dict) -> dict:
     """The CPU AdamW's rate (Gparam/s) in the slowest step and its median over the steps, when the records carry it
-    (`optimizer_gparams_per_s`): whether a stall's GPU waited for a slowed optimizer."""
+    (`optimizer_gparams_per_s`): whether a stall's GPU waited for a slowed optimizer; and its longest piece of work
+    in that step against what the piece usually takes: whether the optimizer was held."""
     import statistics
 
     rates = [r["optimizer_gparams_per_s"] for r in steps if r.get("optimizer_gparams_per_s")]
     if not rates or not slow.get("optimizer_gparams_per_s"):
         return {}
-    return {"optimizer_gparams_per_s_median": statistics.median(rates),
-            "slowest_optimizer_gparams_per_s": slow["optimizer_gparams_per_s"]}
+    out = {"optimizer_gparams_per_s_median": statistics.median(rates),
+           "slowest_optimizer_gparams_per_s": slow["optimizer_gparams_per_s"]}
+    if slow.get("optimizer_longest_s") is not None:  # its longest piece of work, and what that piece usually takes
+        out.update(slowest_optimizer_longest_s=slow["optimizer_longest_s"],
+                   slowest_optimizer_longest_usual_s=slow.get("optimizer_longest_usual_s"))
+    return out
 
 
 def spread_lines(res: dict) -> str:
@@ -119,7 +124,9 @@ def spread_lines(res: dict) -> str:
              f"the median" + (f", GPU idle {res['slowest_idle_s']:.2f} s" if res.get("slowest_idle_s") is not None
                                else "")
              + (f", CPU AdamW {res['slowest_optimizer_gparams_per_s']:.2f} Gparam/s (median "
-                f"{res['optimizer_gparams_per_s_median']:.2f})" if res.get("slowest_optimizer_gparams_per_s") else "")]
+                f"{res['optimizer_gparams_per_s_median']:.2f})" if res.get("slowest_optimizer_gparams_per_s") else "")
+             + (f", its longest piece {res['slowest_optimizer_longest_s']:.3f} s (usually "
+                f"{res['slowest_optimizer_longest_usual_s']:.3f} s)" if res.get("slowest_optimizer_longest_s") else "")]
     lines += [f"  idle {g['ms']:8.1f} ms after [{g.get('after', '')}] before [{g.get('before', '')}]"
               for g in res.get("slowest_idle_gaps") or []]
     return "\n".join(lines)

@@ -5,6 +5,9 @@ tier's disk rate against the plan's and the probe that would make the plan right
 import io
 from pathlib import Path
 
+import pytest
+import torch
+
 from transformers import AutoConfig
 
 from megatrain.models import get_adapter
@@ -140,3 +143,51 @@ def test_a_grpo_step_is_held_against_the_plan_by_its_parts():
     line = check(record(3, train * 2 + 20.0, train_s=train * 2, rollout_s=20.0))
     assert line.startswith(f"plan check: step 3's training took {train * 2:.2f} s, the plan {train:.2f} s (50% short")
     assert "rollout" not in line  # within the plan's
+
+
+def test_a_stall_names_an_optimizer_held_outside_its_work():
+    """The optimizer's longest piece of work against what that piece takes at the step's rate (the records'
+    optimizer_longest_s and optimizer_longest_usual_s): five times over and more than 0.1 s, the line says its
+    threads were held; within that, nothing more is said."""
+    check = PlanCheck(None, first_step=0)
+    held = {"optimizer_longest_s": 0.56, "optimizer_longest_usual_s": 0.031}
+    lines = [check(record(s, 18.0 if s == 6 else 15.0, optimizer_gparams_per_s=2.2,
+                          **(held if s == 6 else {"optimizer_longest_s": 0.04, "optimizer_longest_usual_s": 0.03})))
+             for s in range(3, 7)]
+    assert lines[3].endswith("; the optimizer's longest piece of work took 0.56 s where its size takes 0.031 s: its "
+                             "threads were held, not slowed (page faults waiting behind another process reading "
+                             "this one's /proc/PID/smaps, memory reclaim)")
+    check = PlanCheck(None, first_step=0)
+    lines = [check(record(s, 18.0 if s == 6 else 15.0, optimizer_longest_s=0.09, optimizer_longest_usual_s=0.01))
+             for s in range(3, 7)]
+    assert lines[3].startswith("slow step: step 6") and "held" not in lines[3]
+
+
+def test_the_pipelines_stats_name_its_longest_piece_of_work():
+    """OptimizerPipeline.take_stats (the inline CPU path: one piece a unit) and optimizer_fields: the longest
+    update and, from its size and the record's rate, what it usually takes."""
+    from megatrain.models import get_adapter
+    from megatrain.run.metrics import optimizer_fields
+    from megatrain.runtime import CpuAdamW, HostStore
+    from megatrain.runtime.optimizer_pipeline import OptimizerPipeline
+    from megatrain.runtime.pinned import PinnedHost
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    store = HostStore(get_adapter(cfg), torch.float32)
+    store.init_random(0, 0.02)
+    pipe = OptimizerPipeline(store, CpuAdamW(), torch.device("cpu"), PinnedHost(cuda=False))
+    pipe.begin_step(lr=None)
+    for i, t in enumerate(store.tiles):
+        pipe.put(i, torch.randn(t.numel), to_host=False)
+    pipe.finish_step(lr=1e-3, clip_coef=1.0)
+    stats = pipe.take_stats()
+    sizes = [t.numel for t in store.tiles]
+    assert stats["params"] == sum(sizes) and stats["longest_params"] in sizes
+    assert 0 < stats["longest_s"] <= stats["update_s"]
+    fields = optimizer_fields(stats)
+    assert fields["optimizer_longest_s"] == stats["longest_s"]
+    assert fields["optimizer_longest_usual_s"] == pytest.approx(stats["longest_params"] * stats["update_s"] /
+                                                                stats["params"])
+    assert pipe.take_stats()["longest_s"] == 0.0  # reset with the rest

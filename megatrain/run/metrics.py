@@ -203,8 +203,13 @@ def optimizer_fields(stats: dict) -> dict:
     """The CPU AdamW's work since the last record (OptimizerPipeline.take_stats: the updates it finished, which
     overlap the step boundary) as a record's fields: seconds in the update, seconds waiting for gradient copies,
     and its rate in Gparam/s. A slow step whose rate fell shows the host's memory or CPU slowed the optimizer; one at
-    the usual rate points elsewhere."""
+    the usual rate points elsewhere. And its longest single piece of work against what that piece takes at the
+    record's rate: a worker held (not slowed) shows there."""
     if not stats.get("update_s"):
         return {}
-    return {"optimizer_update_s": stats["update_s"], "optimizer_copy_wait_s": stats["copy_wait_s"],
-            "optimizer_gparams_per_s": stats["params"] / stats["update_s"] / 1e9}
+    rate = stats["params"] / stats["update_s"]
+    out = {"optimizer_update_s": stats["update_s"], "optimizer_copy_wait_s": stats["copy_wait_s"],
+           "optimizer_gparams_per_s": rate / 1e9}
+    if stats.get("longest_params"):  # its longest piece of work, and what that piece takes at the record's rate
+        out.update(optimizer_longest_s=stats["longest_s"], optimizer_longest_usual_s=stats["longest_params"] / rate)
+    return out

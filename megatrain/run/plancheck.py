@@ -15,8 +15,9 @@ against the plan's rollout phase.
 Stalls, also said once (any device, with a plan or without): the slowest steady step (its own part) when it is more
 than SLOW_STEP behind the median of the steady steps so far (the latest WINDOW), once there are MEDIAN_OF of them, so
 that a step that stalls early is named when later ones show the median; with its GPU idle time and its longest idle
-stretches (the record's `busy_compute` and `idle_gaps`: run/stepstats.py). Issue 36's runs are why: one step of
-26.2 s among steps of 15 s, the GPU idle 11.7 s in it.
+stretches (the record's `busy_compute` and `idle_gaps`: run/stepstats.py), the CPU AdamW's rate, and its longest
+piece of work when that took HELD_TIMES its usual time: the benchmark's own reads of the run's smaps held the
+optimizer's threads 0.4-0.6 s at a time (docs/planner.md, "Steps at an even pace").
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ TOLERANCE = 0.15  # the planner's stated accuracy for step time (bench/plan_vs_m
 STEADY_AFTER = 2
 SLOW_STEP = 0.15  # a steady step this far behind the median of the steady steps is a stall
 MEDIAN_OF = 3  # steady steps the median needs before a stall is named
+HELD_TIMES, HELD_AFTER_S = 5.0, 0.1  # the optimizer's piece of work this much over its usual time was held
 WINDOW = 100  # the median of the latest this many steady steps
 
 
@@ -138,6 +140,11 @@ def slow_step_line(record: dict, median: float, steps: int, optimizer_median: fl
     if record.get("optimizer_gparams_per_s") and optimizer_median:
         line += (f"; CPU AdamW {record['optimizer_gparams_per_s']:.2f} Gparam/s (median "
                  f"{optimizer_median:.2f})")
+    longest, usual = record.get("optimizer_longest_s", 0.0), record.get("optimizer_longest_usual_s", 0.0)
+    if longest > HELD_AFTER_S and longest > HELD_TIMES * usual:
+        line += (f"; the optimizer's longest piece of work took {longest:.2f} s where its size takes {usual:.3f} s: "
+                 f"its threads were held, not slowed (page faults waiting behind another process reading this "
+                 f"one's /proc/PID/smaps, memory reclaim)")
     return line
 
 

@@ -236,7 +236,15 @@ class OptimizerPipeline:
 
     @staticmethod
     def _no_stats() -> dict:
-        return {"update_s": 0.0, "copy_wait_s": 0.0, "params": 0}
+        """update_s, copy_wait_s, params: the worker's AdamW seconds, seconds waiting for gradient copies, parameters
+        updated. longest_s, longest_params: its longest single piece of work that should take milliseconds (a
+        piece's update, or issuing the next piece's copy) and the parameters of that piece: a worker held outside
+        its work (page faults waiting on another process that reads this one's memory map, reclaim) shows there."""
+        return {"update_s": 0.0, "copy_wait_s": 0.0, "params": 0, "longest_s": 0.0, "longest_params": 0}
+
+    def _held(self, seconds: float, params: int) -> None:
+        if seconds > self.stats["longest_s"]:
+            self.stats["longest_s"], self.stats["longest_params"] = seconds, params
 
     def take_stats(self) -> dict:
         """The worker's time since the last call (AdamW seconds, copy-wait seconds, parameters), and a reset."""
@@ -286,8 +294,10 @@ class OptimizerPipeline:
                         self._apply(upd)
                         self._landed(upd)
                         self._ready[upd.unit].set()
-                        self.stats["update_s"] += time.perf_counter() - t0
-                        self.stats["params"] += self.store.tiles[upd.unit].numel
+                        dt, numel = time.perf_counter() - t0, self.store.tiles[upd.unit].numel
+                        self.stats["update_s"] += dt
+                        self.stats["params"] += numel
+                        self._held(dt, numel)
         except BaseException as e:  # surfaced on the training thread by wait_for_update / put / finish_step
             self._error = e
             for ev in self._ready:
@@ -359,7 +369,9 @@ class OptimizerPipeline:
         while True:
             nxt = self._next_piece(block=False)  # its buffer was freed by the update before this one
             if nxt is not None and nxt is not _STOP:
+                t0 = time.perf_counter()
                 nxt = issue(nxt)
+                self._held(time.perf_counter() - t0, cur[2])  # (with the piece it was issued beside)
             self._update_piece(*cur)
             if nxt is None:
                 nxt = self._next_piece(block=True)
@@ -401,7 +413,9 @@ class OptimizerPipeline:
             self._notify_before_update(i)
         t1 = time.perf_counter()
         self._update_states(tile, upd, src, a)
-        self.stats["update_s"] += time.perf_counter() - t1
+        dt = time.perf_counter() - t1
+        self.stats["update_s"] += dt
+        self._held(dt, n)
         self.stats["copy_wait_s"] += t1 - t0
         self.stats["params"] += n
         if last:
