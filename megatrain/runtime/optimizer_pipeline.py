@@ -360,7 +360,10 @@ class OptimizerPipeline:
             nonlocal issued
             buf = issued % len(self.landing)
             issued += 1
-            return (*piece, buf, self._copy_piece(*piece, buf))
+            t0 = time.perf_counter()
+            out = (*piece, buf, self._copy_piece(*piece, buf))
+            self._held(time.perf_counter() - t0, piece[2])  # issuing a copy takes microseconds
+            return out
 
         cur = self._next_piece(block=True)
         if cur is _STOP:
@@ -369,9 +372,7 @@ class OptimizerPipeline:
         while True:
             nxt = self._next_piece(block=False)  # its buffer was freed by the update before this one
             if nxt is not None and nxt is not _STOP:
-                t0 = time.perf_counter()
                 nxt = issue(nxt)
-                self._held(time.perf_counter() - t0, cur[2])  # (with the piece it was issued beside)
             self._update_piece(*cur)
             if nxt is None:
                 nxt = self._next_piece(block=True)
