@@ -1,8 +1,8 @@
 """The host memory of `engine.tune_first`'s copy of the model (run/tune_first.py).
 
 Before the run's host store exists, the kernels are compiled and tuned on a copy of the model with the layers up to
-the first of each attention kind, over a store of its own, on one micro-batch at a time. That phase's host peak is
-the copy's store, its landing buffers, the autotuner's page-locked block (which no longer comes in the run's first
+the first of each attention kind, over a store of its own (the fp32 master and the streaming copy: its optimizer
+updates nothing), on one micro-batch at a time. That phase's host peak is the copy's store, its landing buffers, the autotuner's page-locked block (which no longer comes in the run's first
 step) and the runtime. It is below the run's own peak unless the model has few layers; the plan takes the larger.
 Where host RAM holds the run's store and the copy's phase at once (`beside_store`), the store is allocated and filled
 beside the copy (run/startup.py): the start's host peak is then the sum, and the plan counts it.
@@ -48,13 +48,17 @@ def copy_adapter(adapter):
 
 
 def copy_host(adapter, w: Workload) -> tuple[int, dict[str, float]]:
-    """(layers, host components) of the copy's phase, as memory.host_memory counts a run's."""
-    from .memory import host_memory
+    """(layers, host components) of the copy's phase, as memory.host_memory counts a run's, less Adam m and v: the
+    copy's optimizer updates nothing (run/tune_first.py's NoUpdate)."""
+    from .memory import STATE_NAMES, host_memory
 
     layers, small = copy_adapter(adapter)
     cw = replace(w, micro_batches=(max(w.micro_batches),), placement=copy_placement(w.placement, layers),
                  disk_states=(), tune_first=False)
-    return layers, host_memory(small.units(), cw, small.tied)
+    host = host_memory(small.units(), cw, small.tied)
+    for k in ("m", "v"):
+        del host[STATE_NAMES[k]]
+    return layers, host
 
 
 def store_states(host: dict[str, float]) -> float:

@@ -36,7 +36,7 @@ from ..runtime.layer import expect_first_shape
 from ..planner.workload import compiles_layers, fixed_placement, tunes_first
 from .oom import host_allocation
 from .reference import Reference, check_reference_path, choose_reference
-from .startup import Beside, overlap_fits, overlapped_phases
+from .startup import Beside, beside_threads, overlap_fits, overlapped_phases
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -278,14 +278,14 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
     tuning = tunes_first(cfg.engine, inp.device.type, world.size > 1) and cfg.train.objective != "grpo"  # (a grpo
     #                                                        step's rows come from a rollout: none before)
 
-    def build_store(lap) -> HostStore:
+    def build_store(lap, threads: int | None = None) -> HostStore:
         with host_allocation("host store (fp32 master, Adam m and v, streaming copy)", plan, adapter):
             store = HostStore(adapter, stream_dtype, compute_dtype, allocate=ranks.allocate,
                               disk_path=cfg.memory.disk_path if disk_states else None, disk_states=disk_states)
             ranks.make_flags(len(store.tiles))
         lap("store allocated")
         if world.fills_store:
-            fill_store(cfg, inp, store)
+            fill_store(cfg, inp, store, threads)
             io = getattr(store, "load_stats", None) or {}  # bytes and seconds of a read (checkpoint or weights)
             rate = f" {io['bytes'] / 1e9:.1f} GB at {io['bytes'] / max(io['seconds'], 1e-9) / 1e9:.2f} GB/s" if io \
                 else ""
@@ -303,7 +303,7 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
         step = first_step(inp.loader, inp.resumed.state["loader"] if inp.resumed is not None else None)
     if tuning and overlap_fits(plan, adapter):  # the store allocated and filled on a thread meanwhile (run/startup.py)
         t0 = time.perf_counter()
-        beside = Beside(build_store)
+        beside = Beside(lambda lap: build_store(lap, beside_threads()))
         try:
             tuned = tune_first(adapter, inp.device, options.engine, cfg.train.precision, step, inp.eval_batches,
                                inp.resumed is not None)
@@ -335,18 +335,19 @@ def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool =
                ranks, inp.resumed, plan, startup_s=clock.phases, tuned_first=tuned, reference=inp.reference)
 
 
-def fill_store(cfg: Config, inp: Inputs, store: HostStore) -> None:
+def fill_store(cfg: Config, inp: Inputs, store: HostStore, threads: int | None = None) -> None:
     """The store's first state: the checkpoint resumed (instead of the model's weights, not after them: the
-    weights are read once), a random init, or the model's weights."""
+    weights are read once), a random init, or the model's weights. threads: a random init's (default all cores)."""
     if inp.resumed is not None:
         if (inp.reference.strategy == "stream" and not cfg.preference.reference_path or grpo_reference(cfg)) and \
                 cfg.model.init == "random":
-            store.init_random(cfg.train.seed, cfg.train.init_std or getattr(inp.hf_config, "initializer_range", 0.02))
+            store.init_random(cfg.train.seed, cfg.train.init_std or getattr(inp.hf_config, "initializer_range", 0.02),
+                              threads)
             store.freeze_reference()  # the step-0 weights of the reference copy (fill_reference)
         store.load_stats = resume_lib.load_store(inp.resumed, store)
     elif cfg.model.init == "random":
         std = cfg.train.init_std or getattr(inp.hf_config, "initializer_range", 0.02)
-        store.init_random(cfg.train.seed, std)
+        store.init_random(cfg.train.seed, std, threads)
     else:
         store.load_safetensors(cfg.model.path)
 

@@ -14,6 +14,7 @@ is unchanged.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,12 @@ def overlap_fits(plan, adapter) -> bool:
     from ..planner.tune_copy import beside_store, copy_host
 
     return beside_store(plan.host, copy_host(adapter, plan.workload)[1], plan.host_available)
+
+
+def beside_threads() -> int:
+    """Threads of a random init beside the compiling (half the cores): the compiling's thread and its compile workers
+    keep the other half, and half the cores still fill the store within the compiling's time."""
+    return max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 class Beside:

@@ -36,13 +36,21 @@ import torch
 from ..data import StepLoader
 from ..models import ModelAdapter
 from ..planner.tune_copy import copy_adapter, copy_placement
-from ..runtime import CpuAdamW, EngineOptions, HostStore, MicroBatch, RuntimeOptions, build_runtime
+from ..runtime import EngineOptions, HostStore, MicroBatch, RuntimeOptions, build_runtime
 from ..runtime.pinned import release_torch_pinned_cache
 from ..runtime.layer import expect_first_shape
 from ..runtime.store import store_dtypes
 from .prefetch import prepare_step
 
 SEED = 20261127  # the copy's weights and tokens: private generators, the run's random state is not touched
+
+
+class NoUpdate:
+    """The copy's optimizer: its gradients land on the host as the run's do (the same copies and waits), and nothing
+    is updated, so the copy's store needs no Adam m and v (planner/tune_copy.py counts it so)."""
+
+    def update(self, tile, grad, **kwargs) -> None:
+        pass
 
 
 def first_step(loader: StepLoader, resumed_state: dict | None = None) -> list[MicroBatch]:
@@ -83,9 +91,9 @@ def tune_first(run_adapter: ModelAdapter, device: torch.device, options: EngineO
     t0 = time.perf_counter()
     layers, adapter = copy_adapter(run_adapter)
     placement = copy_placement(options.placement, layers)
-    store = HostStore(adapter, *store_dtypes(precision, placement.stream_dtype))
+    store = HostStore(adapter, *store_dtypes(precision, placement.stream_dtype), adam_states=False)
     store.init_random(SEED, 0.02)
-    runtime = build_runtime(store, device, CpuAdamW(), RuntimeOptions(
+    runtime = build_runtime(store, device, NoUpdate(), RuntimeOptions(
         engine=EngineOptions(loss_chunk_tokens=options.loss_chunk_tokens, num_slots=options.num_slots,
                              compile_layers=options.compile_layers, placement=placement,
                              head_kernels=options.head_kernels)))

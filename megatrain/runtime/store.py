@@ -56,7 +56,7 @@ def store_dtypes(precision: str, stream: str = "bf16") -> tuple[torch.dtype, tor
 class HostStore:
     def __init__(self, adapter: ModelAdapter, stream_dtype: torch.dtype, compute_dtype: torch.dtype | None = None,
                  allocate: Callable[..., torch.Tensor] | None = None, disk_path: str | None = None,
-                 disk_states: tuple[str, ...] = ()):
+                 disk_states: tuple[str, ...] = (), adam_states: bool = True):
         """stream_dtype: what is sent to the device (bf16: a copy the optimizer rewrites; fp32: the master itself).
         compute_dtype: the weights' dtype in the slots (default stream_dtype); bf16 compute from an fp32 stream is
         cast on the device, with the same rounding as the host copy (memory.stream_dtype=fp32: 12 B/param).
@@ -88,8 +88,10 @@ class HostStore:
                                  landing_piece(max(u.numel for u in self.units)))
         none = torch.empty(0, dtype=torch.float32)
         self.master = none if "master" in self.on_disk else alloc(total, torch.float32, False, "fp32 master")
-        self.exp_avg = none if "exp_avg" in self.on_disk else alloc(total, torch.float32, True, "Adam m")
-        self.exp_avg_sq = none if "exp_avg_sq" in self.on_disk else alloc(total, torch.float32, True, "Adam v")
+        self.adam_states = adam_states
+        kept = self._adam_kept = {k for k in ("exp_avg", "exp_avg_sq") if adam_states and k not in self.on_disk}
+        self.exp_avg = alloc(total, torch.float32, True, "Adam m") if "exp_avg" in kept else none
+        self.exp_avg_sq = alloc(total, torch.float32, True, "Adam v") if "exp_avg_sq" in kept else none
         self.stream = alloc(total, stream_dtype, False, "streaming copy") if self.separate_stream_copy \
             else self.master
         self.tiles: list[LayerTile] = []
@@ -103,8 +105,9 @@ class HostStore:
                 self.stream[a:b].zero_()
         for u, s in zip(self.units, starts):
             sl = slice(s, s + u.numel)
-            self.tiles.append(LayerTile(u, *(None if k in self.on_disk else getattr(self, k)[sl]
-                                             for k in ("master", "exp_avg", "exp_avg_sq")), self.stream[sl]))
+            self.tiles.append(LayerTile(u, *(None if k in self.on_disk or (k != "master" and k not in kept)
+                                             else getattr(self, k)[sl] for k in ("master", "exp_avg", "exp_avg_sq")),
+                                        self.stream[sl]))
 
     # ---- sizes ------------------------------------------------------------------------------------
     @property
@@ -113,7 +116,8 @@ class HostStore:
 
     def host_bytes(self) -> int:
         """The store's host RAM: the states kept there, the streaming copy, the SSD tier's cache."""
-        per = 4 * (3 - len(self.on_disk)) + (self.stream.element_size() if self.separate_stream_copy else 0)
+        states = ("master" not in self.on_disk) + len(self._adam_kept)
+        per = 4 * states + (self.stream.element_size() if self.separate_stream_copy else 0)
         ref = self.reference.numel() * self.reference.element_size() if self.reference is not None else 0
         return self.total_elems * per + ref + (self.disk.cache_bytes if self.disk else 0)
 
