@@ -13,7 +13,8 @@ copy of the profile (as bench/plan_choices.py --ssd). Each case runs `python -m 
 under cProfile: the functions with the most cumulative time, and the most time of their own. On a machine with a GPU
 the plan takes that GPU's free memory as its limit (as `megatrain plan` does there); elsewhere the profile's. --root
 times another checkout's megatrain (the same cases, this script's configs and profiles: before and after a change);
---timeout ends a run after S seconds.
+--timeout ends a run after S seconds. Python's bytecode is cached as a user's install caches it (in this run's
+temporary folder, whatever PYTHONDONTWRITEBYTECODE says: the `--help` runs and each case's first run compile it).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ ROOT = HERE.parent
 H100 = HERE / "results" / "probe-h100" / "profile.json"
 H200 = HERE / "results" / "probe-h200" / "profile.json"
 LAST_CPU = 0.0  # CPU seconds (user + sys) of the last run's process: on a shared machine steadier than wall time
+PYCACHE: Path | None = None  # the runs' bytecode cache (main: in its temporary folder)
 RAID = (12e9, 12e9)  # disk read, write bytes/s: an NVMe RAID (bench/plan_choices.py --ssd)
 
 # label, model, rows per micro-batch, micro-batches, tokens per row, host GiB, profile, clipping, SSD tier
@@ -76,9 +78,9 @@ def run(argv: list[str], profile_to: Path | None = None, root: Path = ROOT, time
     """Seconds of `python -m megatrain ARGV` in a fresh process with `root`'s megatrain, and the process (None: it
     ran past `timeout`)."""
     pre = ["-m", "cProfile", "-o", str(profile_to)] if profile_to else []
-    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    if root != ROOT:  # another checkout: read, not written to
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           **({"PYTHONPYCACHEPREFIX": str(PYCACHE)} if PYCACHE else {})}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # (set on some machines: every run would compile megatrain's sources)
     global LAST_CPU
     r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     try:
@@ -134,6 +136,8 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="plan-speed-") as tmp:
         folder = Path(tmp)
+        global PYCACHE
+        PYCACHE = folder / "pycache"
         base = min(run(["plan", "--help"], root=root)[0] for _ in range(args.repeat))  # the interpreter's start
         print(f"megatrain of {root}")
         print(f"process start + `megatrain plan --help`: {base:.2f} s", flush=True)
