@@ -71,3 +71,36 @@ def test_the_store_is_filled_beside_the_tuning_only_where_host_ram_holds_both():
     for avail, fits in ((123.3 * GiB, True), (110 * GiB, False), (both, True), (both - 1, False), (None, False)):
         assert overlap_fits(replace(plan, host_available=avail), qwen) is fits, avail
     assert overlap_fits(None, qwen) is False
+
+
+def test_the_copys_store_has_no_adam_states_and_its_optimizer_changes_nothing():
+    """run/tune_first.py's copy: a store without Adam m and v (HostStore adam_states=False: None in the tiles, not
+    counted in its bytes) whose optimizer (NoUpdate) leaves it as it was after a step; the bf16 streaming copy and
+    the fp32 master are there as in a run's store."""
+    import torch
+    from conftest import tiny_hf_config
+
+    from megatrain.models import get_adapter
+    from megatrain.run.tune_first import NoUpdate
+    from megatrain.runtime import HostStore, MicroBatch, RuntimeOptions, build_runtime
+    from megatrain.runtime.store import padded_numel
+
+    adapter = get_adapter(tiny_hf_config("llama", layers=2))
+    full = HostStore(adapter, torch.bfloat16)
+    store = HostStore(adapter, torch.bfloat16, adam_states=False)
+    elems = sum(padded_numel(u.numel) for u in adapter.units())
+    assert store.host_bytes() == 6 * elems and full.host_bytes() == 14 * elems
+    assert all(t.exp_avg is None and t.exp_avg_sq is None and t.master is not None for t in store.tiles)
+    assert store.exp_avg.numel() == 0 and store.exp_avg_sq.numel() == 0
+    store.init_random(3, 0.02)
+    master, stream = store.master.clone(), store.stream.clone()
+    runtime = build_runtime(store, torch.device("cpu"), NoUpdate(), RuntimeOptions())
+    try:
+        ids = torch.randint(0, adapter.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+        runtime.pipeline.begin_step(lr=None)
+        loss = runtime.engine.train_step([MicroBatch.from_labels(ids, ids.clone())]).loss_sum.item()
+        runtime.pipeline.finish_step(lr=1e-2, clip_coef=1.0)
+        runtime.pipeline.drain()
+    finally:
+        runtime.close()
+    assert loss > 0 and torch.equal(store.master, master) and torch.equal(store.stream, stream)
