@@ -2,10 +2,11 @@
 
 Before the run's host store exists, the kernels are compiled and tuned on a copy of the model with the layers up to
 the first of each attention kind, over a store of its own (the fp32 master and the streaming copy: its optimizer
-updates nothing), on one micro-batch at a time. That phase's host peak is the copy's store, its landing buffers, the autotuner's page-locked block (which no longer comes in the run's first
-step) and the runtime. It is below the run's own peak unless the model has few layers; the plan takes the larger.
-Where host RAM holds the run's store and the copy's phase at once (`beside_store`), the store is allocated and filled
-beside the copy (run/startup.py): the start's host peak is then the sum, and the plan counts it.
+updates nothing), on one micro-batch at a time. That phase's host peak is the copy's store, its landing buffers, the
+autotuner's page-locked block (which no longer comes in the run's first step) and the runtime. It is below the run's
+own peak unless the model has few layers; the plan takes the larger. Where host RAM holds the run's store and the
+copy's phase at once (`beside_store`), the store is allocated and filled beside the copy (run/startup.py): the
+start's host peak is then the sum, and the plan counts it.
 """
 
 from __future__ import annotations
