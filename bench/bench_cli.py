@@ -208,9 +208,8 @@ class NodeMemory:
     pass six times for 0.4-0.6 s, a step 1.18x the median, the CPU AdamW at 1.5 Gparam/s instead of 2.2
     (bench/results/stall-smaps-sampler-qwen2.5-7b-158x1024-h200-cli). So there is no PSS here:
     `host_node_rss_gib` is the tree's anonymous resident bytes, the file-backed ones of its process that has the most
-    (the processes map the same libraries; torch.compile's 16 workers summed to 7.7 GiB of RSS while the machine's
-    used memory rose 1.2 GiB above the run's own: anonymous pages a forked worker shares with its parent are still
-    counted in each), plus the machine's shared memory above the baseline (/proc/meminfo's Shmem: the
+    (the processes map the same libraries: counted per process, torch.compile's workers added several GiB the machine
+    did not use; anonymous pages a forked worker shares with its parent are still counted in each), plus the machine's shared memory above the baseline (/proc/meminfo's Shmem: the
     ranks' shared store, a memfd, counted once, as PSS counts it). `host_rss_parts_gib`: the launched
     process's RssAnon, RssFile and RssShmem at its RSS peak; `host_children_rss_gib`: the peak summed RSS of its
     descendants (torch.compile's workers)."""

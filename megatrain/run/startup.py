@@ -35,8 +35,8 @@ def overlap_fits(plan, adapter) -> bool:
 
 def beside_threads() -> int:
     """Threads of a random init beside the compiling (half the cores): the compiling's thread and its compile workers
-    keep the other half, and the fill, bound by memory, is barely slower (Qwen2.5-7B on a 16-core H200 host: 10.7 s
-    on 8 threads beside the compiling, 9.6 s on 16 alone; the compiling 11.5 s beside it, 12.9 s alone)."""
+    keep the other half, and the fill, bound by memory bandwidth, is barely slower on half the cores
+    (docs/memory-and-placement.md)."""
     return max(1, len(os.sched_getaffinity(0)) // 2)
 
 

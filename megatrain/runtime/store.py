@@ -88,8 +88,7 @@ class HostStore:
                                  landing_piece(max(u.numel for u in self.units)))
         none = torch.empty(0, dtype=torch.float32)
         self.master = none if "master" in self.on_disk else alloc(total, torch.float32, False, "fp32 master")
-        self.adam_states = adam_states
-        kept = self._adam_kept = {k for k in ("exp_avg", "exp_avg_sq") if adam_states and k not in self.on_disk}
+        kept = {k for k in ("exp_avg", "exp_avg_sq") if adam_states and k not in self.on_disk}
         self.exp_avg = alloc(total, torch.float32, True, "Adam m") if "exp_avg" in kept else none
         self.exp_avg_sq = alloc(total, torch.float32, True, "Adam v") if "exp_avg_sq" in kept else none
         self.stream = alloc(total, stream_dtype, False, "streaming copy") if self.separate_stream_copy \
@@ -103,11 +102,11 @@ class HostStore:
                 self.master[a:b].zero_()
             if self.separate_stream_copy:
                 self.stream[a:b].zero_()
+        # the states in RAM (an empty buffer: on the SSD tier, or no Adam states): None in the tiles
+        in_ram = [b if b.numel() else None for b in (self.master, self.exp_avg, self.exp_avg_sq)]
         for u, s in zip(self.units, starts):
             sl = slice(s, s + u.numel)
-            self.tiles.append(LayerTile(u, *(None if k in self.on_disk or (k != "master" and k not in kept)
-                                             else getattr(self, k)[sl] for k in ("master", "exp_avg", "exp_avg_sq")),
-                                        self.stream[sl]))
+            self.tiles.append(LayerTile(u, *(None if b is None else b[sl] for b in in_ram), self.stream[sl]))
 
     # ---- sizes ------------------------------------------------------------------------------------
     @property
@@ -116,7 +115,7 @@ class HostStore:
 
     def host_bytes(self) -> int:
         """The store's host RAM: the states kept there, the streaming copy, the SSD tier's cache."""
-        states = ("master" not in self.on_disk) + len(self._adam_kept)
+        states = sum(getattr(self, k).numel() > 0 for k in ("master", "exp_avg", "exp_avg_sq"))  # those in RAM
         per = 4 * states + (self.stream.element_size() if self.separate_stream_copy else 0)
         ref = self.reference.numel() * self.reference.element_size() if self.reference is not None else 0
         return self.total_elems * per + ref + (self.disk.cache_bytes if self.disk else 0)
