@@ -86,7 +86,8 @@ def test_eval_file_and_no_eval(tmp_path):
     assert sum(b["input_ids"].shape[0] for b in batches) == 5
     packed = build_eval_batches(config(tmp_path, path=train, eval_path=ev, packing=True, max_seq_len=64), tok,
                                 micro_batch_size=2)
-    assert sum(int((b["position_ids"] == 0).sum()) for b in packed) == 5  # every example once, packed
+    starts = sum(int(((b["position_ids"] == 0) & b["attention_mask"].bool()).sum()) for b in packed)
+    assert starts == 5  # every example once, packed (a padding piece restarts its positions too: not an example)
 
 
 def test_summary_reports_counts_tokens_and_efficiency(tmp_path):

@@ -45,14 +45,47 @@ def test_collate_restarts_positions_and_masks_document_starts_and_padding():
     c = (np.array([1, 30]), np.array([31, 30]))  # a label at its first token is removed
     batch = collate([[a, b], [c]], pad_id=0)
     assert batch["input_ids"].tolist() == [[1, 10, 11, 12, 1, 20, 21], [1, 30, 0, 0, 0, 0, 0]]
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6]]  # unpacked: continued
+    assert collate([[a, b], [c]], pad_id=0, packed=True)["position_ids"].tolist()[1] == [0, 1, 0, 1, 2, 3, 4]
     assert batch["labels"].tolist() == [[IGNORE, 10, 11, 12, IGNORE, IGNORE, 21],
                                         [IGNORE, 30, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE]]
     assert batch["num_real_tokens"].item() == 9 and batch["num_real_tokens"].dim() == 0
     assert all(t.dtype == torch.int64 for t in batch.values())
-    padded = collate([[a, b], [c]], pad_id=0, length=9)  # packed rows: padded to max_seq_len, whatever they hold
+    padded = collate([[a, b], [c]], pad_id=0, length=9, packed=True)  # packed rows: padded to max_seq_len, whatever they hold
     assert padded["input_ids"][:, :7].tolist() == batch["input_ids"].tolist() and padded["input_ids"].shape[1] == 9
     assert padded["labels"][:, 7:].eq(IGNORE).all() and padded["num_real_tokens"].item() == 9
+
+
+def test_padding_is_segments_of_at_most_pad_piece_tokens(monkeypatch):
+    """A row's padding restarts its positions every PAD_PIECE tokens, so the varlen kernel's segments (and the CPU's
+    and FlexAttention's document ids) cut it into pieces of at most PAD_PIECE: attention over padding costs
+    PAD_PIECE / 2 a pad token, not the square of the padding joined to the last document."""
+    from megatrain.data import packing
+    from megatrain.models.varlen import segments
+
+    monkeypatch.setattr(packing, "PAD_PIECE", 4)
+    doc = (np.arange(1, 6), np.arange(1, 6))
+    batch = collate([[doc], []], pad_id=0, length=15, packed=True)
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1],
+                                              [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2]]
+    cu, longest = segments(batch["position_ids"])
+    assert cu.tolist() == [0, 5, 9, 13, 15, 19, 23, 27, 30] and longest == 5
+    assert packing.pad_work(np.array([10, 0, 4])).tolist() == [4 * 4 + 4 * 4 + 2 * 2, 0, 16]
+
+
+def test_packed_span_counts_each_segments_work_over_the_rows_tokens(monkeypatch):
+    """sampler.packed_span, the span the planner counts a packed row's tokens at: (sum of the documents' squared
+    lengths + the padding pieces') / (rows x row length), over every row of every micro-batch of the plan."""
+    from megatrain.data import packing
+    from megatrain.data.sampler import packed_span
+
+    monkeypatch.setattr(packing, "PAD_PIECE", 4)
+    lengths = np.array([3, 5, 2, 10, 7])
+    plan = [[[0, 1], [3]], [[2, 4]]]  # rows of 16: 8 + 8 padding, 10 + 6, 9 + 7
+    want = (9 + 25 + 2 * 16) + (100 + 16 + 4) + (4 + 49 + 16 + 9)
+    assert packed_span(plan, lengths, 16) == pytest.approx(want / (3 * 16))
+    assert packed_span([], lengths, 16) == 0.0
+    assert packed_span([[[3]]], lengths, 10) == 10.0  # a full row: its length
 
 
 def test_packed_loader_rows_hold_several_documents_within_max_seq_len(tmp_path):
@@ -64,10 +97,11 @@ def test_packed_loader_rows_hold_several_documents_within_max_seq_len(tmp_path):
     docs = 0
     for mb in loader.next_step():
         assert mb["input_ids"].shape[1] == 256  # packed rows have one length: one compiled shape
-        real = mb["labels"].ne(IGNORE) | (mb["position_ids"] == 0)
-        docs += int((mb["position_ids"] == 0).sum())
+        starts_all = (mb["position_ids"] == 0) & mb["attention_mask"].bool()  # (padding restarts too: not a document)
+        real = mb["labels"].ne(IGNORE) | starts_all
+        docs += int(starts_all.sum())
         for b in range(mb["input_ids"].shape[0]):  # every document starts with BOS and an unlabelled position
-            starts = torch.nonzero(mb["position_ids"][b] == 0).flatten()
+            starts = torch.nonzero(starts_all[b]).flatten()
             assert (mb["input_ids"][b, starts] == tok.bos_token_id).all()
             assert (mb["labels"][b, starts] == IGNORE).all()
         assert real.any()
@@ -98,18 +132,24 @@ def _run(engine, sink, ids, labels, positions):
     return float(out.loss_sum) * n, {u: g * n for u, g in sink.grads.items()}, n
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_packed_row_loss_and_grads_equal_the_sum_over_its_documents(tmp_path, family):
+@pytest.mark.parametrize("family,pad_piece", [("llama", None), ("qwen2", None), ("llama", 16)])
+def test_packed_row_loss_and_grads_equal_the_sum_over_its_documents(tmp_path, family, pad_piece, monkeypatch):
     """The contamination test: a row packed by the loader trains exactly as its documents run one by one. If any
-    attention crossed a document border, or a document's last token predicted the next one's first, this breaks."""
+    attention crossed a document border, or a document's last token predicted the next one's first, this breaks.
+    pad_piece: the padding in many pieces (packing.PAD_PIECE), each a segment of its own."""
+    from megatrain.data import packing
+
+    if pad_piece:
+        monkeypatch.setattr(packing, "PAD_PIECE", pad_piece)
     tok = tokenizer()
     cfg = config(tmp_path, path=str(write_jsonl(tmp_path / "c.jsonl", ROWS)), format="messages", packing=True,
                  max_seq_len=512)
     batch = build_train_loader(cfg, tok, seed=0, micro_batch_size=1, grad_accum_steps=1).next_step()[0]
     ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
-    starts = torch.nonzero(pos[0] == 0).flatten().tolist()
     real = batch["num_real_tokens"].item()
+    starts = torch.nonzero(pos[0, :real] == 0).flatten().tolist()
     assert len(starts) == 3 and ids.shape[1] == 512 and real < 512  # one row, three documents, then padding
+    assert int((pos[0, real:] == 0).sum()) == -(-(512 - real) // packing.PAD_PIECE)  # the padding's pieces
 
     d = tmp_path / "model"
     make_model_dir(d, family, layers=2, vocab=len(tok))
@@ -139,7 +179,7 @@ def test_a_steps_attention_span_is_its_documents():
     from megatrain.run.prefetch import PreparedStep, prepare_step
 
     doc = lambda n: (np.arange(1, n + 1), np.arange(1, n + 1))  # noqa: E731
-    packed = [collate([[doc(3), doc(5)], [doc(4)]], pad_id=0, length=10)]
+    packed = [collate([[doc(3), doc(5)], [doc(4)]], pad_id=0, length=10, packed=True)]
     step = PreparedStep(packed, prepare_step(packed, pin=False), {})
     assert step.attn_len == pytest.approx((9 + 25 + 16) / (3 + 5 + 4))
     plain = [collate([[doc(6)], [doc(6)]], pad_id=0)]

@@ -311,17 +311,15 @@ def test_packed_rows_are_timed_at_their_documents_attention_span():
 def test_a_run_retimes_packed_rows_from_its_documents():
     """`megatrain train` knows the documents once the data is read: the plan's step is timed again over their span,
     its memory and placement unchanged; plain rows and a span of the whole row leave the plan as it was."""
-    from megatrain.planner.estimate import documents_span, estimate, retime_packed
-
-    assert documents_span([3, 1]) == pytest.approx((9 + 1) / 4)
+    from megatrain.planner.estimate import estimate, retime_packed
     llama = adapter_of("llama-3.1-8b", num_hidden_layers=2)
     plan = estimate(llama, Workload((1,), 65536, packed=True, compile=True), DEFAULTS)
     before, gpu, host, notes = dict(plan.time), plan.gpu_peak, dict(plan.host), len(plan.notes)
     retime_packed(plan, llama, 65536.0)  # documents as long as the row: nothing to retime
     assert plan.time == before and len(plan.notes) == notes
-    retime_packed(plan, llama, documents_span([8192] * 8))
+    retime_packed(plan, llama, 8192.0)  # eight documents of 8,192 tokens a row (sampler.packed_span)
     assert plan.workload.attn_len == 8192.0 and plan.step_s < 0.8 * before["step_s"]
-    assert plan.gpu_peak == gpu and plan.host == host and "documents' span" in plan.notes[-1]
+    assert plan.gpu_peak == gpu and plan.host == host and "documents and padding pieces" in plan.notes[-1]
     plain = estimate(llama, Workload((1,), 65536, compile=True), DEFAULTS)
     t = dict(plain.time)
     retime_packed(plain, llama, 8192.0)

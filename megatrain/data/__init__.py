@@ -45,7 +45,8 @@ A Batch is a dict of CPU int64 tensors:
     labels          [B, T]  Hugging Face convention: unshifted, -100 where no loss (prompts, template text,
                             padding, and the first token of every document)
     position_ids    [B, T]  restart at 0 at every packed document: a new document starts wherever
-                            position_ids == 0 (padding continues the positions of its row's last document)
+                            position_ids == 0 (a packed row's padding restarts every packing.PAD_PIECE tokens: segments
+                            of its own; an unpacked row's continues the row's positions)
     attention_mask  [B, T]  1 on real tokens, 0 on padding (MoE router statistics leave padding out)
     num_real_tokens []      scalar: tokens that are not padding (padding is never counted as tokens)
 All errors are MegatrainError with one-line messages naming the key, file and row.

@@ -55,7 +55,8 @@ class StepLoader:
         return self.sampler.epoch
 
     def _batch(self, rows: list[list[int]]) -> Batch:
-        return collate([[self.examples.get(k) for k in row] for row in rows], self.pad_id, _row_length(self.cfg))
+        return collate([[self.examples.get(k) for k in row] for row in rows], self.pad_id, _row_length(self.cfg),
+                       self.cfg.packing)
 
     def next_step(self) -> list[Batch]:
         drawn = [self.sampler.next() for _ in range(self.grad_accum_steps * self.world)]  # index lists: cheap
@@ -91,7 +92,7 @@ def build_eval_batches(cfg: DataConfig, tokenizer, *, micro_batch_size: int) -> 
     once = [int((ex.source == i).sum()) for i in range(len(ex.sources))]
     plan = EpochPlanner(ex.lengths, ex.source, once, 0, _shape(cfg, micro_batch_size)).plan(0)
     pad = pad_id(tokenizer)
-    return [collate([[ex.get(k) for k in row] for row in mb], pad, _row_length(cfg)) for mb in plan]
+    return [collate([[ex.get(k) for k in row] for row in mb], pad, _row_length(cfg), cfg.packing) for mb in plan]
 
 
 def preview(cfg: DataConfig, tokenizer, n: int) -> str:

@@ -3,8 +3,14 @@
 In a Batch, position ids restart at 0 at each document, which is how the engine finds document boundaries
 (attention never crosses them), and the label of each document's first token is -100, so the last token of one
 document is never trained to predict the first of the next. Padding goes on the right: pad id, label -100, and
-positions that continue the row's last document (pads come after every real token, so no real token attends to
-them); it is never counted in `num_real_tokens`.
+in packed rows positions that restart every PAD_PIECE tokens, so the padding is segments of its own (in unpacked
+rows positions that continue the row's; pads come after every real token, so no real token attends to them either
+way); it is never counted in `num_real_tokens`.
+
+Why pieces: attention runs within each segment, so its work over a segment of n tokens grows with n². Padding that
+continued the last document made one segment of the two, and a long row half full attended over its padding longer
+than over its documents (docs/data.md has the figures). In pieces of PAD_PIECE tokens the padding costs at most
+PAD_PIECE / 2 per pad token, and adds one segment per piece to the kernel's grid.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import numpy as np
 import torch
 
 from .template import IGNORE
+
+PAD_PIECE = 2048  # the longest segment of padding (see the module docstring)
 
 
 def pack_greedy(order: np.ndarray, lengths: np.ndarray, capacity: int) -> list[list[int]]:
@@ -62,10 +70,13 @@ def pack_best_fit(order: np.ndarray, lengths: np.ndarray, capacity: int) -> list
     return rows
 
 
-def collate(rows: list[list[tuple[np.ndarray, np.ndarray]]], pad_id: int, length: int | None = None) -> dict:
+def collate(rows: list[list[tuple[np.ndarray, np.ndarray]]], pad_id: int, length: int | None = None,
+            packed: bool = False) -> dict:
     """Rows (each a list of (input_ids, labels) documents) -> a Batch of int64 tensors [B, T], T the longest row, or
     `length` when given (packed rows: always max_seq_len, so every micro-batch has one shape - a row a token short
-    would make a compiled layer compile and tune again mid-run, and the caching allocator see new sizes)."""
+    would make a compiled layer compile and tune again mid-run, and the caching allocator see new sizes). packed:
+    the rows' padding in segments of PAD_PIECE tokens (positions restarting); else its positions continue the row's
+    (an unpacked row attends over all of it causally, the padding last)."""
     T = max(max(sum(len(ids) for ids, _ in docs) for docs in rows), length or 0)
     B = len(rows)
     input_ids = np.full((B, T), pad_id, dtype=np.int64)
@@ -84,9 +95,17 @@ def collate(rows: list[list[tuple[np.ndarray, np.ndarray]]], pad_id: int, length
             t += n
         real += t
         attention_mask[b, :t] = 1
-        if t < T:  # padding continues the last document's positions
+        if t < T and packed:  # padding: segments of PAD_PIECE tokens at most
+            position_ids[b, t:] = np.arange(T - t) % PAD_PIECE
+        elif t < T:
             start = position_ids[b, t - 1] + 1 if t else 0
             position_ids[b, t:] = np.arange(start, start + T - t)
     return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
             "position_ids": torch.from_numpy(position_ids), "attention_mask": torch.from_numpy(attention_mask),
             "num_real_tokens": torch.tensor(real, dtype=torch.int64)}
+
+
+def pad_work(pad: np.ndarray) -> np.ndarray:
+    """Attention's work over padding of `pad` tokens (per row), as the sum of its pieces' squared lengths."""
+    full, last = np.divmod(np.asarray(pad, dtype=np.int64), PAD_PIECE)
+    return full * float(PAD_PIECE) ** 2 + last.astype(np.float64) ** 2

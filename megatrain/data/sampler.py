@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import MegatrainError
-from .packing import pack_best_fit, pack_greedy
+from .packing import pack_best_fit, pack_greedy, pad_work
 
 GROUP_WINDOW = 64  # micro-batches per length-sorting window
 
@@ -127,6 +127,21 @@ def plan_efficiency(plan: Plan, lengths: np.ndarray, row_length: int | None = No
     """(real tokens, tokens in the padded micro-batches) of a plan; row_length: rows padded to it (packed rows)."""
     rows, padded, real = micro_batch_shapes(plan, lengths, row_length)
     return int(real.sum()), int((rows * padded).sum())
+
+
+def packed_span(plan: Plan, lengths: np.ndarray, row_length: int) -> float:
+    """The attention span per token of a plan's packed rows of row_length tokens: attention's work over each
+    segment (a document, a piece of padding: packing.collate) grows with its length squared, so the rows' work is
+    that of every token attending over (sum d² + the padding's pieces²) / (rows x row_length) tokens: what the
+    planner counts each token of a row at (planner Workload.attn_len). 0.0 for a plan of no rows."""
+    rows = [row for mb in plan for row in mb]
+    if not rows:
+        return 0.0
+    per_row = np.fromiter(map(len, rows), np.int64, len(rows))
+    d = lengths[np.fromiter((k for row in rows for k in row), np.int64, int(per_row.sum()))].astype(np.float64)
+    real = np.bincount(np.repeat(np.arange(len(rows)), per_row), weights=d, minlength=len(rows))
+    pad = np.maximum(row_length - real.astype(np.int64), 0)
+    return (float((d * d).sum()) + float(pad_work(pad).sum())) / (len(rows) * row_length)
 
 
 class ResumableSampler:

@@ -242,12 +242,6 @@ def _check(plan: Plan) -> None:
 
 
 
-def documents_span(lengths) -> float:
-    """The mean attention span of packed documents of these lengths, sum(d²)/sum(d) (Workload.attn_len)."""
-    total = float(sum(int(d) for d in lengths))
-    return sum(float(d) * float(d) for d in lengths) / total if total else 0.0
-
-
 def rows_timing(rows, padded) -> tuple[float, float]:
     """Unpacked micro-batches of `rows` rows each padded to `padded` tokens: (the mean padded tokens per micro-batch,
     the attention span sum(r·L²)/sum(r·L), the length a token's causal attention is counted at)."""
@@ -280,13 +274,14 @@ def retime_unpacked(plan: Plan, adapter, mb_tokens: float, span: float) -> None:
 
 
 def retime_packed(plan: Plan, adapter, attn_len: float) -> None:
-    """Packed rows, once the data is read: the step timed again with its documents' attention span (a row of
-    documents attends within each one, not over the row the plan was made for). Memory and placement stay: they
-    depend on the row's length, not on where its documents end."""
+    """Packed rows, once the data is read: the step timed again with the rows' attention span (data.sampler.
+    packed_span: a row attends within each document and each piece of its padding, not over the row the plan was
+    made for). Memory and placement stay: they depend on the row's length, not on where its documents end."""
     w = plan.workload
     if not w.packed or not attn_len or attn_len >= w.seq_len:
         return
     plan.workload = replace(w, attn_len=attn_len)
     plan.time = world_time(step_time(adapter, adapter.units(), plan.workload, plan.profile), plan.comm, plan.world)
-    plan.notes.append(f"packed rows: attention timed over the documents' span ({attn_len:,.0f} tokens: sum(d²)/sum(d) "
-                      f"over the data), not over the {w.seq_len:,}-token row")
+    plan.notes.append(f"packed rows: attention timed over the rows' documents and padding pieces ({attn_len:,.0f} "
+                      f"tokens a token: the sum of their squared lengths over the rows' tokens), not over the "
+                      f"{w.seq_len:,}-token row")

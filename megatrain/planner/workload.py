@@ -40,8 +40,9 @@ class Workload:
     #                                    HostStore's disk_states, runtime/disk_tier.py)
     tune_first: bool = False  # the kernels compiled and tuned on a copy of the model before the store exists
     #                           (engine.tune_first, run/tune_first.py): the autotuner's copies are not on the peak
-    attn_len: float | None = None  # packed rows: the documents' mean attention span, sum(d²)/sum(d) over the data
-    #                                (None: seq_len, a bound); attention's FLOPs and time scale with it, memory not
+    attn_len: float | None = None  # packed rows: the span attention's work counts each of a row's tokens at (data.
+    #                                sampler.packed_span, over the rows' documents and padding pieces; None: seq_len, a
+    #                                bound); attention's FLOPs and time scale with it, memory not
     rows_span: float | None = None  # unpacked rows timed at the data's micro-batches (estimate.retime_unpacked):
     #                                 sum(r·L²)/sum(r·L) over micro-batches of r rows padded to L (None: seq_len)
 

@@ -129,8 +129,8 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
     ranks waiting only for local rank 0 to tokenise the data; a bad input is reported once, by the first rank to find
     it (Distributed.failed)."""
     from ..planner import check_before_run
-    from ..data.sampler import micro_batch_shapes
-    from ..planner.estimate import documents_span, retime_packed, retime_unpacked, rows_timing
+    from ..data.sampler import micro_batch_shapes, packed_span
+    from ..planner.estimate import retime_packed, retime_unpacked, rows_timing
     from ..planner.precision import resolve_precision
     from ..planner.profile import default_profile_path
 
@@ -199,9 +199,9 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
         eval_batches = build_eval(cfg.data, tokenizer, micro_batch_size=cfg.train.micro_batch_size)
     if world.fills_store:
         ranks.node_phase("data-cached")
-    if cfg.data.packing and plan is not None and not grpo:  # the documents are known now: attention timed over
-        #                                                        their span
-        retime_packed(plan, adapter, documents_span(loader.examples.lengths))
+    if cfg.data.packing and plan is not None and not grpo:  # the rows' documents are known now: attention timed
+        #                                                        over their segments
+        retime_packed(plan, adapter, packed_span(loader.sampler.plan, loader.examples.lengths, cfg.data.max_seq_len))
     elif plan is not None and not grpo and not pairs:  # unpacked rows: each micro-batch padded to its longest row
         rows, padded, _ = micro_batch_shapes(loader.sampler.plan, loader.examples.lengths)
         retime_unpacked(plan, adapter, *rows_timing(rows, padded))
