@@ -427,6 +427,19 @@ def test_default_config_plans_and_fits(tmp_path, capsys, monkeypatch):
         assert part in out
 
 
+def test_plan_says_its_step_is_a_bound_until_the_data_is_read(tmp_path, capsys, monkeypatch):
+    """`megatrain plan` reads no data: an SFT step is timed at rows of max_seq_len (packed: attention over whole
+    rows), which it says, naming what `megatrain train` times it over once it has read the data."""
+    from megatrain.config import DEFAULT_CONFIG
+
+    for packing, over in (("false", "micro-batches"), ("true", "documents")):
+        status, out, err = in_process(capsys, monkeypatch, tmp_path, "plan", str(DEFAULT_CONFIG),
+                                      f"data.packing={packing}", "data.max_seq_len=128")
+        assert status == 0, err
+        rows = "packed rows: attention over whole rows" if packing == "true" else "rows padded to max_seq_len"
+        assert f"step time: {rows} of 128 tokens, a bound" in out and f"over the data's {over}" in out
+
+
 def test_suggestions_fit_what_does_not():
     adapter = adapter_of("qwen2.5-7b")
     w = Workload((512,), 1024)  # one micro-batch of 512 rows: its layer activations alone do not fit in 24 GiB,

@@ -144,6 +144,11 @@ def plan_command(cfg, as_json: bool = False, world: World = World()) -> int:
         # CPU AdamW rate, when no probed profile says it; on a CPU, its rates), so that both plan alike
         prof = run_profile(cfg, device, adapter=adapter)
     plan = plan_for_config(cfg, adapter, device, prof, world)
+    if cfg.train.objective == "sft":  # `megatrain train` retimes the step once it has read the data (run/prepare.py)
+        rows = "packed rows: attention over whole rows" if cfg.data.packing else "rows padded to max_seq_len"
+        plan.notes.append(f"step time: {rows} of {cfg.data.max_seq_len:,} tokens, a bound (this command reads no "
+                          f"data); `megatrain train` times it again over the data's "
+                          f"{'documents' if cfg.data.packing else 'micro-batches'} once it has read them")
     print(json.dumps(plan.as_json(), indent=1) if as_json else render(plan))
     if not plan.fits:
         print("megatrain: the run will not fit: " + "; ".join(plan.problems), file=sys.stderr)
