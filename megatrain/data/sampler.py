@@ -104,18 +104,24 @@ class EpochPlanner:
         return [[[k] for k in mb.tolist()] for mb in mbs + short]
 
 
+def _docs_by_row(plan: Plan, lengths: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """A plan's rows laid end to end: (how many, the row of each document, each document's length), int64."""
+    rows = [row for mb in plan for row in mb]
+    per_row = np.fromiter(map(len, rows), np.int64, len(rows))
+    ks = np.fromiter((k for row in rows for k in row), np.int64, int(per_row.sum()))
+    return len(rows), np.repeat(np.arange(len(rows)), per_row), lengths[ks].astype(np.int64)
+
+
 def micro_batch_shapes(plan: Plan, lengths: np.ndarray, row_length: int | None = None) -> tuple[np.ndarray, np.ndarray,
                                                                                                  np.ndarray]:
     """Per micro-batch of a plan: (rows, the padded row length: its longest row or row_length if longer, real
     tokens). Numpy over all rows at once: a million examples in a second."""
-    rows = [row for mb in plan for row in mb]
     per_mb = np.fromiter(map(len, plan), np.int64, len(plan))
-    if not rows:
+    n, row_of, d = _docs_by_row(plan, lengths)
+    if not n:
         return per_mb, np.zeros(len(plan), np.int64), np.zeros(len(plan), np.int64)
-    per_row = np.fromiter(map(len, rows), np.int64, len(rows))
-    ks = np.fromiter((k for row in rows for k in row), np.int64, int(per_row.sum()))
-    row_lens = np.zeros(len(rows), np.int64)
-    np.add.at(row_lens, np.repeat(np.arange(len(rows)), per_row), lengths[ks].astype(np.int64))
+    row_lens = np.zeros(n, np.int64)
+    np.add.at(row_lens, row_of, d)
     mb_of_row = np.repeat(np.arange(len(plan)), per_mb)
     longest, real = np.zeros(len(plan), np.int64), np.zeros(len(plan), np.int64)
     np.maximum.at(longest, mb_of_row, row_lens)
@@ -134,14 +140,11 @@ def packed_span(plan: Plan, lengths: np.ndarray, row_length: int) -> float:
     segment (a document, a piece of padding: packing.collate) grows with its length squared, so the rows' work is
     that of every token attending over (sum d² + the padding's pieces²) / (rows x row_length) tokens: what the
     planner counts each token of a row at (planner Workload.attn_len). 0.0 for a plan of no rows."""
-    rows = [row for mb in plan for row in mb]
-    if not rows:
+    n, row_of, d = _docs_by_row(plan, lengths)
+    if not n:
         return 0.0
-    per_row = np.fromiter(map(len, rows), np.int64, len(rows))
-    d = lengths[np.fromiter((k for row in rows for k in row), np.int64, int(per_row.sum()))].astype(np.float64)
-    real = np.bincount(np.repeat(np.arange(len(rows)), per_row), weights=d, minlength=len(rows))
-    pad = np.maximum(row_length - real.astype(np.int64), 0)
-    return (float((d * d).sum()) + float(pad_work(pad).sum())) / (len(rows) * row_length)
+    pad = np.maximum(row_length - np.bincount(row_of, weights=d, minlength=n).astype(np.int64), 0)
+    return (float((d.astype(np.float64) ** 2).sum()) + float(pad_work(pad).sum())) / (n * row_length)
 
 
 class ResumableSampler:
