@@ -17,10 +17,10 @@ from .base import AttnContext, prefers_flex
 from .varlen import meta_segments, segments
 
 _COMPILED = None
-# Distinct input shapes (and masks) FlexAttention is compiled for in one process. Past torch's recompile limit (8)
-# dynamo would silently run FlexAttention eagerly, which builds the full T x T score matrix in fp32 (256 GiB at
-# 32k tokens and 64 heads: seen on the H200 after a test file's earlier shapes). Above this many,
-# the run stops with a clear error instead.
+# Distinct input shapes (and masks) FlexAttention and its block mask are compiled for in one process. Past torch's
+# recompile limit (8) dynamo would silently run them eagerly: FlexAttention then builds the full T x T score matrix
+# in fp32 (256 GiB at 32k tokens and 64 heads), create_block_mask an int64 T x T grid (128 GiB at 131,072 tokens;
+# both seen on the H200 after a benchmark's earlier shapes). Above this many, the run stops with a clear error.
 FLEX_SHAPES = 256
 # Whether attention_context on the meta device stands in the CUDA path (the variable-length kernel's segments) or
 # the CPU's explicit mask (by default): the planner's memory simulation sets it to the device it plans for.
@@ -28,6 +28,8 @@ META_AS_CUDA = [False]
 
 
 def _guarded(compiled):
+    """`compiled` (a torch.compile'd function, or one that compiles inside) called with the recompile limit at
+    FLEX_SHAPES, failing past it instead of running eagerly: a MegatrainError naming the remedy."""
     def call(*args, **kwargs):
         from torch._dynamo import config
 
@@ -103,8 +105,8 @@ def attention_context(position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.
                 return q >= kv
 
         # _compile: evaluated block by block; eagerly it would build the T x T grid (measured: +8 GiB at 32k)
-        block = create_block_mask(allowed, B if packed else None, None, T, T, device=position_ids.device,
-                                  _compile=True)
+        block = _guarded(create_block_mask)(allowed, B if packed else None, None, T, T, device=position_ids.device,
+                                            _compile=True)
         return AttnContext(cos=cos, sin=sin, mask=None, block_mask=block, window=window)
     q = torch.arange(T, device=position_ids.device)
     mask = (q[:, None] >= q[None, :])[None, None]
