@@ -6,16 +6,19 @@ attention_context builds).
 
     python bench/attention_kernels.py [--json OUT.json] [--reps 5] [--quick]
 
-(--quick: no kernel_options sweep, FlexAttention timed on packed rows only.)
+(--quick: no kernel_options sweep. The JSON is rewritten after every case: a run cut short keeps what it timed.)
 
 Two kinds of case:
-    one row per document  every row one document (FLOPs as a plain causal row): each kernel against SDPA's at the
-                          same FLOPs. The planner charges a layer the measured difference per FLOP on top of its
-                          attention rate (calibration.py: FLEX_MEASURED, VARLEN_MEASURED)
-    packed                rows of documents 200-3,000 tokens long (seeded; long rows: 8,192-24,000), as SFT packing
-                          makes them: the varlen kernel, FlexAttention with the document block mask (and, at head_dim
-                          256, with other kernel_options), and the plain causal row of the same shape beside them
-                          (what the packed row costs against an unpacked one)
+    one row per document  every row one document (FLOPs as a plain causal row, or a window's): each kernel against
+                          SDPA's at the same FLOPs
+    packed                rows of documents 200-3,000 tokens long (seeded; one shape 50-600, long rows: 8,192-24,000),
+                          as SFT packing makes them: the varlen kernel, FlexAttention with the document block mask
+                          (and, at head_dim 256, with other kernel_options), and the plain causal row of the same
+                          shape beside them (what the packed row costs against an unpacked one)
+
+Each kernel's rate per executed FLOP as a share of SDPA's over plain rows of the same head_dim and length, against
+the span its rows attend over (rate_vs_sdpa_*), and SDPA's own rates are what the planner times a layer's other
+kernel at (timing.kernel_extra): printed last as calibration.KERNEL_RATE and calibration.SDPA_RATE.
 
 Per case: forward alone (no autograd) and forward + backward, milliseconds and TFLOP/s by the FLOPs executed
 (forward 2·span·heads·head_dim per token, span = T for causal rows, 2W - W²/T with a window W, the sum of the
@@ -38,16 +41,18 @@ import torch  # noqa: E402
 from common import git_rev, machine, table, write_json  # noqa: E402
 from megatrain.models.attention import attention_context, causal_attention, sink_attention  # noqa: E402
 
-# (family, heads, kv_heads, head_dim, rows, tokens per row, window, score): real configs' attention shapes
+# (family, heads, kv_heads, head_dim, rows, tokens per row, window, score, packed documents' lengths): real
+# configs' attention shapes
 SHAPES = [
-    ("llama-3.1-8b", 32, 8, 128, 8, 4096, None, "plain"),
-    ("qwen2.5-7b", 28, 4, 128, 8, 4096, None, "plain"),
-    ("gemma-2-9b", 16, 8, 256, 8, 4096, None, "softcap"),
-    ("gemma-3-27b sliding", 32, 16, 128, 8, 4096, 1024, "plain"),
-    ("gpt-oss-120b", 64, 8, 64, 8, 4096, None, "sinks"),
-    ("gpt-oss-120b sliding", 64, 8, 64, 8, 4096, 128, "sinks"),
-    ("llama-3.1-8b 32k", 32, 8, 128, 1, 32768, None, "plain"),
-    ("llama-3.1-8b 128k", 32, 8, 128, 1, 131072, None, "plain"),
+    ("llama-3.1-8b", 32, 8, 128, 8, 4096, None, "plain", (200, 3000)),
+    ("llama-3.1-8b short docs", 32, 8, 128, 8, 4096, None, "plain", (50, 600)),
+    ("qwen2.5-7b", 28, 4, 128, 8, 4096, None, "plain", (200, 3000)),
+    ("gemma-2-9b", 16, 8, 256, 8, 4096, None, "softcap", (200, 3000)),
+    ("gemma-3-27b sliding", 32, 16, 128, 8, 4096, 1024, "plain", (200, 3000)),
+    ("gpt-oss-120b", 64, 8, 64, 8, 4096, None, "sinks", (200, 3000)),
+    ("gpt-oss-120b sliding", 64, 8, 64, 8, 4096, 128, "sinks", (200, 3000)),
+    ("llama-3.1-8b 32k", 32, 8, 128, 1, 32768, None, "plain", (8192, 24000)),
+    ("llama-3.1-8b 128k", 32, 8, 128, 1, 131072, None, "plain", (8192, 24000)),
 ]
 # FlexAttention's kernel_options tried at head_dim 256 (its defaults there run at a third of flash's rate)
 FLEX_OPTIONS = [None, {"BLOCK_M": 64, "BLOCK_N": 64}, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8},
@@ -80,11 +85,9 @@ def timed(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def documents(B: int, T: int, seed: int) -> tuple[torch.Tensor, list[int]]:
-    """position_ids [B, T] of rows packed with documents of 200-3,000 tokens (rows over 8,192 tokens: 8,192-24,000),
-    and the documents' lengths."""
+def documents(B: int, T: int, seed: int, lo: int, hi: int) -> tuple[torch.Tensor, list[int]]:
+    """position_ids [B, T] of rows packed with documents of lo-hi tokens (seeded), and the documents' lengths."""
     g = torch.Generator().manual_seed(seed)
-    lo, hi = (200, 3000) if T <= 8192 else (8192, 24000)
     pos, lengths = torch.empty(B, T, dtype=torch.long), []
     for b in range(B):
         t = 0
@@ -96,7 +99,7 @@ def documents(B: int, T: int, seed: int) -> tuple[torch.Tensor, list[int]]:
     return pos, lengths
 
 
-def case(name, kernel, h, kvh, d, B, T, window, reps, score, packed, options=None):
+def case(name, kernel, h, kvh, d, B, T, window, reps, score, packed, docs, options=None):
     """One timing: `kernel` "flash" (SDPA's causal), "varlen" or "flex" (with `score`), over plain causal rows or
     rows packed with documents."""
     dev = torch.device("cuda")
@@ -105,7 +108,7 @@ def case(name, kernel, h, kvh, d, B, T, window, reps, score, packed, options=Non
     k = torch.randn(B, T, kvh, d, device=dev, dtype=torch.bfloat16, generator=g).transpose(1, 2).requires_grad_()
     v = torch.randn(B, T, kvh, d, device=dev, dtype=torch.bfloat16, generator=g).transpose(1, 2).requires_grad_()
     if packed:
-        pos, lengths = documents(B, T, 0)
+        pos, lengths = documents(B, T, 0, *docs)
         pos = pos.to(dev)
     else:
         pos, lengths = torch.arange(T, device=dev).expand(B, T), [T] * B
@@ -149,6 +152,7 @@ def case(name, kernel, h, kvh, d, B, T, window, reps, score, packed, options=Non
     row = {"case": name, "rows_are": "packed" if packed else "one doc", "kernel": kernel + (
         "" if kernel != "flex" or score == "plain" else f"+{score}"), "options": options, "heads": h,
         "kv_heads": kvh, "head_dim": d, "rows": B, "tokens": T, "window": window, "documents": len(lengths),
+        "span": doc_span(lengths, window),
         "forward_ms": fwd_s * 1e3, "fwd_bwd_ms": both_s * 1e3, "forward_tflops": flops / fwd_s / 1e12,
         "fwd_bwd_tflops": 3.5 * flops / both_s / 1e12, "backward_tflops": 2.5 * flops / (both_s - fwd_s) / 1e12}
     if packed and kernel == "varlen":  # the output against FlexAttention's with the document mask
@@ -171,31 +175,70 @@ def runs_for(name: str, T: int, window, score: str, quick: bool):
             out.append(("varlen", "plain", packed, None))
         if T > 32768:  # long rows: the backward over blocks of 65,536 (memory.attn_block)
             out.append(("varlen", "plain", packed, {"attn_block": 65536}))
-        if (not quick or packed) and (T <= 32768 or score != "plain" or packed):
+        if T <= 32768 or score != "plain" or packed:
             out.append(("flex", "plain", packed, None))
-        if score != "plain" and (not quick or packed):
+        if score != "plain":
             out.append(("flex", score, packed, None))
         if score == "softcap" and packed and not quick:
             out += [("flex", score, True, o) for o in FLEX_OPTIONS[1:]]
     return out
 
 
+def kernel_rate(rows: list[dict]) -> dict:
+    """calibration.KERNEL_RATE from the timings: per (kernel, score, head_dim), (span, forward rate, forward +
+    backward rate) points by span, each rate per executed FLOP as a share of SDPA's over plain rows of the same
+    head_dim and length (points within 5% of a span averaged)."""
+    groups: dict = {}
+    for r in rows:
+        if "error" in r or r["options"] or r["kernel"] == "flash" or r.get("rate_vs_sdpa_fwd") is None:
+            continue
+        kernel, _, score = r["kernel"].partition("+")
+        groups.setdefault((kernel, score or "plain", r["head_dim"]), []).append(
+            (r["span"], r["rate_vs_sdpa_fwd"], r["rate_vs_sdpa_fwd_bwd"]))
+    out = {}
+    for key, pts in sorted(groups.items()):
+        merged: list[list] = []
+        for span, f, fb in sorted(pts):
+            if merged and span <= merged[-1][0][-1] * 1.05:
+                merged[-1][0].append(span), merged[-1][1].append(f), merged[-1][2].append(fb)
+            else:
+                merged.append([[span], [f], [fb]])
+        out[key] = tuple((round(sum(s) / len(s)), round(sum(f) / len(f), 3), round(sum(b) / len(b), 3))
+                         for s, f, b in merged)
+    return out
+
+
+def sdpa_rate(rows: list[dict]) -> dict:
+    """calibration.SDPA_RATE from the timings: per head_dim, (tokens per row, forward FLOP/s, forward + backward
+    FLOP/s) of SDPA's causal kernel over plain rows (several shapes of one length averaged)."""
+    by: dict = {}
+    for r in rows:
+        if "error" not in r and r["kernel"] == "flash" and r["rows_are"] == "one doc":
+            by.setdefault(r["head_dim"], {}).setdefault(r["tokens"], []).append(
+                (r["forward_tflops"], r["fwd_bwd_tflops"]))
+    return {d: tuple((T, round(sum(f for f, _ in v) / len(v)) * 1e12, round(sum(b for _, b in v) / len(v)) * 1e12)
+                     for T, v in sorted(ts.items())) for d, ts in sorted(by.items())}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--quick", action="store_true",
-                    help="no kernel_options sweep, FlexAttention on packed rows only (compiling it takes most time)")
+    ap.add_argument("--quick", action="store_true", help="no kernel_options sweep (compiling it takes most time)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("attention_kernels: needs CUDA", file=sys.stderr)
         return 2
-    rows = []
-    for name, h, kvh, d, B, T, window, score in SHAPES:
+    rows, bases, seen = [], {}, set()
+    for name, h, kvh, d, B, T, window, score, docs in SHAPES:
         base = {}
+        one_doc_done = (h, kvh, d, B, T, window, score) in seen  # the same shape's one-document rows timed before
+        seen.add((h, kvh, d, B, T, window, score))
         for kernel, kind, packed, options in runs_for(name, T, window, score, args.quick):
+            if one_doc_done and not packed:
+                continue
             try:
-                r = case(name, kernel, h, kvh, d, B, T, window, args.reps, kind, packed, options)
+                r = case(name, kernel, h, kvh, d, B, T, window, args.reps, kind, packed, docs, options)
             except Exception as e:  # a kernel_options set the kernel refuses (shared memory), or an OOM
                 print(f"{name:<22} {kernel} {kind} packed={packed} {options}: {type(e).__name__}: {str(e)[:200]}",
                       flush=True)
@@ -203,18 +246,28 @@ def main() -> int:
                 torch.cuda.empty_cache()
                 continue
             if kernel == "flash" and not packed:
-                base = r
+                base = bases[(d, T)] = r
             r["vs_flash_fwd"] = r["forward_ms"] / base["forward_ms"] if base else None
             r["vs_flash_fwd_bwd"] = r["fwd_bwd_ms"] / base["fwd_bwd_ms"] if base else None
+            sdpa = bases.get((d, T))  # SDPA over plain rows of this head_dim and length: the planner's rate
+            r["rate_vs_sdpa_fwd"] = r["forward_tflops"] / sdpa["forward_tflops"] if sdpa else None
+            r["rate_vs_sdpa_fwd_bwd"] = r["fwd_bwd_tflops"] / sdpa["fwd_bwd_tflops"] if sdpa else None
             rows.append(r)
-            print(f"{name:<22} {r['rows_are']:<8} {r['kernel']:<14} {str(options or ''):<40} "
-                  f"fwd {r['forward_ms']:8.2f} ms {r['forward_tflops']:6.0f} TF/s  fwd+bwd {r['fwd_bwd_ms']:8.2f} ms {r['fwd_bwd_tflops']:6.0f} "
-                  f"TF/s" + (f"  vs flex {r['max_abs_vs_flex']:.3g}" if "max_abs_vs_flex" in r else ""), flush=True)
+            write_json(args.json, {"machine": machine(), "git": git_rev(), "command": " ".join(sys.argv),
+                                   "results": rows, "complete": False})
+            print(f"{name:<22} {r['rows_are']:<8} {r['kernel']:<14} {str(options or ''):<40} span {r['span']:7.0f} "
+                  f"fwd {r['forward_ms']:8.2f} ms {r['forward_tflops']:6.0f} TF/s  fwd+bwd {r['fwd_bwd_ms']:8.2f} ms "
+                  f"{r['fwd_bwd_tflops']:6.0f} TF/s" +
+                  (f"  vs flex {r['max_abs_vs_flex']:.3g}" if "max_abs_vs_flex" in r else ""), flush=True)
             torch.cuda.empty_cache()
-    write_json(args.json, {"machine": machine(), "git": git_rev(), "command": " ".join(sys.argv), "results": rows})
+    rates = {"|".join(map(str, k)): v for k, v in kernel_rate(rows).items()}
+    write_json(args.json, {"machine": machine(), "git": git_rev(), "command": " ".join(sys.argv), "results": rows,
+                           "complete": True, "kernel_rate": rates, "sdpa_rate": sdpa_rate(rows)})
     print(table([r for r in rows if "error" not in r],
                 ["case", "rows_are", "kernel", "head_dim", "rows", "tokens", "window", "documents", "forward_ms",
                  "fwd_bwd_ms", "forward_tflops", "fwd_bwd_tflops", "vs_flash_fwd_bwd"]))
+    print("calibration.KERNEL_RATE =", kernel_rate(rows))
+    print("calibration.SDPA_RATE =", sdpa_rate(rows))
     return 0
 
 

@@ -1,9 +1,10 @@
 """The planner times each layer's attention on the kernel it runs on CUDA: SDPA's causal flash kernel for plain rows,
-the variable-length flash kernel (measured extra time per FLOP, calibration.VARLEN_MEASURED) for packed rows and
-windows shorter than the row where it runs them (models/base.prefers_flex), FlexAttention (FLEX_MEASURED) for
-the rest, Gemma 2's soft-capping and gpt-oss's sinks; and `megatrain train` without a probed profile plans with this
-machine's CPU AdamW rate."""
+the variable-length flash kernel for packed rows and windows shorter than the row where it runs them
+(models/base.prefers_flex), FlexAttention for the rest, Gemma 2's soft-capping and gpt-oss's sinks, each at its
+measured share of SDPA's rate at the rows' span (calibration.KERNEL_RATE); and `megatrain train` without a probed
+profile plans with this machine's CPU AdamW rate."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,9 @@ import pytest
 from megatrain.models import get_adapter
 from megatrain.planner import Workload
 from megatrain.planner.flops import kind_span
-from megatrain.planner.calibration import VARLEN_MEASURED
-from megatrain.planner.profile import DEFAULTS, FLEX_MEASURED, FLEX_SHAPE_FLOPS
-from megatrain.planner.timing import flex_extra, flex_seconds, step_time, varlen_extra
+from megatrain.planner.calibration import KERNEL_RATE, SDPA_RATE
+from megatrain.planner.profile import DEFAULTS, LayerRate, layer_shape
+from megatrain.planner.timing import kernel_extra, kernel_share, sdpa_rate, step_time
 
 CONFIGS = Path(__file__).resolve().parents[1] / "bench" / "model-configs"
 
@@ -47,65 +48,101 @@ def test_kernel_per_family_and_row():
     assert {gpt_oss.cuda_attention(k, 4096, False) for k in gpt_oss.layer_kinds} == {("flex", "sinks")}
 
 
-def test_flex_extra_is_the_measured_difference():
-    for (score, d), (flash_f, flash_fb, flex_f, flex_fb) in FLEX_MEASURED.items():
-        xf, xfb = flex_extra(score, d)
-        assert xf == pytest.approx((flex_f - flash_f) / 1e3 / FLEX_SHAPE_FLOPS, rel=1e-12)
-        assert xfb == pytest.approx((flex_fb - flash_fb) / 1e3 / FLEX_SHAPE_FLOPS, rel=1e-12)
-        assert 0 < xf < xfb
-    # soft-capping measured at head_dim 256 only: at 128 it is plain's there, scaled by softcap/plain at 256
-    soft, plain128 = flex_extra("softcap", 128), flex_extra("plain", 128)
-    ratio = [a / b for a, b in zip(flex_extra("softcap", 256), flex_extra("plain", 256))]
-    assert soft == pytest.approx((plain128[0] * ratio[0], plain128[1] * ratio[1]), rel=1e-12)
-    assert flex_extra("plain", 96) == flex_extra("plain", 128)  # nearest measured head_dim (log scale)
+def test_kernel_share_is_the_measured_points_log_linear_between():
+    for (kernel, score, d), pts in KERNEL_RATE.items():
+        assert [p[0] for p in pts] == sorted(p[0] for p in pts), (kernel, score, d)
+        for span, f, fb in pts:
+            assert kernel_share(kernel, score, d, span) == pytest.approx((f, fb), rel=1e-12)
+            assert 0 < f <= 1 and 0 < fb <= 1
+        assert kernel_share(kernel, score, d, pts[0][0] / 4) == kernel_share(kernel, score, d, pts[0][0])  # flat
+        assert kernel_share(kernel, score, d, pts[-1][0] * 4) == kernel_share(kernel, score, d, pts[-1][0])
+        for (s0, f0, b0), (s1, f1, b1) in zip(pts, pts[1:]):  # the geometric mean of two spans: the mean share
+            assert kernel_share(kernel, score, d, (s0 * s1) ** 0.5) == pytest.approx(((f0 + f1) / 2, (b0 + b1) / 2),
+                                                                                   rel=1e-9)
+    assert kernel_share("varlen", "plain", 96, 4096) == kernel_share("varlen", "plain", 128, 4096)  # nearest (log)
+    # soft-capping measured at head_dim 256 only: at 128, plain's share there times softcap's over plain's at 256
+    plain128, soft256, plain256 = (kernel_share("flex", s, d, 3000) for s, d in
+                                   (("plain", 128), ("softcap", 256), ("plain", 256)))
+    assert kernel_share("flex", "softcap", 128, 3000) == pytest.approx(
+        (plain128[0] * soft256[0] / plain256[0], plain128[1] * soft256[1] / plain256[1]), rel=1e-12)
+    # shorter documents run slower per FLOP (blocks and tails partly empty): the shares fall with the span
+    for kernel in ("varlen", "flex"):
+        shares = [kernel_share(kernel, "plain", 128, s)[1] for s in (400, 1800, 4096, 32768)]
+        assert shares == sorted(shares) and shares[0] < 0.25 < shares[-1]
 
 
-def test_varlen_extra_is_the_measured_difference():
-    for d, (flash_f, flash_fb, f, fb) in VARLEN_MEASURED.items():
-        assert varlen_extra(d) == pytest.approx(((f - flash_f) / 1e3 / FLEX_SHAPE_FLOPS,
-                                                  (fb - flash_fb) / 1e3 / FLEX_SHAPE_FLOPS), rel=1e-12)
-    assert varlen_extra(96) == varlen_extra(128)  # nearest measured head_dim (log scale)
+def test_sdpa_rate_is_the_measured_points_log_linear_between():
+    for d, pts in SDPA_RATE.items():
+        for T, f, fb in pts:
+            assert sdpa_rate(d, T) == pytest.approx((f, fb), rel=1e-12)
+            assert 1e14 < fb < f < 1e15  # FLOP/s; the backward's rate below the forward's
+        assert sdpa_rate(d, pts[0][0] / 8) == sdpa_rate(d, pts[0][0])
+        assert sdpa_rate(d, pts[-1][0] * 8) == sdpa_rate(d, pts[-1][0])
+    (t0, f0, b0), (t1, f1, b1) = SDPA_RATE[128][:2]
+    assert sdpa_rate(128, (t0 * t1) ** 0.5) == pytest.approx(((f0 + f1) / 2, (b0 + b1) / 2), rel=1e-9)
+    assert sdpa_rate(96, 4096) == sdpa_rate(128, 4096)
 
 
-def test_flex_seconds_per_layer_and_token():
+def test_kernel_extra_per_layer_and_token():
+    """Each layer on another kernel costs the time that kernel takes beyond SDPA's over its FLOPs at its span:
+    forward 2·span·heads·head_dim per token at kernel_share of SDPA_RATE, forward + backward 3.5x those FLOPs."""
     llama = adapter_of("llama-3.1-8b")
-    assert flex_seconds(llama, 4096, packed=False) == (0.0, 0.0)
-    xf, xfb = flex_extra("plain", llama.head_dim)
-    flops = 2.0 * 4096 * llama.num_heads * llama.head_dim
-    assert flex_seconds(llama, 4096, packed=True) == pytest.approx((flops * xf, flops * xfb), rel=1e-12)
-    xf, xfb = varlen_extra(llama.head_dim)
-    flops = 2.0 * 65536 * llama.num_heads * llama.head_dim
-    assert flex_seconds(llama, 65536, packed=True) == pytest.approx((flops * xf, flops * xfb), rel=1e-12)
-    # gemma-3: its sliding layers on the varlen kernel past the window cost their exact span, the full ones nothing
+    assert kernel_extra(llama, Workload((1,), 4096)) == (0.0, 0.0)  # SDPA's kernel: nothing added
+
+    def extra(adapter, kernel, score, span):
+        f, fb = kernel_share(kernel, score, adapter.head_dim, span)
+        rf, rfb = sdpa_rate(adapter.head_dim, span)
+        x = 2.0 * span * adapter.num_heads * adapter.head_dim
+        return x * (1 / f - 1) / rf, 3.5 * x * (1 / fb - 1) / rfb
+
+    # packed rows of 4,096 at head_dim 128 run FlexAttention: at the whole row's span while the documents are not
+    # known, at theirs once they are (data.sampler.packed_span)
+    assert kernel_extra(llama, Workload((1,), 4096, packed=True)) == pytest.approx(
+        extra(llama, "flex", "plain", 4096), rel=1e-12)
+    known = Workload((1,), 4096, packed=True, attn_len=1800.0)
+    assert kernel_extra(llama, known) == pytest.approx(extra(llama, "flex", "plain", 1800), rel=1e-12)
+    assert kernel_extra(llama, Workload((1,), 65536, packed=True, attn_len=20000.0)) == pytest.approx(
+        extra(llama, "varlen", "plain", 20000), rel=1e-12)  # long packed rows: the varlen kernel
+    # gemma-3: its sliding layers on the varlen kernel past the window, at the window's span; the full ones nothing
     gemma3 = adapter_of("gemma-3-27b")
     T, kinds = 65536, gemma3.layer_kinds
-    xf, xfb = varlen_extra(gemma3.head_dim)
-    mean = kinds.count("sliding") * 2.0 * kind_span(gemma3, "sliding", T) * gemma3.num_heads * gemma3.head_dim \
-        / len(kinds)
-    assert flex_seconds(gemma3, T, packed=False) == pytest.approx((mean * xf, mean * xfb), rel=1e-12)
-    # gpt-oss: half its layers slide over 128 keys: those cost the 128 x 128 blocks they touch (2 per query block)
+    window = kind_span(gemma3, "sliding", T)
+    xf, xfb = extra(gemma3, "varlen", "plain", window)
+    n = kinds.count("sliding") / len(kinds)
+    assert kernel_extra(gemma3, Workload((1,), T)) == pytest.approx((n * xf, n * xfb), rel=1e-12)
+    # gpt-oss: every layer on FlexAttention with sinks, the sliding ones over 128 keys at that span's (low) share
     gpt_oss = adapter_of("gpt-oss-120b")
     kinds = gpt_oss.layer_kinds
-    xf, xfb = flex_extra("sinks", gpt_oss.head_dim)
-    width = gpt_oss.num_heads * gpt_oss.head_dim
-    full, sliding = 2.0 * 4096 * width, 2.0 * 2 * 2 * 128 * width
-    assert gpt_oss.sliding_window == 128 and kind_span(gpt_oss, "sliding", 4096) < 2 * 2 * 128
-    mean = (kinds.count("full") * full + kinds.count("sliding") * sliding) / len(kinds)
-    assert flex_seconds(gpt_oss, 4096, packed=False) == pytest.approx((mean * xf, mean * xfb), rel=1e-12)
+    full, sliding = extra(gpt_oss, "flex", "sinks", 4096), extra(gpt_oss, "flex", "sinks",
+                                                                 kind_span(gpt_oss, "sliding", 4096))
+    mean = [(kinds.count("full") * a + kinds.count("sliding") * b) / len(kinds) for a, b in zip(full, sliding)]
+    assert kernel_extra(gpt_oss, Workload((1,), 4096)) == pytest.approx(tuple(mean), rel=1e-12)
 
 
-def test_step_time_adds_flex_per_layer_use():
-    """Packed rows of a dense model: each layer's forward use costs xf more per token, each backward use xfb (the
-    measured difference per FLOP of its kernel: FlexAttention's at 4,096 tokens and head_dim 128)."""
+def test_step_time_adds_the_kernel_per_layer_use():
+    """Packed rows of a dense model: each layer's forward use costs xf more per token, each backward use xfb
+    (FlexAttention's time beyond SDPA's at 4,096 tokens and head_dim 128), with a probed layer rate or without."""
     llama = adapter_of("llama-3.1-8b", num_hidden_layers=4)
     units = llama.units()
     plain = step_time(llama, units, Workload((2, 2), 4096, compile=True), DEFAULTS)
-    packed = step_time(llama, units, Workload((2, 2), 4096, compile=True, packed=True), DEFAULTS)
-    xf, xfb = flex_seconds(llama, 4096, packed=True)
+    w = Workload((2, 2), 4096, compile=True, packed=True)
+    packed = step_time(llama, units, w, DEFAULTS)
+    xf, xfb = kernel_extra(llama, w)
     tokens = 4 * 4096
     assert packed["compute_s"] - plain["compute_s"] == pytest.approx(llama.num_layers * tokens * (xf + xfb),
                                                                      rel=1e-9)
-    assert "FLEX_MEASURED" in packed["rate_source"] and "FLEX_MEASURED" not in plain["rate_source"]
+    assert "KERNEL_RATE" in packed["rate_source"] and "KERNEL_RATE" not in plain["rate_source"]
+    # a probed layer rate (the probe ran SDPA over plain rows): the same extra on top of it
+    shape = dict(zip(("hidden", "intermediate", "heads", "kv_heads", "head_dim"), layer_shape(llama)))
+    probed = replace(DEFAULTS, layer_rates=[LayerRate(**shape, micro=2, seq=4096, compile=True, forward_flops=5e14,
+                                                      backward_flops=4.5e14)])
+    assert probed.layer_rate(llama, 2, 4096, True)[1] == "measured at this shape"
+    d = step_time(llama, units, w, probed)["compute_s"] - step_time(llama, units, Workload((2, 2), 4096, compile=True),
+                                                                   probed)["compute_s"]
+    assert d == pytest.approx(llama.num_layers * tokens * (xf + xfb), rel=1e-9)
+    # rows of short documents (attention over 400 tokens a token): less attention work at a lower share, less time
+    short = step_time(llama, units, Workload((2, 2), 4096, compile=True, packed=True, attn_len=400.0), DEFAULTS)
+    assert short["compute_s"] < plain["compute_s"] < packed["compute_s"]
     # a CPU run has no kernel choice: nothing added
     cpu_plain = step_time(llama, units, Workload((2, 2), 4096, device="cpu"), DEFAULTS)
     cpu_packed = step_time(llama, units, Workload((2, 2), 4096, device="cpu", packed=True), DEFAULTS)

@@ -189,31 +189,38 @@ ATTENTION_BY_SEQ = _fit(
     "131,072-token one-row run (50.8 s): per FLOP the attention runs at 128k as at 32k. 256k: the 128k anchor times "
     "SDPA's forward decline from 128k to 256k (564 -> 526 TFLOP/s), not checked against a run",
     f"{_LONG} --seq S for S = 32768, 131072, 262144; {_PVM} (step time)")
-FLEX_MEASURED = _fit(
-    "FLEX_MEASURED", {
-        ("plain", 64): (2.488, 9.902, 3.207, 14.013), ("sinks", 64): (2.488, 9.902, 3.567, 15.275),
-        ("plain", 128): (1.818, 7.658, 2.991, 11.196),
-        ("plain", 256): (1.654, 9.407, 4.107, 25.179), ("softcap", 256): (1.654, 9.407, 6.778, 35.421),
-    }, "ms: (flash fwd, flash fwd+bwd, flex fwd, flex fwd+bwd) by (score, head_dim)",
-    "FlexAttention against SDPA's causal flash kernel at the same shape (8 rows x 4096 tokens, heads x head_dim = "
-    "4096: FLEX_SHAPE_FLOPS), through megatrain's own attention functions on the H200. A layer runs FlexAttention for "
-    "packed rows, a sliding window shorter than the row, or a score SDPA cannot apply; the planner's attention rate is "
-    "fitted to flash runs, so such a layer costs the measured difference per FLOP on top (timing.flex_extra)",
-    "python3 bench/attention_kernels.py --json OUT.json")
-VARLEN_MEASURED = _fit(
-    "VARLEN_MEASURED", {128: (1.81, 8.07, 2.04, 8.30), 256: (1.67, 9.86, 2.06, 9.83)},
-    "ms: (flash fwd, flash fwd+bwd, varlen fwd, varlen fwd+bwd) by head_dim",
-    "FlashAttention-2's variable-length kernel (models/varlen.py) over rows packed with documents of 200-3,000 tokens "
-    "against SDPA's causal kernel over plain rows of the same shape (8 rows x 4096 tokens, heads x head_dim = 4096: "
-    "FLEX_SHAPE_FLOPS), on the H100. Per FLOP the varlen kernel runs at 0.55-0.6 of SDPA's (cuDNN's on Hopper: 330 "
-    "against 600 TFLOP/s forward over rows of one document), which packed rows' fewer FLOPs make up for; the planner, "
-    "not knowing the documents, charges a packed layer this difference per FLOP of a plain row (timing.varlen_extra). "
-    "Longer documents cost less than it says (131,072 tokens of 8 documents: 220 ms against SDPA's 916 for the row)",
-    "python3 bench/attention_kernels.py --quick --json OUT.json")
-FLEX_SHAPE_FLOPS = _fit(
-    "FLEX_SHAPE_FLOPS", 2.0 * 4096 * 4096 * 8 * 4096, "FLOPs (the planner's count)",
-    "forward FLOPs of the shape FLEX_MEASURED was timed at (8 rows x 4096 tokens, heads x head_dim = 4096): refitted "
-    "with it when the benchmark's shape changes", "python3 bench/attention_kernels.py --json OUT.json")
+KERNEL_RATE = _fit(
+    "KERNEL_RATE", {
+        ("varlen", "plain", 128): ((370, 0.136, 0.156), (1374, 0.339, 0.356), (1796, 0.407, 0.412),
+                                   (4096, 0.527, 0.543), (18546, 0.568, 0.596), (32768, 0.587, 0.602),
+                                   (131072, 0.598, 0.613)),
+        ("varlen", "plain", 256): ((1798, 0.35, 0.449), (4096, 0.436, 0.574)),
+        ("flex", "plain", 64): ((248, 0.135, 0.151), (1798, 0.318, 0.44), (4096, 0.776, 0.716)),
+        ("flex", "plain", 128): ((370, 0.14, 0.183), (1374, 0.37, 0.422), (1796, 0.425, 0.482), (4096, 0.611, 0.666),
+                                 (18546, 0.671, 0.704), (32768, 0.724, 0.735)),
+        ("flex", "plain", 256): ((1798, 0.344, 0.28), (4096, 0.411, 0.374)),
+        ("flex", "sinks", 64): ((248, 0.094, 0.107), (1798, 0.278, 0.373), (4096, 0.651, 0.636)),
+        ("flex", "softcap", 256): ((1798, 0.192, 0.2), (4096, 0.243, 0.267)),
+    }, "(span, forward share, forward + backward share) by (kernel, score, head_dim)",
+    "the rate of the attention kernels other than SDPA's causal one, per FLOP they execute, as a share of SDPA's "
+    "over plain rows of the same head_dim and length, against the span the rows attend over per token (their "
+    "documents', Σd²/T; a window's): log-linear in the span between points, flat beyond. A layer on FlexAttention "
+    "(packed rows under 32,768 tokens at head_dim 128 and below, windows, Gemma 2's soft-capping, gpt-oss's sinks) or "
+    "the variable-length flash kernel (packed rows otherwise) costs, on top of its attention at the planner's rate, "
+    "the time its kernel takes beyond SDPA's at SDPA_RATE over the same FLOPs (timing.kernel_extra). Short documents "
+    "cost more per FLOP (blocks and tails partly empty): documents of 50-600 tokens run at a seventh of SDPA's rate, "
+    "of 200-3,000 at two fifths, whole rows at 0.53-0.61 (varlen) and 0.61-0.72 (FlexAttention, head_dim 128)",
+    "python3 bench/attention_kernels.py --quick --json OUT.json (prints calibration.KERNEL_RATE)")
+SDPA_RATE = _fit(
+    "SDPA_RATE", {128: ((4096, 590e12, 495e12), (32768, 587e12, 535e12), (131072, 556e12, 529e12)),
+                  64: ((4096, 444e12, 382e12),), 256: ((4096, 634e12, 403e12),)},
+    "(tokens per row, forward FLOP/s, forward + backward FLOP/s) by head_dim; FLOPs: 2·T·heads·head_dim per token "
+    "forward, 3.5x that forward + backward",
+    "SDPA's causal kernel alone over plain bf16 rows (8 x 4,096 tokens; one row of 32,768 and 131,072), the kernel "
+    "KERNEL_RATE's shares are of: what a layer's other kernel takes beyond it is timed at this rate (the planner's "
+    "attention rate, ATTENTION_BY_SEQ, is a layer's whole attention, per-token work included, fitted to runs: a "
+    "third of the kernel's at 4,096 tokens), log-linear in the row length between points, flat beyond",
+    "python3 bench/attention_kernels.py --quick --json OUT.json (prints calibration.SDPA_RATE)")
 BLOCKED_ATTENTION_SLOWDOWN = _fit(
     "BLOCKED_ATTENTION_SLOWDOWN", 1.01, "blocked time / SDPA's time",
     "the attention whose backward runs over block pairs (memory.attn_block), with the kernels SDPA itself picks for "

@@ -18,7 +18,7 @@ from .calibration import (ATTENTION_BY_SEQ, COMPILED_SPEEDUP, DEFAULT_ADAMW_PARA
                           DEFAULT_BIDIR_BPS, DEFAULT_CPU_FLOPS, DEFAULT_D2H_BPS, DEFAULT_DISK_READ_BPS,
                           DEFAULT_DISK_WRITE_BPS, DEFAULT_GPU_TOTAL_BYTES, DEFAULT_H2D_BPS, DEFAULT_HEAD_FLOPS,
                           DEFAULT_LAYER_FLOPS, DEFAULT_MATMUL_FLOPS, GiB, RATE_SEQ_RANGE)
-from .calibration import BLOCKED_ATTENTION_SLOWDOWN, FLEX_MEASURED, FLEX_SHAPE_FLOPS, MOE_DEFAULT_SHARE  # noqa: F401
+from .calibration import BLOCKED_ATTENTION_SLOWDOWN, KERNEL_RATE, MOE_DEFAULT_SHARE  # noqa: F401
 #                        (the rates' constants, importable from here as before)
 
 PROFILE_VERSION = 1
@@ -82,8 +82,8 @@ def layer_shape(adapter) -> tuple[int, ...]:
             adapter.head_dim, *moe)
 
 
-# FlexAttention computes whole blocks of 128 queries x 128 keys: a sliding window of W keys costs the blocks it
-# touches, W rounded up to blocks plus one.
+# FlexAttention's block: its block mask holds one entry per 128 queries x 128 keys (activations.mask_bytes); the
+# time whole blocks cost over a window's or short documents' span is in calibration.KERNEL_RATE.
 FLEX_BLOCK = 128
 
 

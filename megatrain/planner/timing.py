@@ -7,7 +7,8 @@
     rates   a layer rate the probe measured at this shape (profile.py), converted by COMPILED_SPEEDUP when it
             was probed only in the other compile mode; else the profile's matmul and attention rates (flash's),
             plus for each layer on FlexAttention or the varlen kernel on CUDA (packed rows, a window shorter than
-            the row, a score SDPA cannot apply: ModelAdapter.cuda_attention) its extra time (`flex_seconds`), and for
+            the row, a score SDPA cannot apply: ModelAdapter.cuda_attention) the time its kernel takes beyond
+            SDPA's over the same FLOPs at the rows' span (`kernel_extra`), and for
             the layers whose attention runs blocked for its backward (Placement.attn_block: `blocked_share`) the
             attention at 1/BLOCKED_ATTENTION_SLOWDOWN of the rate. A probed layer rate is used only for rows near
             its own length (Profile.layer_rate) and not for blocked attention (the probe ran the fused kernel).
@@ -53,56 +54,65 @@ import math
 from ..runtime.adamw import landing_piece
 from ..runtime.optimizer_pipeline import DEVICE_GRADS, update_order
 from ..runtime.schedule import ScheduleVisitor, grads_to_host, kept, stashes, step_schedule, walk
-from .calibration import (ADAMW_IN_STEP, BLOCKED_ATTENTION_SLOWDOWN, COMPILED_SPEEDUP, FLEX_MEASURED, FLEX_SHAPE_FLOPS,
-                          FP32_SLOWDOWN, MOE_DEFAULT_SHARE, SATURATED, VARLEN_MEASURED)
+from .calibration import (ADAMW_IN_STEP, BLOCKED_ATTENTION_SLOWDOWN, COMPILED_SPEEDUP, FP32_SLOWDOWN, KERNEL_RATE,
+                          MOE_DEFAULT_SHARE, SATURATED, SDPA_RATE)
 from .flops import attention_span, flops_per_token, kind_span
-from .profile import FLEX_BLOCK, Profile
+from .profile import Profile
 from .workload import Workload
 
 
-def flex_extra(score: str, head_dim: int) -> tuple[float, float]:
-    """Seconds per attention forward FLOP (the planner's count) that FlexAttention takes beyond flash, in a forward
-    and in a forward + backward, for `score` at `head_dim` (FLEX_MEASURED: the nearest head_dim measured; a score
-    measured only at another head_dim scaled by its ratio to plain there)."""
-    def nearest(kind: str):
-        dims = [d for s, d in FLEX_MEASURED if s == kind]
+def kernel_share(kernel: str, score: str, head_dim: int, span: float) -> tuple[float, float]:
+    """The rate of `kernel` ("flex" or "varlen") with `score` per FLOP it executes, as a share of SDPA's causal rate,
+    in a forward and in a forward + backward, over rows attending `span` tokens per token (KERNEL_RATE: the nearest
+    head_dim measured, log-linear in the span between its points, flat beyond; a score measured only at another
+    head_dim: plain's share at this one times the score's over plain's there)."""
+    def nearest(sc: str):
+        dims = [d for k, s, d in KERNEL_RATE if k == kernel and s == sc]
         return min(dims, key=lambda d: abs(math.log2(d / head_dim))) if dims else None
 
-    def extra(key) -> tuple[float, float]:
-        flash_f, flash_fb, flex_f, flex_fb = FLEX_MEASURED[key]
-        return (flex_f - flash_f) / 1e3 / FLEX_SHAPE_FLOPS, (flex_fb - flash_fb) / 1e3 / FLEX_SHAPE_FLOPS
+    def at(sc: str, d: int) -> tuple[float, float]:
+        return _log_linear(KERNEL_RATE[(kernel, sc, d)], span)
 
-    plain = extra(("plain", nearest("plain")))
-    at = nearest(score)
-    if score == "plain" or at is None:
+    plain = at("plain", nearest("plain"))
+    there = nearest(score)
+    if score == "plain" or there is None:
         return plain
-    there, base = extra((score, at)), extra(("plain", at))
-    return plain[0] * there[0] / base[0], plain[1] * there[1] / base[1]
+    scored, base = at(score, there), at("plain", there)
+    return plain[0] * scored[0] / base[0], plain[1] * scored[1] / base[1]
 
 
-def varlen_extra(head_dim: int) -> tuple[float, float]:
-    """flex_extra for the variable-length kernel over packed rows against SDPA's over plain rows (VARLEN_MEASURED,
-    the nearest measured head_dim), per forward FLOP of a plain row (the planner does not know the documents)."""
-    flash_f, flash_fb, f, fb = VARLEN_MEASURED[min(VARLEN_MEASURED, key=lambda m: abs(math.log2(m / head_dim)))]
-    return (f - flash_f) / 1e3 / FLEX_SHAPE_FLOPS, (fb - flash_fb) / 1e3 / FLEX_SHAPE_FLOPS
+def _log_linear(pts, x: float) -> tuple[float, ...]:
+    """The values of points (x, v1, v2, ...) sorted by x at x: log-linear between points, flat beyond."""
+    if x <= pts[0][0]:
+        return tuple(pts[0][1:])
+    for p0, p1 in zip(pts, pts[1:]):
+        if x <= p1[0]:
+            f = math.log(x / p0[0]) / math.log(p1[0] / p0[0])
+            return tuple(a + f * (b - a) for a, b in zip(p0[1:], p1[1:]))
+    return tuple(pts[-1][1:])
 
 
-def flex_seconds(adapter, seq_len: int, packed: bool) -> tuple[float, float]:
-    """What the layers' FlexAttention or varlen kernel adds per token and layer (averaged over the layers) to their
-    attention at flash's rate, in a forward and in a forward + backward (ModelAdapter.cuda_attention: 0 where every
-    layer runs SDPA's causal kernel; FlexAttention's sliding window costs the whole 128 x 128 blocks it touches)."""
-    window = getattr(adapter, "sliding_window", None)
+def sdpa_rate(head_dim: int, seq: float) -> tuple[float, float]:
+    """SDPA's causal kernel's forward and forward + backward FLOP/s over rows of `seq` tokens (SDPA_RATE: the
+    nearest head_dim measured)."""
+    return _log_linear(SDPA_RATE[min(SDPA_RATE, key=lambda d: abs(math.log2(d / head_dim)))], seq)
+
+
+def kernel_extra(adapter, w: Workload) -> tuple[float, float]:
+    """Seconds per token and layer (averaged over the layers) that the layers' FlexAttention or varlen kernel takes
+    beyond SDPA's over the same FLOPs, in a forward and in a forward + backward: each such layer's attention FLOPs at
+    its span (the rows' documents' for packed rows once known, a window's) at kernel_share of SDPA_RATE
+    (ModelAdapter.cuda_attention picks the kernel by the row's length: 0 where every layer runs SDPA's)."""
     f = fb = 0.0
     for kind in adapter.layer_kinds:
-        kernel, score = adapter.cuda_attention(kind, seq_len, packed)
+        kernel, score = adapter.cuda_attention(kind, w.seq_len, w.packed)
         if kernel == "flash":
             continue
-        span = kind_span(adapter, kind, seq_len)  # (the varlen kernel's window: its exact span)
-        if kernel == "flex" and kind == "sliding" and window is not None and seq_len > window:
-            span = min(float(seq_len), 2.0 * FLEX_BLOCK * (math.ceil(window / FLEX_BLOCK) + 1))
-        xf, xfb = varlen_extra(adapter.head_dim) if kernel == "varlen" else flex_extra(score, adapter.head_dim)
-        flops = 2.0 * span * adapter.num_heads * adapter.head_dim
-        f, fb = f + flops * xf, fb + flops * xfb
+        span = kind_span(adapter, kind, w.span_len)
+        share_f, share_fb = kernel_share(kernel, score, adapter.head_dim, span)
+        rate_f, rate_fb = sdpa_rate(adapter.head_dim, span)
+        flops = 2.0 * span * adapter.num_heads * adapter.head_dim  # a token's forward
+        f, fb = f + flops * (1.0 / share_f - 1.0) / rate_f, fb + 3.5 * flops * (1.0 / share_fb - 1.0) / rate_fb
     n = len(adapter.layer_kinds)
     return f / n, fb / n
 
@@ -181,34 +191,37 @@ def step_time(adapter, units, w: Workload, prof: Profile, other_mode: bool = Tru
         if mode != 1.0:
             how += f", {'compiled' if w.compile else 'eager'} taken as x{mode:.2f} that rate"
 
+        # the probe ran SDPA's kernel over plain rows: a layer on another kernel adds its extra at the attention rate
+        xf, xb = kernel_extra(adapter, w) if w.device == "cuda" else (0.0, 0.0)
+
         def layer_s(P: int, forward: bool, tokens: int, stashed: bool = False) -> float:  # one layer use over
             #                                                                            `tokens` tokens
             if forward:
-                return (2.0 * P + attn_tok) * tokens / (rate.forward_flops * mode)
+                return (2.0 * P + attn_tok) * tokens / (rate.forward_flops * mode) + xf * tokens
             if stashed:  # the attention forward not rerun: its share at the forward rate taken off
                 return (6.0 * P + 3 * attn_tok) * tokens / (rate.backward_flops * mode) - \
-                    attn_tok * tokens / (rate.forward_flops * mode)
-            return (6.0 * P + 3 * attn_tok) * tokens / (rate.backward_flops * mode)
+                    attn_tok * tokens / (rate.forward_flops * mode) + (xb - xf) * tokens
+            return (6.0 * P + 3 * attn_tok) * tokens / (rate.backward_flops * mode) + xb * tokens
     else:
         speed = COMPILED_SPEEDUP if w.compile else 1.0
         r_mm, r_attn = prof.layer_flops * speed, prof.attention_rate(round(w.span_len)) * speed
         how = ("matmuls at the profile's largest probed layer's rate, attention at its rate for these rows "
                f"({how})" if prof.layer_rates else "default rate") + (" (compiled)" if w.compile else "")
-        xf, xb = flex_seconds(adapter, w.seq_len, w.packed) if w.device == "cuda" else (0.0, 0.0)
         if blocked:  # the pair loop's cost over SDPA's whole-row kernel (profile.BLOCKED_ATTENTION_SLOWDOWN)
             r_attn /= 1.0 + blocked * (BLOCKED_ATTENTION_SLOWDOWN - 1.0)
             how += (f", the attention blocked for its backward (memory.attn_block) at 1/{BLOCKED_ATTENTION_SLOWDOWN}"
                     " of it (BLOCKED_ATTENTION_SLOWDOWN)")
-        if xb:
-            how += ", FlexAttention's or varlen's measured extra time over flash's (FLEX_MEASURED, VARLEN_MEASURED)"
         if adapter.moe:
             r_mm, r_attn = r_mm * MOE_DEFAULT_SHARE, r_attn * MOE_DEFAULT_SHARE
             how += f", MoE layers at {MOE_DEFAULT_SHARE:.2f} of it (fitted to one run; probe the layer)"
+        xf, xb = kernel_extra(adapter, w) if w.device == "cuda" else (0.0, 0.0)
 
         def layer_s(P: int, forward: bool, tokens: int, stashed: bool = False) -> float:
             if forward:
                 return (2.0 * P / r_mm + attn_tok / r_attn + xf) * tokens
             return (6.0 * P / r_mm + (2 if stashed else 3) * attn_tok / r_attn + (xb - xf if stashed else xb)) * tokens
+    if xb:
+        how += ", FlexAttention's or the varlen kernel's time beyond SDPA's kernel's (KERNEL_RATE, SDPA_RATE)"
     head_s = fl["head"] / prof.head_flops
     if w.precision == "fp32" and w.device == "cuda":  # the engine computes in fp32 (no TF32): every rate above is
         #                                              a bf16 tensor-core rate, not probed in fp32
