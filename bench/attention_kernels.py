@@ -18,7 +18,7 @@ Two kinds of case:
 
 Each kernel's rate per executed FLOP as a share of SDPA's over plain rows of the same head_dim and length, against
 the span its rows attend over (rate_vs_sdpa_*), and SDPA's own rates are what the planner times a layer's other
-kernel at (timing.kernel_extra): printed last as calibration.KERNEL_RATE and calibration.SDPA_RATE.
+kernel at (kernel_time.kernel_extra): printed last as calibration.KERNEL_RATE and calibration.SDPA_RATE.
 
 Per case: forward alone (no autograd) and forward + backward, milliseconds and TFLOP/s by the FLOPs executed
 (forward 2·span·heads·head_dim per token, span = T for causal rows, 2W - W²/T with a window W, the sum of the

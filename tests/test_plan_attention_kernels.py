@@ -14,7 +14,8 @@ from megatrain.planner import Workload
 from megatrain.planner.flops import kind_span
 from megatrain.planner.calibration import KERNEL_RATE, SDPA_RATE
 from megatrain.planner.profile import DEFAULTS, LayerRate, layer_shape
-from megatrain.planner.timing import kernel_extra, kernel_share, sdpa_rate, step_time
+from megatrain.planner.kernel_time import kernel_extra, kernel_share, sdpa_rate
+from megatrain.planner.timing import step_time
 
 CONFIGS = Path(__file__).resolve().parents[1] / "bench" / "model-configs"
 

@@ -207,9 +207,10 @@ KERNEL_RATE = _fit(
     "documents', Σd²/T; a window's): log-linear in the span between points, flat beyond. A layer on FlexAttention "
     "(packed rows under 32,768 tokens at head_dim 128 and below, windows, Gemma 2's soft-capping, gpt-oss's sinks) or "
     "the variable-length flash kernel (packed rows otherwise) costs, on top of its attention at the planner's rate, "
-    "the time its kernel takes beyond SDPA's at SDPA_RATE over the same FLOPs (timing.kernel_extra). Short documents "
-    "cost more per FLOP (blocks and tails partly empty): documents of 50-600 tokens run at a seventh of SDPA's rate, "
-    "of 200-3,000 at two fifths, whole rows at 0.53-0.61 (varlen) and 0.61-0.72 (FlexAttention, head_dim 128)",
+    "the time its kernel takes beyond SDPA's at SDPA_RATE over the same FLOPs (kernel_time.kernel_extra). Short "
+    "documents cost more per FLOP (blocks and tails partly empty): documents of 50-600 tokens run at a seventh of "
+    "SDPA's rate, of 200-3,000 at two fifths, whole rows at 0.53-0.61 (varlen) and 0.61-0.72 (FlexAttention, "
+    "head_dim 128)",
     "python3 bench/attention_kernels.py --quick --json OUT.json (prints calibration.KERNEL_RATE)")
 SDPA_RATE = _fit(
     "SDPA_RATE", {128: ((4096, 590e12, 495e12), (32768, 587e12, 535e12), (131072, 556e12, 529e12)),
