@@ -128,14 +128,14 @@ def step_time(adapter, units, w: Workload, prof: Profile, other_mode: bool = Tru
     if blocked and rate is not None:  # the probe ran the fused kernel: time the blocked attention apart
         rate, how = None, "the probed layer ran the attention's fused backward"
     attn_tok = 2.0 * attention_span(adapter, w.span_len) * adapter.num_heads * adapter.head_dim  # a layer's, a token's
+    # a layer on FlexAttention or the varlen kernel: what that kernel takes beyond SDPA's, on top of either rate (a
+    # probe, like the profile's attention rate, ran SDPA's kernel over plain rows)
+    xf, xb = kernel_extra(adapter, w) if w.device == "cuda" else (0.0, 0.0)
     if rate is not None:  # measured on this layer shape: matmuls and attention together
         # measured only in the other compile mode: converted by the compiled/eager ratio of the H200 runs
         mode = 1.0 if rate.compile == w.compile else COMPILED_SPEEDUP if w.compile else 1.0 / COMPILED_SPEEDUP
         if mode != 1.0:
             how += f", {'compiled' if w.compile else 'eager'} taken as x{mode:.2f} that rate"
-
-        # the probe ran SDPA's kernel over plain rows: a layer on another kernel adds its extra at the attention rate
-        xf, xb = kernel_extra(adapter, w) if w.device == "cuda" else (0.0, 0.0)
 
         def layer_s(P: int, forward: bool, tokens: int, stashed: bool = False) -> float:  # one layer use over
             #                                                                            `tokens` tokens
@@ -157,7 +157,6 @@ def step_time(adapter, units, w: Workload, prof: Profile, other_mode: bool = Tru
         if adapter.moe:
             r_mm, r_attn = r_mm * MOE_DEFAULT_SHARE, r_attn * MOE_DEFAULT_SHARE
             how += f", MoE layers at {MOE_DEFAULT_SHARE:.2f} of it (fitted to one run; probe the layer)"
-        xf, xb = kernel_extra(adapter, w) if w.device == "cuda" else (0.0, 0.0)
 
         def layer_s(P: int, forward: bool, tokens: int, stashed: bool = False) -> float:
             if forward:
