@@ -7,7 +7,18 @@ The prompts are data (megatrain/data/prompts.py); the sampler is megatrain/rollo
 """
 
 from .config import BUILTIN_REWARDS, GRPOConfig, RewardSpec
-from .rewards import Reward, load_rewards, numeric_answer, row_problem, score
+
+_REWARDS = ("Reward", "load_rewards", "numeric_answer", "row_problem", "score")
+
+
+def __getattr__(name: str):
+    """rewards.py's names, imported when first used: it imports torch, which the config (megatrain.config reads the
+    grpo section from .config) does not need, so a config is read and checked without it."""
+    if name in _REWARDS:
+        from . import rewards
+
+        return getattr(rewards, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["BUILTIN_REWARDS", "GRPOConfig", "Reward", "RewardSpec", "load_rewards", "numeric_answer", "row_problem",
            "score"]

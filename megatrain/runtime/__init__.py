@@ -26,77 +26,31 @@ and a CPU optimizer that overlaps the GPU. Modules, one job each:
     activation_spill.py    layer-boundary activations parked in pinned host memory
     timeline.py            busy shares of the CUDA streams
 
-`build_runtime` wires them for the trainer, the benchmarks and the tests. The runtime sees tensors only: it never
+    build.py               build_runtime: wires them for the trainer, the benchmarks and the tests
+
+The names below are imported from their modules when first used (`from megatrain.runtime import Engine`): the
+package itself imports nothing, so torch-free modules of it (knobs.py, schedule.py) load without torch (the config
+reads Placement's keys from them before anything needs torch). The runtime sees tensors only: it never
 imports the command line, the config or the data files' code.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from importlib import import_module
 
-import torch
-
-from .adamw import CpuAdamW
-from .engine import CollectGrads, Engine, EngineOptions, Phase
-from .lmhead import HeadKernels
-from .microbatch import MicroBatch, StepOutput
-from .objective import SFT, Objective
-from .optimizer_pipeline import OptimizerPipeline, OptimizerThreadError
-from .pinned import PinnedHost
-from .schedule import Placement, Use, grads_to_host, step_schedule
-from .store import HostStore, store_dtypes
-from .timeline import Timeline
+_HOME = {"CpuAdamW": "adamw", "CollectGrads": "engine", "Engine": "engine", "EngineOptions": "engine",
+         "Phase": "engine", "HeadKernels": "lmhead", "MicroBatch": "microbatch", "StepOutput": "microbatch",
+         "SFT": "objective", "Objective": "objective", "OptimizerPipeline": "optimizer_pipeline",
+         "OptimizerThreadError": "optimizer_pipeline", "PinnedHost": "pinned", "Placement": "schedule",
+         "Use": "schedule", "grads_to_host": "schedule", "step_schedule": "schedule", "HostStore": "store",
+         "store_dtypes": "store", "Timeline": "timeline", "Runtime": "build", "RuntimeOptions": "build",
+         "build_runtime": "build"}
 
 
-@dataclass(frozen=True)
-class RuntimeOptions:
-    engine: EngineOptions = field(default_factory=EngineOptions)  # its placement: schedule.Placement
-    adam_threads: int | None = None  # intra-op threads of the optimizer worker (default: torch's)
-    threaded_optimizer: bool | None = None  # default: on CUDA
-    measure_streams: bool = True  # a Timeline of the streams' busy shares (CUDA)
+def __getattr__(name: str):
+    if name in _HOME:
+        return getattr(import_module(f".{_HOME[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@dataclass
-class Runtime:
-    store: HostStore
-    engine: Engine
-    pipeline: OptimizerPipeline
-    pinned: PinnedHost
-    timeline: Timeline | None
-
-    def close(self) -> None:
-        """Stop the optimizer worker, then unregister every pinned buffer (the store's included) and remove the SSD
-        tier's scratch files (the store's RAM states stay readable)."""
-        try:
-            self.pipeline.close()
-        finally:
-            self.pinned.close()
-            self.store.close()
-
-
-def build_runtime(store: HostStore, device: torch.device | str, optimizer: CpuAdamW,
-                  options: RuntimeOptions = RuntimeOptions()) -> Runtime:
-    """The engine and the optimizer pipeline around a filled store: the store's streaming copy (the master in fp32
-    mode) is pinned on CUDA, and the engine's gradient sink is the pipeline."""
-    device = torch.device(device)
-    cuda = device.type == "cuda"
-    pinned = PinnedHost(cuda)
-    pipeline = None
-    try:
-        pinned.register(store.stream, "host store's streaming copy")
-        timeline = Timeline() if cuda and options.measure_streams else None
-        to_host = grads_to_host(len(store.tiles), options.engine.placement)
-        pipeline = OptimizerPipeline(store, optimizer, device, pinned, threaded=options.threaded_optimizer,
-                                     to_host=tuple(to_host), threads=options.adam_threads, timeline=timeline)
-        engine = Engine(store, store.adapter, device, pipeline, options.engine, timeline=timeline, pinned=pinned)
-    except BaseException:
-        if pipeline is not None:
-            pipeline.close()
-        pinned.close()
-        raise
-    return Runtime(store, engine, pipeline, pinned, timeline)
-
-
-__all__ = ["CollectGrads", "CpuAdamW", "Engine", "EngineOptions", "HeadKernels", "HostStore", "MicroBatch", "Objective",
-           "OptimizerPipeline", "OptimizerThreadError", "Phase", "PinnedHost", "Placement", "Runtime",
-           "RuntimeOptions", "SFT", "StepOutput", "Timeline", "Use", "build_runtime", "step_schedule", "store_dtypes"]
+__all__ = sorted(_HOME)
