@@ -4,7 +4,8 @@ seeded order that resumes exactly.
 Modules, one job each:
     config.py     the `data:` config section (DataConfig, DatasetSpec)
     sources.py    config -> sources -> files -> raw datasets (JSON/JSONL/parquet/csv/txt, save_to_disk dirs,
-                  LLaMA-Factory dataset_info.json registries)
+                  LLaMA-Factory dataset_info.json registries); whether they are preference pairs or prompts (read
+                  with the config, without torch)
     cache_raw.py  JSON-lines files -> their raw Arrow part a block of lines at a time (cached, memory-mapped again)
     formats.py    a row of text/alpaca/sharegpt/messages/prompt_completion -> one canonical sample
     template.py   a sample -> input_ids and labels through the tokenizer's chat template (incremental rendering)
@@ -62,8 +63,8 @@ _WHERE = {"DataConfig": "config", "DatasetSpec": "config", "load_exact_match": "
           "validate_inputs": "loader", "PairBatches": "preference_loader", "PairLoader": "preference_loader",
           "all_pair_batches": "preference_loader", "build_pair_eval_batches": "preference_loader",
           "build_pair_loader": "preference_loader", "pair_fingerprint": "preference_loader",
-          "is_preference": "preference_examples", "PromptRow": "prompts", "PromptSource": "prompts",
-          "build_prompt_source": "prompts", "is_prompt": "prompts", "render_prompt_preview": "prompts",
+          "is_preference": "sources", "PromptRow": "prompts", "PromptSource": "prompts",
+          "build_prompt_source": "prompts", "is_prompt": "sources", "render_prompt_preview": "prompts",
           "load_tokenizer": "tokenizer"}
 
 __all__ = sorted(_WHERE)

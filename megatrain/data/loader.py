@@ -6,11 +6,11 @@ from ..errors import MegatrainError
 from .config import DataConfig
 from .examples import Examples, build_examples
 from .packing import collate
-from .preference_examples import build_pairs, check_preference, is_preference, render_pair_preview
-from .prompts import check_prompts, is_prompt, render_prompt_preview
+from .preference_examples import build_pairs, check_preference, render_pair_preview
+from .prompts import check_prompts, render_prompt_preview
 from .preview import count_lines, efficiency_line, render_preview
 from .sampler import BatchShape, EpochPlanner, ResumableSampler, rank_share
-from .sources import resolve_sources, source_files
+from .sources import is_preference, is_prompt, resolve_sources, source_files
 from .tokenizer import apply_chat_template_override, pad_id, read_chat_template
 
 Batch = dict  # input_ids, labels, position_ids: int64 [B, T]; num_real_tokens: int64 scalar (see __init__)

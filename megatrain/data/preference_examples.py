@@ -28,14 +28,6 @@ from .template import IGNORE
 from .tokenizer import row_tokens
 
 
-def is_preference(cfg: DataConfig) -> bool:
-    """Whether the configured data is preference pairs: data.format preference, or a dataset (training or
-    evaluation) that resolves to it (a dataset_info entry with "ranking": true). MegatrainError when a named
-    registry or entry is missing."""
-    return cfg.format == "preference" or any(s.format == "preference" for side in (False, True)
-                                             for s in resolve_sources(cfg, eval=side))
-
-
 def check_preference(cfg: DataConfig) -> None:
     """Preference data is all pairs (training and evaluation), unpacked, with loss on completions only."""
     sources = resolve_sources(cfg) + resolve_sources(cfg, eval=True)

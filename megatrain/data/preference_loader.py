@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from ..errors import MegatrainError
 from .config import DataConfig
 from .loader import StepLoader
-from .preference_examples import Pairs, build_pairs, is_preference, once_plan, pair_batch, pair_summary
+from .preference_examples import Pairs, build_pairs, once_plan, pair_batch, pair_summary
+from .sources import is_preference
 from .sampler import BatchShape, EpochPlanner, ResumableSampler
 from .tokenizer import apply_chat_template_override, pad_id
 

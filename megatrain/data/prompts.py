@@ -140,13 +140,6 @@ def encode_prompt_row(raw: dict, index: int, *, tok, fmt: str, columns: dict, ro
 
 
 # ---- the prompts of a run --------------------------------------------------------------------------------------
-def is_prompt(cfg: DataConfig) -> bool:
-    """Whether the configured data is prompts: data.format prompt, or a dataset (training or evaluation) that
-    resolves to it. MegatrainError when a named registry or entry is missing."""
-    return cfg.format == "prompt" or any(s.format == "prompt" for side in (False, True)
-                                         for s in resolve_sources(cfg, eval=side))
-
-
 def check_prompts(cfg: DataConfig) -> None:
     """Prompt data is prompts only (training and evaluation)."""
     for s in resolve_sources(cfg) + resolve_sources(cfg, eval=True):

@@ -405,3 +405,19 @@ def raw_features():
 def is_json_array(file: Path) -> bool:
     with open(file, "rb") as fh:
         return fh.read(4096).lstrip().startswith(b"[")
+
+
+# ---- what kind of data a config names (read with the config: nothing heavier than this module) ----------------
+def is_preference(cfg: DataConfig) -> bool:
+    """Whether the configured data is preference pairs: data.format preference, or a dataset (training or
+    evaluation) that resolves to it (a dataset_info entry with "ranking": true). MegatrainError when a named
+    registry or entry is missing."""
+    return cfg.format == "preference" or any(s.format == "preference" for side in (False, True)
+                                             for s in resolve_sources(cfg, eval=side))
+
+
+def is_prompt(cfg: DataConfig) -> bool:
+    """Whether the configured data is prompts: data.format prompt, or a dataset (training or evaluation) that
+    resolves to it. MegatrainError when a named registry or entry is missing."""
+    return cfg.format == "prompt" or any(s.format == "prompt" for side in (False, True)
+                                         for s in resolve_sources(cfg, eval=side))
