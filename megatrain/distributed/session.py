@@ -31,8 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import MegatrainError
-from ..runtime import CpuAdamW, Engine, HostStore, PinnedHost, Runtime, RuntimeOptions, Timeline
-from ..runtime.schedule import grads_to_host
+from ..runtime import CpuAdamW, HostStore, Runtime, RuntimeOptions, build_runtime
 from .grads import ShardedPipeline
 from .shared import NodeFlags, NodeMemory
 from .step import DistributedEngine
@@ -188,26 +187,16 @@ class Distributed:
     def build_runtime(self, store: HostStore, optimizer: CpuAdamW, options: RuntimeOptions) -> Runtime:
         """runtime.build_runtime for this rank: the pipeline is a ShardedPipeline over this rank's shards, the engine
         a DistributedEngine (step.py). The node's shared store must be filled (store_filled)."""
-        cuda = self.device.type == "cuda"
-        pinned = PinnedHost(cuda)
-        pipeline = None
-        try:
-            pinned.register(store.stream, "host store's streaming copy (shared by the node's ranks)")
-            timeline = Timeline() if cuda and options.measure_streams else None
-            to_host = grads_to_host(len(store.tiles), options.engine.placement)
-            pipeline = ShardedPipeline(store, optimizer, self.device, pinned, self.world, self.groups, self.flags,
-                                       threaded=options.threaded_optimizer, to_host=tuple(to_host),
-                                       threads=options.adam_threads or self.threads, timeline=timeline,
-                                       wait_timeout=self.timeout)
-            engine = Engine(store, store.adapter, self.device, pipeline, options.engine, timeline=timeline,
-                            pinned=pinned)
-        except BaseException:
-            if pipeline is not None:
-                pipeline.close()
-            pinned.close()
-            raise
-        self.engine = DistributedEngine(engine, pipeline, self)
-        return Runtime(store, self.engine, pipeline, pinned, timeline)
+        def make_pipeline(pinned, to_host, timeline):
+            return ShardedPipeline(store, optimizer, self.device, pinned, self.world, self.groups, self.flags,
+                                   threaded=options.threaded_optimizer, to_host=to_host,
+                                   threads=options.adam_threads or self.threads, timeline=timeline,
+                                   wait_timeout=self.timeout)
+
+        rt = build_runtime(store, self.device, optimizer, options, make_pipeline,
+                           "host store's streaming copy (shared by the node's ranks)")
+        self.engine = DistributedEngine(rt.engine, rt.pipeline, self)
+        return Runtime(store, self.engine, rt.pipeline, rt.pinned, rt.timeline)
 
     def step_tokens(self, tokens: int) -> int:
         """Real tokens of the step just trained on every rank (the engine summed them before the step)."""

@@ -42,19 +42,23 @@ class Runtime:
 
 
 def build_runtime(store: HostStore, device: torch.device | str, optimizer: CpuAdamW,
-                  options: RuntimeOptions = RuntimeOptions()) -> Runtime:
+                  options: RuntimeOptions = RuntimeOptions(), make_pipeline=None,
+                  pinned_as: str = "host store's streaming copy") -> Runtime:
     """The engine and the optimizer pipeline around a filled store: the store's streaming copy (the master in fp32
-    mode) is pinned on CUDA, and the engine's gradient sink is the pipeline."""
+    mode) is pinned on CUDA, and the engine's gradient sink is the pipeline. make_pipeline(pinned, to_host,
+    timeline): another pipeline than OptimizerPipeline (a torchrun rank's ShardedPipeline: distributed/session.py);
+    pinned_as: how the pinned copy is named in errors."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     pinned = PinnedHost(cuda)
     pipeline = None
     try:
-        pinned.register(store.stream, "host store's streaming copy")
+        pinned.register(store.stream, pinned_as)
         timeline = Timeline() if cuda and options.measure_streams else None
-        to_host = grads_to_host(len(store.tiles), options.engine.placement)
-        pipeline = OptimizerPipeline(store, optimizer, device, pinned, threaded=options.threaded_optimizer,
-                                     to_host=tuple(to_host), threads=options.adam_threads, timeline=timeline)
+        to_host = tuple(grads_to_host(len(store.tiles), options.engine.placement))
+        pipeline = make_pipeline(pinned, to_host, timeline) if make_pipeline else \
+            OptimizerPipeline(store, optimizer, device, pinned, threaded=options.threaded_optimizer, to_host=to_host,
+                              threads=options.adam_threads, timeline=timeline)
         engine = Engine(store, store.adapter, device, pipeline, options.engine, timeline=timeline, pinned=pinned)
     except BaseException:
         if pipeline is not None:
