@@ -207,3 +207,17 @@ def test_generation_config_that_is_not_json(setup, capsys):
     (model_dir / "generation_config.json").write_text('{"eos_token_id": 2,\n}')
     assert cli_error(capsys, tmp_path, "train", str(cfg)).startswith(
         f"{model_dir / 'generation_config.json'}:2: malformed JSON")
+
+
+def test_cuda_plan_with_a_profile_probed_without_a_gpu(setup, capsys):
+    """A profile written where no GPU was (its disk or CPU only) leaves a CUDA plan no GPU memory: the refusal says
+    which profile and what to do, not an empty name."""
+    tmp_path, model_dir, data = setup
+    cfg = write_config(tmp_path, model_dir, data)
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"disk": {"read_bps": 12e9, "write_bps": 12e9, "path": "/nvme"}}))
+    rc = main(["plan", str(cfg), "train.device=cuda", f"plan.profile={prof}"])
+    out = capsys.readouterr()
+    assert rc != 0 and "Traceback" not in out.err
+    assert f"0.0 GiB available ({prof} was probed without a GPU; `megatrain probe` on the GPU's host)" in \
+        out.out + out.err

@@ -70,6 +70,8 @@ def plan_for_config(cfg, adapter, device: str, profile: Profile | None = None, w
         else:
             gpu_limit = float(prof.gpu_total_bytes)
             gpu_src = f"{prof.gpu_name}, from the profile" if prof.measured else f"{prof.gpu_name}"
+            if prof.measured and not prof.gpu_name:
+                gpu_src = f"{prof.source} was probed without a GPU; `megatrain probe` on the GPU's host"
         if budget and budget * GiB < gpu_limit:
             gpu_limit, gpu_src = budget * GiB, "memory.gpu_budget_gb"
     ssd_free, stale = None, 0
