@@ -147,10 +147,11 @@ def index_table() -> list[str]:
 
 
 def _moved(x: dict) -> str:
-    """An export from a checkpoint reads the fp32 master and writes bf16: its time against doing both at the disk's
-    rates, beside its output's rate."""
-    f = x.get("fraction_of_read_then_write")
-    return f"; {f:.0%} of reading the master then writing at the disk's rates" if f is not None else ""
+    """An export from a checkpoint reads the fp32 master (4 B/param) and writes bf16 (2 B/param): the bytes it moves
+    (read and written) against min(read, write), and its time against reading then writing at the disk's rates."""
+    f, m = x.get("fraction_of_read_then_write"), x.get("moved_fraction_of_disk")
+    moved = f"; bytes read and written: {m:.0%} of min(read, write)" if m is not None else ""
+    return moved + (f"; {f:.0%} of reading the master then writing at the disk's rates" if f is not None else "")
 
 
 def io_table() -> list[str]:

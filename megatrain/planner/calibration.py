@@ -285,19 +285,20 @@ DEFAULT_DISK_WRITE_BPS = _fit(
     "DEFAULT_DISK_WRITE_BPS", 1.6e9, "bytes/s", "the same disk written (O_DIRECT, 16 MiB requests)",
     f"{_PROBE} --disk PATH")
 IO_EFFICIENCY = _fit(
-    "IO_EFFICIENCY", {"load": 0.8, "save": 0.9, "resume": 0.9, "export": 0.75, "export_ckpt": 0.85},
+    "IO_EFFICIENCY", {"load": 0.8, "save": 0.9, "resume": 0.9, "export": 0.8, "export_ckpt": 0.85},
     "share of the disk's rate",
     "what loading pretrained safetensors (read), a checkpoint's save (write), a resume (read), the export from the "
-    "store (write) and from a checkpoint (its masters read, then the bf16 written) reach of the disk's O_DIRECT "
-    "rates with the default I/O threads on an H100 host (Qwen2.5-7B's layers, disk 1.53 GB/s read, 2.01 write): "
-    "load 0.84 (not in the page cache), save 0.91, resume 0.95, export 0.76, a checkpoint's export 0.90 of the sum "
-    "of its read and write times; rounded down",
-    "python3 bench/bench_io.py --model bench/model-configs/qwen2.5-7b --layers 10 --json OUT.json")
+    "store (write) and from a checkpoint (its masters read and the bf16 written, pipelined) reach of the disk's "
+    "O_DIRECT rates with the default I/O threads on an H200 host (Qwen2.5-7B's layers, disk 2.10 GB/s read, 2.38 "
+    "write): load 0.83 (not in the page cache), save 0.94, resume 0.90, export 0.83, a checkpoint's export 0.86 of "
+    "the sum of its read and write times; rounded down",
+    "python3 bench/bench_io.py --model bench/model-configs/qwen2.5-7b --layers 6 --json OUT.json")
 IO_HASH_BPS = _fit(
     "IO_HASH_BPS", 14e9, "bytes/s",
-    "sha256 on the I/O threads of a save or a resume (checkpoint/fastio.py), 16 on a 16-core H100 host (14.9 GB/s "
-    "measured): a disk faster than this is not written or read faster than it is hashed",
-    "python3 bench/bench_io.py --model bench/model-configs/qwen2.5-7b --layers 10 --json OUT.json (sha256_bps)")
+    "sha256 on the I/O threads of a save or a resume (checkpoint/fastio.py), 16 threads: 19.2 GB/s measured on a "
+    "16-core H200 host, 14.9 on an H100 host; the lower kept: a disk faster than this is not written or read faster "
+    "than it is hashed",
+    "python3 bench/bench_io.py --model bench/model-configs/qwen2.5-7b --layers 6 --json OUT.json (sha256_bps)")
 
 # ---- several ranks (world.py) -------------------------------------------------------------------------------
 INTRA_NODE_BPS = _fit(
