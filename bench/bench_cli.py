@@ -31,6 +31,13 @@ their median, the slowest step over it with its GPU idle time and idle stretches
 those, a table last, and writes JSON (--json).
 `--device cpu` sets train.device=cpu (a check of the script, with a tiny config.json).
 
+`--pretrained` loads weights as a user's first run does: model/ gets random bf16 safetensors shards of the config's
+tensors (pretrained_files.py) and model.init: pretrained; the disk under --workdir is measured first (O_DIRECT, 8 GiB,
+runtime/disk_probe.py) and the files' pages are evicted (`--cached`: read once instead, so the run finds them in the
+page cache). `pretrained` reports the files' bytes, the disk's rates, and the start-up phase that read them: its
+seconds, GB/s and share of the disk's read rate; `time_to_step_1_s` (every run) is the process's start to step 1's
+(phases that ran at once counted once), `step_1_done_s` adds step 1's wall time.
+
 `--objective dpo` (ipo, simpo, orpo) trains that preference objective on synthetic pairs instead: --seqs and --micro
 still count rows (sequences), a pair being two (its chosen and rejected side), so `--seqs 128 --micro 64` is 64
 pairs per step in micro-batches of 32 pairs, the same tokens as SFT's `--seqs 128 --micro 64`. data.jsonl then holds
@@ -70,6 +77,7 @@ sys.path.insert(0, str(HERE))
 from common import spread_lines, step_spread, table, write_json  # noqa: E402
 from host_trace import HostTrace, trace_lines  # noqa: E402
 import varied_rows  # noqa: E402
+import pretrained_files  # noqa: E402
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 # the precomputed reference pass's record (run/reference.py), copied into the result
@@ -178,7 +186,8 @@ def write_config(path: Path, args, model_dir: Path, tokenizer: Path, data: Path,
     import yaml
 
     cfg = {
-        "model": {"path": str(model_dir), "init": "random", "tokenizer": str(tokenizer)},
+        "model": {"path": str(model_dir), "init": "pretrained" if args.pretrained else "random",
+                  "tokenizer": str(tokenizer)},
         "data": {"path": str(data), "format": "text", "max_seq_len": args.seq, "packing": bool(args.docs),
                  "overlong": "truncate", "cache_dir": str(path.parent / "data-cache")},
         "train": {"steps": args.warmup + args.steps, "micro_batch_size": args.micro,
@@ -392,6 +401,49 @@ def step_records(metrics: Path) -> list[dict]:
     return steps
 
 
+def pretrained(model_dir: Path, cached: bool) -> dict:
+    """Writes the model's random bf16 safetensors, measures the disk they are on (O_DIRECT, the SSD tier's way), and
+    evicts their pages (cold) or reads them once (cached): the run's load is then the disk's, or the page cache's."""
+    from megatrain.runtime.disk_probe import describe, measure_disk
+
+    t0 = time.perf_counter()
+    nbytes = pretrained_files.write_weights(model_dir)
+    written_s = time.perf_counter() - t0
+    disk = measure_disk(model_dir.parent, 8 << 30)
+    print(describe(disk))
+    pretrained_files.evict(model_dir)
+    if cached:
+        for f in sorted(model_dir.glob("*.safetensors")):
+            with f.open("rb") as fh:
+                while fh.read(64 << 20):
+                    pass
+    return {"bytes": nbytes, "files_written_s": written_s, "page_cache": "cached" if cached else "evicted",
+            "disk_read_bps": disk["read_bps"], "disk_write_bps": disk["write_bps"]}
+
+
+def load_phase(startup: dict, weights: dict) -> dict:
+    """The start-up phase that read the weights ("store filled (weights read X GB at Y GB/s)"): its seconds, its
+    rate over the files' bytes and that rate over the disk's read rate."""
+    for name, seconds in startup.items():
+        if name.startswith("store filled (weights read"):
+            rate = weights["bytes"] / max(seconds, 1e-9)
+            return {"load_phase": name, "load_s": seconds, "load_bps": rate,
+                    "load_fraction_of_read": rate / weights["disk_read_bps"]}
+    return {}
+
+
+def time_to_first_step(startup: dict) -> float:
+    """Seconds from the process's start to step 1's: the start-up phases in order, those that ran at once counted by
+    the wall time the record gives them ("wall time of the N phases above, which ran at once")."""
+    spans = []
+    for name, seconds in startup.items():
+        if name.startswith("wall time of the "):
+            n = int(name.split()[4])
+            spans = spans[:-n]
+        spans.append(seconds)
+    return sum(spans)
+
+
 def num_params(model_dir: Path) -> int:
     from megatrain.models import get_adapter, load_hf_config
 
@@ -487,8 +539,15 @@ def main() -> int:
                    help="train.objective; a preference objective trains on pairs (--seqs, --micro: rows, 2 a pair)")
     p.add_argument("--reference", default="auto", choices=["auto", "precompute", "stream"],
                    help="preference.reference (dpo, ipo)")
+    p.add_argument("--pretrained", action="store_true",
+                   help="model.init: pretrained, from random bf16 safetensors written into the model folder "
+                        "(pretrained_files.py); the disk's rates measured there first, the files' pages evicted")
+    p.add_argument("--cached", action="store_true", help="with --pretrained: the files read once before the run "
+                                                         "(in the page cache), not evicted")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.cached and not args.pretrained:
+        p.error("--cached: only with --pretrained")
     if args.docs:
         low, high = (int(x) for x in args.docs.split(":"))
         if not 1 <= low <= high < args.seq:
@@ -545,6 +604,7 @@ def main() -> int:
         out_dir.mkdir(parents=True)
         write_config(work / "run.yaml", args, work / "model", work / "tokenizer", work / "data.jsonl", out_dir)
         prep_s = time.perf_counter() - t0
+        weights = pretrained(work / "model", args.cached) if args.pretrained else {}
         memory = NodeMemory()
         traces = []
         start_trace = (lambda pid: traces.append(HostTrace(pid, out_dir / "metrics.jsonl"))) if args.trace_host else None
@@ -560,6 +620,10 @@ def main() -> int:
         res.update(node_host_per_param(res, args.nproc_per_node))
         if steps and steps[0].get("startup_s"):  # where the time before the first step went (rank 0's)
             res["startup_s"] = steps[0]["startup_s"]
+            res["time_to_step_1_s"] = time_to_first_step(res["startup_s"])
+            res["step_1_done_s"] = res["time_to_step_1_s"] + steps[0]["wall_s"] if steps[0].get("wall_s") else None
+        if weights:
+            res["pretrained"] = dict(weights, **load_phase(res.get("startup_s") or {}, weights))
         res.update(planned(out_dir / "plan.json"))
         if traces:
             res["host_trace"] = traces[0].per_step()

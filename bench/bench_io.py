@@ -66,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import hf_config, write_json  # noqa: E402
+from pretrained_files import evict  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402,F401  (imported before the timings: the export uses it)
 from megatrain.checkpoint import CheckpointSaver  # noqa: E402
 from megatrain.checkpoint.export import export_checkpoint, export_store  # noqa: E402
@@ -73,18 +74,6 @@ from megatrain.checkpoint.resume import load_store, open_checkpoint  # noqa: E40
 from megatrain.models import get_adapter  # noqa: E402
 from megatrain.runtime.disk_probe import describe, measure_disk  # noqa: E402
 from megatrain.runtime.store import HostStore  # noqa: E402
-
-
-def evict(folder: Path) -> None:
-    """Drop a folder's clean pages from the page cache (no root needed): the next read comes from the disk."""
-    for p in Path(folder).rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def size(folder: Path) -> int:
