@@ -41,6 +41,7 @@ import torch
 
 from ..errors import MegatrainError
 from ..runtime.disk_files import probe_direct, transfer
+from ..runtime.gil import short_switches
 from ..runtime.pinned import PAGE, aligned_empty
 from ..runtime.weights_load import serial_torch
 
@@ -78,6 +79,8 @@ class Pool:
     def __init__(self, threads: int | None = None):
         self.threads = io_threads(threads)
         self._ex = ThreadPoolExecutor(self.threads, thread_name_prefix="megatrain-io", initializer=serial_torch)
+        self._switches = short_switches()  # the threads take the GIL back often: runtime/gil.py
+        self._switches.__enter__()
         self._local = threading.local()
         self.error: BaseException | None = None
         self.cancelled = False
@@ -115,6 +118,9 @@ class Pool:
     def close(self) -> None:
         self._ex.shutdown(wait=True)
         self._local = threading.local()
+        switches, self._switches = self._switches, None
+        if switches is not None:
+            switches.__exit__(None, None, None)
 
     def __enter__(self):
         return self

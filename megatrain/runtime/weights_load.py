@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 from ..errors import MegatrainError
+from .gil import short_switches
 
-PIECE = 4 << 20  # bytes of a checkpoint tensor read by one task
+PIECE = 16 << 20  # bytes of a checkpoint tensor read by one task (fewer tasks: the GIL taken fewer times, gil.py)
 THREADS = 16  # pieces in flight at most (reads and casts: a page-cached file is read at memory speed)
 SOURCE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
@@ -126,7 +127,8 @@ def load_units(store, model_dir: Path, weight_map: dict, packed: dict, open_shar
         moved(sum(_nbytes(headers[weight_map[nm]][1][nm]) for nm in p.names))
 
     try:
-        with ThreadPoolExecutor(n, thread_name_prefix="megatrain-load", initializer=serial_torch) as pool:
+        with short_switches(), ThreadPoolExecutor(n, thread_name_prefix="megatrain-load",
+                                                  initializer=serial_torch) as pool:  # (gil.py: the GIL back often)
             futures = []
             for i, t in enumerate(store.tiles):
                 with store.unit_state(i, ("master",), read=False, write=True) as st:
