@@ -47,6 +47,7 @@ from ..errors import MegatrainError
 from .layout import FORMAT, MANIFEST, RUN_STATE, complete_checkpoints, unit_file_name
 from .fastio import ChunkWriter, IOStats, Pool, byte_view, direct_ok, wait_all
 from .tensorfile import TensorFileWriter, fsync_dir, header_bytes, sha256_file
+from ..runtime.gil import short_switches
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")  # the tile buffers saved, all fp32; the streaming copy is derived
 
@@ -217,6 +218,10 @@ class CheckpointSaver:
         """Start saving the store as step `step`; returns once the writer runs. A save still running is
         finished first. `write_files(dir)` adds small files (model config, tokenizer) synchronously."""
         self.wait()
+        with short_switches():  # the job's views are many torch calls, each taking the GIL back (runtime/gil.py)
+            self._start(step, run_state, write_files)
+
+    def _start(self, step: int, run_state: dict, write_files) -> None:
         if self.pipeline is not None:
             self.pipeline.drain()  # every update of this step written: the store is exactly step `step`
         self.root.mkdir(parents=True, exist_ok=True)
@@ -271,6 +276,10 @@ class CheckpointSaver:
 
     # ---- the writer thread ---------------------------------------------------------------------------
     def _write(self, job: _Job) -> None:
+        with short_switches():  # the manifest's and folders' syncs too take the GIL back often (runtime/gil.py)
+            self._write_files(job)
+
+    def _write_files(self, job: _Job) -> None:
         writers: list[ChunkWriter] = []
         try:
             delay = float(os.environ.get("MEGATRAIN_TEST_SAVE_DELAY_S", "0") or 0)

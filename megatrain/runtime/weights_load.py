@@ -2,13 +2,14 @@
 fp32 master on the same threads, without a copy of the model beside the store.
 
 Each checkpoint tensor (bf16, fp16 or fp32) is cut into pieces of PIECE bytes; a piece is one task of a pool of
-`threads` threads: `preadv` its bytes (the call releases the GIL) into the thread's own PIECE buffer, then copy them,
-cast, into the master's view (an fp32 piece is read straight into the master). So the loader holds `threads` x PIECE
-bytes beyond the store however large the model, reads many places of many shards at once (what a disk needs to
-reach its rate; a page-cached file reads at memory speed on every thread), and casts on every core. Tensors of
-other dtypes and those a checkpoint stores packed (gpt-oss's MXFP4 experts, `ModelAdapter.packed_source`) go
-through `safe_open`, one tensor per task. The streaming copies are written from the masters at the end (torch's
-own parallelism). A progress bar (tqdm, on a terminal) shows GB/s; the caller logs bytes and seconds.
+`threads` threads: `preadv` its bytes (the call releases the GIL) into the thread's own PIECE buffer, then copy
+them, cast, into the master's view (an fp32 piece is read straight into the master), and cast again into the
+streaming copy's view while the piece is in the core's cache (no pass over the store at the end). So the loader
+holds `threads` x PIECE bytes beyond the store however large the model, reads many places of many shards at once
+(what a disk needs to reach its rate; a page-cached file reads at memory speed on every thread), and casts on every
+core. Tensors of other dtypes and those a checkpoint stores packed (gpt-oss's MXFP4 experts,
+`ModelAdapter.packed_source`) go through `safe_open`, one tensor per task. A progress bar (tqdm, on a terminal)
+shows GB/s; the caller logs bytes and seconds.
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ def load_units(store, model_dir: Path, weight_map: dict, packed: dict, open_shar
             with lock:
                 bar.update(b)
 
-    def piece(f: str, start: int, part: torch.Tensor, src: torch.dtype, a: int, b: int) -> None:
-        """Elements [a, b) of `part` (flat) from the file's tensor starting at byte `start`."""
+    def piece(f: str, start: int, part: torch.Tensor, src: torch.dtype, a: int, b: int, spart=None) -> None:
+        """Elements [a, b) of `part` (flat) from the file's tensor starting at byte `start`; spart: the same
+        elements of the streaming copy, cast from them here (while they are in this core's cache)."""
         es = src.itemsize
         if src == part.dtype:
             dest = part[a:b].view(torch.uint8)
@@ -102,6 +104,8 @@ def load_units(store, model_dir: Path, weight_map: dict, packed: dict, open_shar
         _read(fds[f], memoryview(dest.numpy()), start + a * es, model_dir / f)
         if src != part.dtype:
             part[a:b].copy_(dest.view(src))
+        if spart is not None:
+            spart[a:b].copy_(part[a:b])
         moved((b - a) * es)
 
     def whole(fn, *args) -> None:
@@ -111,20 +115,28 @@ def load_units(store, model_dir: Path, weight_map: dict, packed: dict, open_shar
         finally:
             handles.clear()
 
-    def via_safe_open(handles, name: str, part: torch.Tensor) -> None:
+    def via_safe_open(handles, name: str, part: torch.Tensor, spart=None) -> None:
         f = weight_map[name]
         h = handles.setdefault(f, open_shard(model_dir / f))
         part.copy_(h.get_tensor(name).reshape(part.shape))
+        if spart is not None:
+            spart.copy_(part)
         moved(_nbytes(headers[f][1][name]))
 
-    def build(handles, s, view) -> None:
+    def build(handles, s, view, sview=None) -> None:
         p = packed[s.hf_name]
         try:
             p.build(view, [handles.setdefault(weight_map[nm], open_shard(model_dir / weight_map[nm])).get_tensor(nm)
                            for nm in p.names])
         except ValueError as e:
             raise MegatrainError(f"{model_dir}: tensors {', '.join(p.names)}: {e}") from None
+        if sview is not None:
+            sview.copy_(view)
         moved(sum(_nbytes(headers[weight_map[nm]][1][nm]) for nm in p.names))
+
+    # the streaming copy filled piece by piece beside the master (not in a pass over the store at the end), unless
+    # the master is staged through the SSD tier (a unit's copy once its buffer is complete) or is the stream itself
+    inline = "master" not in store.on_disk and getattr(store, "separate_stream_copy", False)
 
     try:
         with short_switches(), ThreadPoolExecutor(n, thread_name_prefix="megatrain-load",
@@ -132,13 +144,15 @@ def load_units(store, model_dir: Path, weight_map: dict, packed: dict, open_shar
             futures = []
             for i, t in enumerate(store.tiles):
                 with store.unit_state(i, ("master",), read=False, write=True) as st:
-                    for s, view in zip(t.unit.specs, t.views(st["master"]).values()):
+                    streams = t.views(t.stream).values() if inline else [None] * len(t.unit.specs)
+                    for s, view, sview in zip(t.unit.specs, t.views(st["master"]).values(), streams):
                         if s.hf_name in packed:
-                            futures.append(pool.submit(whole, build, s, view))
+                            futures.append(pool.submit(whole, build, s, view, sview))
                             continue
-                        for name, part in s.split(view):
+                        sparts = [p for _, p in s.split(sview)] if inline else [None] * len(s.checkpoint_names)
+                        for (name, part), spart in zip(s.split(view), sparts):
                             futures += _submit_tensor(pool, piece, whole, via_safe_open, name, part, weight_map,
-                                                      headers, model_dir)
+                                                      headers, model_dir, spart)
                     if "master" in store.on_disk:  # staged: this unit complete before its buffer is written
                         _wait(futures)
                         futures = []
@@ -149,13 +163,10 @@ def load_units(store, model_dir: Path, weight_map: dict, packed: dict, open_shar
             os.close(fd)
         if bar is not None:
             bar.close()
-    if "master" not in store.on_disk:
-        for t in store.tiles:
-            store.refresh_stream_copy(t)
     return {"bytes": total, "seconds": time.perf_counter() - t0}
 
 
-def _submit_tensor(pool, piece, whole, via_safe_open, name, part, weight_map, headers, model_dir) -> list:
+def _submit_tensor(pool, piece, whole, via_safe_open, name, part, weight_map, headers, model_dir, spart) -> list:
     f = weight_map[name]
     start, header = headers[f]
     e = header[name]
@@ -164,13 +175,14 @@ def _submit_tensor(pool, piece, whole, via_safe_open, name, part, weight_map, he
                              f"{list(part.shape)}")
     src = SOURCE.get(e["dtype"])
     if src is None or not part.is_contiguous():
-        return [pool.submit(whole, via_safe_open, name, part)]
+        return [pool.submit(whole, via_safe_open, name, part, spart)]
     lo, hi = e["data_offsets"]
     if hi - lo != part.numel() * src.itemsize:
         raise MegatrainError(f"{model_dir / f}: tensor '{name}' holds {hi - lo} bytes, its shape and dtype "
                              f"{e['dtype']} imply {part.numel() * src.itemsize}")
     flat, step = part.reshape(-1), max(1, PIECE // src.itemsize)
-    return [pool.submit(piece, f, start + lo, flat, src, a, min(a + step, flat.numel()))
+    sflat = None if spart is None else spart.reshape(-1)
+    return [pool.submit(piece, f, start + lo, flat, src, a, min(a + step, flat.numel()), sflat)
             for a in range(0, flat.numel(), step)]
 
 
