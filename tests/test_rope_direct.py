@@ -138,3 +138,27 @@ def test_family_tables_equal_their_transformers_class(name, path):
                 (adapter.inv_freq, adapter.rope_scaling)
             assert torch.equal(inv, ref_inv.detach().float()), (what, lt)
             assert scale == ref_scale, (what, lt)
+
+
+def test_gpt_oss_tables_equal_its_rotary_embedding_without_importing_it():
+    """gpt_oss's tables (yarn) equal GptOssRotaryEmbedding's, and reading them loads neither modeling_gpt_oss nor what
+    it pulls in (torch._dynamo, triton: whose bindings report leaked objects when `megatrain plan` exits)."""
+    import subprocess
+    import sys
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    path = ROOT / "bench" / "model-configs" / "gpt-oss-20b"
+    cfg = load_hf_config(str(path))
+    adapter = get_adapter(cfg)
+    ref = GptOssRotaryEmbedding(copy.deepcopy(cfg))
+    assert cfg.rope_parameters["rope_type"] == "yarn"
+    assert torch.equal(adapter.inv_freq, ref.inv_freq.detach().float())
+    assert adapter.rope_scaling == float(ref.attention_scaling)
+    code = ("import sys; from megatrain.models import get_adapter, load_hf_config; "
+            f"a = get_adapter(load_hf_config({str(path)!r})); a.inv_freq; "
+            "print(sorted(m for m in sys.modules if m in ('triton', 'torch._dynamo') or 'modeling_gpt_oss' in m))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "[]" and "leaked" not in p.stderr

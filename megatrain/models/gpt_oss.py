@@ -137,15 +137,13 @@ class GptOssAdapter(MoEAdapter):
                                  "not set")
 
     def _init_rope(self, c) -> None:
-        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
-
+        """The rope type checked; inv_freq and the attention scaling made on first use (DecoderAdapter.__getattr__:
+        GptOssRotaryEmbedding's tables are llama_rope's). Importing modeling_gpt_oss here would load torch._dynamo
+        and triton on every `megatrain plan`, and triton's bindings report leaked objects at the process's exit."""
         rope_type = (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default")
         if rope_type not in STATIC_ROPE_TYPES:
             raise MegatrainError(f"config.json: rope_parameters.rope_type '{rope_type}' is not supported for gpt_oss; "
                                  f"supported: {', '.join(STATIC_ROPE_TYPES)}")
-        rotary = GptOssRotaryEmbedding(c)  # yarn: transformers' inv_freq and attention scaling
-        self.inv_freq = rotary.inv_freq.detach().float().clone()
-        self.rope_scaling = float(rotary.attention_scaling)
 
     # ---- tensor layout: transformers' parameters, names and shapes ------------------------------------------------
     def units(self) -> list[Unit]:
