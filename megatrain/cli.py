@@ -140,6 +140,9 @@ def _run(args) -> int:
 
     cfg = load_command_line(*_split(args.config, args.overrides))
     if args.command == "train":
+        from .data.sources import check_files
+
+        check_files(cfg.data)  # a missing data file named now, before seconds of importing torch
         from .run import train
 
         train(cfg, since_process_start=True)  # checks every path itself (run.prepare.check_inputs)

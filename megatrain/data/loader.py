@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..errors import MegatrainError
 from .config import DataConfig
 from .examples import Examples, build_examples
 from .packing import collate
@@ -10,7 +9,7 @@ from .preference_examples import build_pairs, check_preference, render_pair_prev
 from .prompts import check_prompts, render_prompt_preview
 from .preview import count_lines, efficiency_line, render_preview
 from .sampler import BatchShape, EpochPlanner, ResumableSampler, rank_share
-from .sources import is_preference, is_prompt, resolve_sources, source_files
+from .sources import check_files, is_preference, is_prompt
 from .tokenizer import apply_chat_template_override, pad_id, read_chat_template
 
 Batch = dict  # input_ids, labels, position_ids: int64 [B, T]; num_real_tokens: int64 scalar (see __init__)
@@ -18,15 +17,11 @@ Batch = dict  # input_ids, labels, position_ids: int64 [B, T]; num_real_tokens: 
 
 def validate_inputs(cfg: DataConfig) -> None:
     """Cheap checks before anything is written: every named file, folder and registry entry exists, non-empty."""
-    sources = resolve_sources(cfg)
-    if not sources:
-        raise MegatrainError("data.path: no training data given (set data.path or data.datasets)")
+    check_files(cfg)
     if is_preference(cfg):
         check_preference(cfg)
     if is_prompt(cfg):
         check_prompts(cfg)
-    for src in sources + resolve_sources(cfg, eval=True):
-        source_files(src)
     if cfg.chat_template:
         read_chat_template(cfg.chat_template)  # a file that exists, is a file, and is UTF-8
 

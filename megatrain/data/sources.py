@@ -190,6 +190,17 @@ def resolve_sources(cfg: DataConfig, eval: bool = False) -> list[Source]:
     return [_source(cfg, f"{key}[{i}]", s, None, registry) for i, s in enumerate(specs or [])]
 
 
+def check_files(cfg: DataConfig) -> list[Source]:
+    """The training sources, at least one, and every training and evaluation source's files, checked to exist and be
+    readable data (source_files): what a run reads first, checked without importing torch or datasets."""
+    sources = resolve_sources(cfg)
+    if not sources:
+        raise MegatrainError("data.path: no training data given (set data.path or data.datasets)")
+    for src in sources + resolve_sources(cfg, eval=True):
+        source_files(src)
+    return sources
+
+
 # ---- source -> files ---------------------------------------------------------------------------------------------
 def is_saved_dataset(p: Path) -> bool:
     return p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file())

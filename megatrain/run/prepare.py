@@ -157,9 +157,9 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
     if cfg.data.max_seq_len > getattr(hf_config, "max_position_embeddings", cfg.data.max_seq_len):
         raise MegatrainError(f"data.max_seq_len: {cfg.data.max_seq_len} exceeds the model's max_position_embeddings "
                              f"({hf_config.max_position_embeddings})")
+    data_lib.validate_inputs(cfg.data)  # the data's files exist (a missing one named before seconds of planning)
     plan = check_before_run(cfg, adapter, device.type, (world.nodes, world.local_size),  # refuses what cannot fit,
                             agree=ranks.agreed)                                           # before a weight is read
-    data_lib.validate_inputs(cfg.data)
     exact = data_lib.load_exact_match(cfg.train.exact_match_path) if cfg.train.exact_match_path else None
     out_dir = Path(cfg.output.dir)
     if (who := holder(out_dir)) is not None:  # said now, before minutes of loading; trainer takes the lock
