@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import signal
 import sys
+import time
 
 from .errors import ArgumentParser, MegatrainError, count, positive_int, positive_number, report
 
@@ -143,9 +144,10 @@ def _run(args) -> int:
         from .data.sources import check_files
 
         check_files(cfg.data)  # a missing data file named now, before seconds of importing torch
+        read_at = time.time()
         from .run import train
 
-        train(cfg, since_process_start=True)  # checks every path itself (run.prepare.check_inputs)
+        train(cfg, since_process_start=True, config_read_at=read_at)  # checks every path itself (check_inputs)
     elif args.command == "plan":
         from .planner import plan_command
         from .planner.profile import default_profile_path

@@ -20,9 +20,12 @@ def test_default_run_learns(tmp_path):
     evals = [x for x in records if "eval_exact_match" in x]
     assert len(steps) == 300
     assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= set(steps[0])
-    # the command line times its start-up from the process's start (the imports and the config read first)
-    assert list(steps[0]["startup_s"])[:2] == ["process start to config read", "inputs checked and planned"]
-    assert "start-up: process start to config read " in r.stderr
+    # the command line times its start-up from the process's start: the config read, then the imports
+    startup = steps[0]["startup_s"]
+    assert list(startup)[:3] == ["process start to config read", "imports (torch, transformers)",
+                                 "inputs checked and planned"]
+    assert all(v >= 0 for v in startup.values())
+    assert "start-up: process start to config read " in r.stderr and ", imports (torch, transformers) " in r.stderr
     assert steps[-1]["loss"] <= 0.5 * steps[0]["loss"]
     assert evals[-1]["eval_exact_match"] > evals[0]["eval_exact_match"]
     assert evals[-1]["eval_loss"] <= 0.5 * evals[0]["eval_loss"]

@@ -16,12 +16,12 @@ from ..distributed import Distributed, OneProcess, Ranks, from_env, resolve_devi
 from .trainer import train as train_one
 
 
-def train(cfg: Config, since_process_start: bool = False) -> dict:
+def train(cfg: Config, since_process_start: bool = False, config_read_at: float | None = None) -> dict:
     """since_process_start: the start-up's timing (the start summary, metrics.jsonl's startup_s) begins at the
-    process's start: `megatrain train`."""
+    process's start: `megatrain train`; config_read_at: when it had read the config (time.time())."""
     ranks = start_ranks(cfg.train.device)
     try:
-        summary = train_one(cfg, ranks, since_process_start)
+        summary = train_one(cfg, ranks, since_process_start, config_read_at)
     except BaseException as e:
         report = ranks.failed(e)  # published already if it happened in the step loop (Run.failing)
         if report is e:

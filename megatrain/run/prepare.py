@@ -230,17 +230,23 @@ class StartupClock:
     """Seconds spent in each phase before the first step, in order (the start summary prints them, the first step
     record of metrics.jsonl keeps them): where a large model's minutes of start-up go."""
 
-    def __init__(self, since_process_start: bool = False, ranks: int = 1):
-        """since_process_start: the first phase is the process's life before `prepare` (the command line's runs:
-        the interpreter, the imports, the config read, a distributed run's process groups). ranks: the run's
-        processes (one waits for nobody)."""
+    def __init__(self, since_process_start: bool = False, ranks: int = 1, config_read_at: float | None = None):
+        """since_process_start: the first phases are the process's life before `prepare` (the command line's runs):
+        from its start to the config read and checked (config_read_at, time.time(); the interpreter, the config's
+        own modules), then the imports (torch, transformers, the run's modules) and a distributed run's process
+        groups. ranks: the run's processes (one waits for nobody)."""
         self._t = time.perf_counter()
         self.phases: dict[str, float] = {}
         self.ranks = ranks
         if since_process_start:
             import psutil
 
-            self.phases["process start to config read"] = max(0.0, time.time() - psutil.Process().create_time())
+            now, born = time.time(), psutil.Process().create_time()
+            read = now if config_read_at is None else min(now, max(born, config_read_at))
+            self.phases["process start to config read"] = max(0.0, read - born)
+            if config_read_at is not None:
+                self.phases["imports (torch, transformers)" + (" and process groups" if ranks > 1 else "")] = \
+                    now - read
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
@@ -259,12 +265,14 @@ class StartupClock:
             self.lap("waiting for the other ranks")
 
 
-def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool = False) -> Run:
+def prepare(cfg: Config, ranks: Ranks | None = None, since_process_start: bool = False,
+            config_read_at: float | None = None) -> Run:
     """Check every input, then allocate and fill the store and build the runtime. Writes nothing.
-    ranks: the run's processes (default: one process on train.device). since_process_start: StartupClock's."""
+    ranks: the run's processes (default: one process on train.device). since_process_start, config_read_at:
+    StartupClock's."""
     ranks = ranks or OneProcess(cfg.train.device)
     world = ranks.world
-    clock = StartupClock(since_process_start, world.size)
+    clock = StartupClock(since_process_start, world.size, config_read_at)
     inp = check_inputs(cfg, ranks)
     clock.lap("inputs checked and planned")
     ranks.phase("checked")  # nobody allocates, or writes to output.dir, before every rank has checked

@@ -41,15 +41,16 @@ if TYPE_CHECKING:
     from ..distributed import Ranks
 
 
-def train(cfg: Config, ranks: Ranks | None = None, since_process_start: bool = False) -> dict:
+def train(cfg: Config, ranks: Ranks | None = None, since_process_start: bool = False,
+          config_read_at: float | None = None) -> dict:
     """ranks: the run's processes (run/launch.py; default: one process). since_process_start: the start-up's timing
-    begins at the process's start (the command line). SIGTERM and SIGINT stop it cleanly in every phase
-    (checkpoint/signals.py): each stop is said on one line."""
+    begins at the process's start (the command line; config_read_at: when it had read the config). SIGTERM and
+    SIGINT stop it cleanly in every phase (checkpoint/signals.py): each stop is said on one line."""
     with StopOnSignal() as stop:
         try:
             with stop.interruptible("start-up"):
-                run = prepare(cfg, ranks, since_process_start)  # every input checked, the store filled, the
-                #                                                runtime built: nothing written yet
+                # every input checked, the store filled, the runtime built: nothing written yet
+                run = prepare(cfg, ranks, since_process_start, config_read_at)
         except Stopped as e:
             print(f"megatrain: stopped by {e.name} during start-up, before anything was written", file=sys.stderr)
             return {"stopped_at": 0, "stopped_during": "start-up"}
