@@ -27,9 +27,10 @@ In order, on one host store of the model (random weights, bf16 streaming copy as
                 gathering the bytes from the store, hashing, the disk's writes and fsync: which one grows when the
                 optimizer runs beside it tells why a save is slower while training.
   save_gil      the save again beside a thread of pure Python (one core, holding the GIL as a run's main thread
-                does between its waits), with Python's switch interval (5 ms), then 0.5 ms (`save_gil_fast`): the
-                I/O threads take the GIL back several times a chunk; a large drop here with a core to spare says the
-                GIL, not the cores, paces a save while training.
+                does between its waits), the process at Python's switch interval (5 ms), then at 0.5 ms
+                (`save_gil_fast`): the I/O threads take the GIL back several times a chunk. The saver shortens the
+                interval itself while it runs (runtime/gil.py), so the two should now match; a drop in `save_gil`
+                says some of the save's work runs outside it.
 Each result gives GB/s and the fraction of the disk's rate it is measured against (write for save and export from
 the store, read for resume and the cold load, min(read, write) for the export of a checkpoint). --layers keeps the
 first N layers of the config (the disk must hold one checkpoint: 12 B/param, and the export beside it).
