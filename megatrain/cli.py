@@ -143,7 +143,7 @@ def _run(args) -> int:
     if args.command == "train":
         from .data.sources import check_files
 
-        check_files(cfg.data)  # a missing data file named now, before seconds of importing torch
+        check_files(cfg.data, need=False)  # a missing data file named now, before seconds of importing torch
         read_at = time.time()
         from .run import train
 

@@ -190,11 +190,12 @@ def resolve_sources(cfg: DataConfig, eval: bool = False) -> list[Source]:
     return [_source(cfg, f"{key}[{i}]", s, None, registry) for i, s in enumerate(specs or [])]
 
 
-def check_files(cfg: DataConfig) -> list[Source]:
-    """The training sources, at least one, and every training and evaluation source's files, checked to exist and be
-    readable data (source_files): what a run reads first, checked without importing torch or datasets."""
+def check_files(cfg: DataConfig, need: bool = True) -> list[Source]:
+    """The training sources (with `need`, at least one) and every training and evaluation source's files, checked to
+    exist and be readable data (source_files): what a run reads first, checked without importing torch or datasets.
+    need=False: the command line's early check, which leaves "no data given" to come after the model's checks."""
     sources = resolve_sources(cfg)
-    if not sources:
+    if need and not sources:
         raise MegatrainError("data.path: no training data given (set data.path or data.datasets)")
     for src in sources + resolve_sources(cfg, eval=True):
         source_files(src)

@@ -10,8 +10,8 @@ compiling or launching thread gives it up more often for a few microseconds each
 
 Process-wide (sys.setswitchinterval), so counted: the interval is short while any pool is open and restored when
 the last closes (a save overlapping an export, say). Only then: 0.5 ms for a whole training run made its steps 4%
-slower, the CPU AdamW thread and the main thread handing the GIL back and forth more often
-(bench/results/switch-interval-qwen2.5-7b-8l-h200-cli).
+slower, the CPU AdamW thread and the main thread handing the GIL back and forth more often (bench/bench_cli.py with
+the interval set at the process's start).
 """
 
 from __future__ import annotations
