@@ -35,6 +35,8 @@ def write_weights(model_dir: Path, shard_gb: float = 5.0, seed: int = 0) -> int:
     an earlier call wrote for the same tensors (the index's names and total, every file there) are kept."""
     from safetensors.torch import save_file
 
+    from megatrain.checkpoint.export import plan_shards
+
     shapes = tensor_shapes(model_dir)
     expected = sum(2 * torch.Size(s).numel() for _, s in shapes)
     index = model_dir / "model.safetensors.index.json"
@@ -45,16 +47,7 @@ def write_weights(model_dir: Path, shard_gb: float = 5.0, seed: int = 0) -> int:
             return expected
     g = torch.Generator().manual_seed(seed)
     pool = (torch.randn(POOL, generator=g) * 0.02).to(torch.bfloat16)
-    shards, cur, size, limit = [], [], 0, int(shard_gb * 1e9)
-    for name, shape in shapes:
-        n = 2 * torch.Size(shape).numel()
-        if cur and size + n > limit:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append((name, shape))
-        size += n
-    if cur:
-        shards.append(cur)
+    shards = plan_shards(shapes, 2, int(shard_gb * 1e9))  # as an export shards them
     where, total, pos = {}, 0, 0
     for k, shard in enumerate(shards):
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
