@@ -4,9 +4,10 @@ FlexAttention (a score SDPA cannot apply: Gemma 2's soft-capping, gpt-oss's sink
 windows), through megatrain's own functions (models/attention.py: causal_attention, sink_attention; the contexts
 attention_context builds).
 
-    python bench/attention_kernels.py [--json OUT.json] [--reps 5] [--quick]
+    python bench/attention_kernels.py [--json OUT.json] [--reps 5] [--quick | --softcap]
 
-(--quick: no kernel_options sweep. The JSON is rewritten after every case: a run cut short keeps what it timed.)
+(--quick: no kernel_options sweep. The JSON is rewritten after every case: a run cut short keeps what it timed.
+--softcap: only Gemma 2's capped attention, before and now: softcap_paths.)
 
 Two kinds of case:
     one row per document  every row one document (FLOPs as a plain causal row, or a window's): each kernel against
@@ -39,7 +40,8 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 
 from common import git_rev, machine, table, write_json  # noqa: E402
-from megatrain.models.attention import attention_context, causal_attention, sink_attention  # noqa: E402
+from megatrain.models.attention import (attention_context, causal_attention, flex_attention,  # noqa: E402
+                                        flex_kernel_options, sink_attention, softcap_score)
 
 # (family, heads, kv_heads, head_dim, rows, tokens per row, window, score, packed documents' lengths): real
 # configs' attention shapes
@@ -117,19 +119,18 @@ def case(name, kernel, h, kvh, d, B, T, window, reps, score, packed, docs, optio
     # packed rows: the plain causal row of the same shape
     ctx = attention_context(pos if kernel != "flash" else torch.arange(T, device=dev).expand(B, T), cos, cos,
                             packed=(packed and kernel != "flash") or kernel == "varlen", window=window,
-                            force_mask=kernel == "flex")
+                            force_mask=kernel == "flex", flex_options=flex_kernel_options(score, d, dev)
+                            if kernel == "flex" and score == "softcap" else None)
     if kernel == "varlen" and options:
         ctx.with_attn_block(options["attn_block"])
     assert (kernel == "varlen") == ctx.varlen and (kernel == "flex") == (ctx.block_mask is not None), kernel
     scale = d ** -0.5
     sinks = torch.randn(h, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
 
-    def softcap(sc, b, hh, qi, ki):
-        return torch.tanh(sc / CAP) * CAP
+    softcap = softcap_score(CAP)  # Gemma 2's, as its layers run it
 
     def attend():
         if kernel == "flex" and options:
-            from megatrain.models.attention import flex_attention
             return flex_attention()(q, k, v, score_mod=softcap if score == "softcap" else None,
                                     block_mask=ctx.block_mask, scale=scale, enable_gqa=kvh != h,
                                     kernel_options=options)
@@ -163,6 +164,70 @@ def case(name, kernel, h, kvh, d, B, T, window, reps, score, packed, docs, optio
     del q, k, v, dout, ctx
     torch.cuda.synchronize()
     return row
+
+
+def softcap_paths(reps: int) -> list[dict]:
+    """Gemma 2's capped attention at its shape (rows packed with 200-3,000-token documents, and rows of one document)
+    three ways: as megatrain ran it before (cap·tanh on FlexAttention's default kernel options), the sigmoid form
+    (softcap_score) on the defaults, and megatrain's path (the sigmoid form with flex_kernel_options). Forward and
+    forward + backward times, and each output's largest error against float64 math (cap·tanh) over row 0's first
+    two documents. Queries scaled so the scores reach the cap's bend (|s| up to ~100 before the cap of 50)."""
+    name, h, kvh, d, B, T, _, _, docs = next(s for s in SHAPES if s[7] == "softcap")
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = (torch.randn(B, T, h, d, device=dev, generator=g) * 4).bfloat16().transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(B, T, kvh, d, device=dev, generator=g).bfloat16().transpose(1, 2).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(B, h, T, d, device=dev, dtype=torch.bfloat16, generator=g)
+    scale, cos = d ** -0.5, torch.ones(B, T, d, device=dev, dtype=torch.bfloat16)
+
+    def tanh_cap(sc, b, hh, qi, ki):
+        return torch.tanh(sc / CAP) * CAP
+
+    out = []
+    for packed in (True, False):
+        pos, lengths = documents(B, T, 0, *docs) if packed else (torch.arange(T).expand(B, T), [T] * B)
+        ctx = attention_context(pos.to(dev), cos, cos, packed=packed, window=None, force_mask=True, head_dim=d)
+        ref = []
+        with torch.no_grad():  # float64 truth over row 0's first two documents
+            lo = 0
+            for n in lengths[:2]:
+                qq = q[0, :, lo:lo + n].double()
+                kk, vv = (t[0, :, lo:lo + n].double().repeat_interleave(h // kvh, 0) for t in (k, v))
+                sc = (CAP * torch.tanh(qq @ kk.transpose(1, 2) * scale / CAP)).masked_fill(
+                    ~torch.ones(n, n, dtype=torch.bool, device=dev).tril(), float("-inf"))
+                ref.append((lo, n, torch.softmax(sc, -1) @ vv))
+                lo += n
+        for path, score_mod, options in (("tanh, defaults (before)", tanh_cap, None),
+                                         ("sigmoid, defaults", softcap_score(CAP), None),
+                                         ("sigmoid, tuned (megatrain)", softcap_score(CAP),
+                                          flex_kernel_options("softcap", d, dev))):
+            def attend():
+                return flex_attention()(q, k, v, score_mod=score_mod, block_mask=ctx.block_mask, scale=scale,
+                                        enable_gqa=True, kernel_options=options)
+
+            def fwd():
+                with torch.no_grad():
+                    attend()
+
+            def fwd_bwd():
+                attend().backward(dout)
+
+            f, fb = timed(fwd, reps), timed(fwd_bwd, reps)
+            q.grad = k.grad = v.grad = None
+            with torch.no_grad():
+                o = attend()
+            err = max(float((o[0, :, lo:lo + n].double() - r).abs().max()) for lo, n, r in ref)
+            out.append({"case": name, "rows_are": "packed" if packed else "one doc", "path": path,
+                        "options": options, "documents": len(lengths), "forward_ms": f * 1e3,
+                        "fwd_bwd_ms": fb * 1e3, "max_abs_vs_float64": err})
+            print(f"{name} {out[-1]['rows_are']:<8} {path:<28} fwd {f * 1e3:7.2f} ms  fwd+bwd {fb * 1e3:7.2f} ms  "
+                  f"vs float64 {err:.3g}", flush=True)
+        first = [r for r in out if r["rows_are"] == out[-1]["rows_are"]]
+        for r in first:
+            r["speedup_vs_before_fwd"] = first[0]["forward_ms"] / r["forward_ms"]
+            r["speedup_vs_before_fwd_bwd"] = first[0]["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+    return out
 
 
 def runs_for(name: str, T: int, window, score: str, quick: bool):
@@ -225,10 +290,19 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="no kernel_options sweep (compiling it takes most time)")
+    ap.add_argument("--softcap", action="store_true",
+                    help="only Gemma 2's capped attention: before, the sigmoid form, megatrain's tuned path")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("attention_kernels: needs CUDA", file=sys.stderr)
         return 2
+    if args.softcap:
+        rows = softcap_paths(args.reps)
+        write_json(args.json, {"machine": machine(), "git": git_rev(), "command": " ".join(sys.argv),
+                               "softcap": rows, "complete": True})
+        print(table(rows, ["case", "rows_are", "path", "documents", "forward_ms", "fwd_bwd_ms",
+                           "speedup_vs_before_fwd", "speedup_vs_before_fwd_bwd", "max_abs_vs_float64"]))
+        return 0
     rows, bases, seen = [], {}, set()
     for name, h, kvh, d, B, T, window, score, docs in SHAPES:
         base = {}

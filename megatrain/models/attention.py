@@ -25,6 +25,15 @@ FLEX_SHAPES = 256
 # Whether attention_context on the meta device stands in the CUDA path (the variable-length kernel's segments) or
 # the CPU's explicit mask (by default): the planner's memory simulation sets it to the device it plans for.
 META_AS_CUDA = [False]
+# FlexAttention's kernel_options where its defaults measured slower, by (score, head_dim), on Hopper (sm90: these
+# tiles need its 227 KiB of shared memory per block). Gemma 2's soft-capped scores at head_dim 256 ran forward and
+# backward 1.3x faster on 8 warps (forward 128 x 64 tiles in one stage, backward 64 x 64 in two) than on the
+# defaults' 4 (bench/attention_kernels.py --softcap times both).
+FLEX_OPTIONS_SM90 = {
+    ("softcap", 256): {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 8, "fwd_num_stages": 1,
+                       "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                       "bwd_num_warps": 8, "bwd_num_stages": 2},
+}
 
 
 def _guarded(compiled):
@@ -61,12 +70,36 @@ def flex_attention():
     return _COMPILED
 
 
+def softcap_score(cap: float):
+    """FlexAttention's score_mod for soft-capped scores, cap·tanh(s/cap), written as cap·(2·sigmoid(2s/cap) − 1):
+    the same function (equal within fp32 rounding, tests/test_attention_softcap.py), which Triton computes with one
+    exponential where its tanh (libdevice's) made the capped kernels 1.2x slower (bench/attention_kernels.py
+    --softcap)."""
+    two_over_cap = 2.0 / cap
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * (2 * torch.sigmoid(score * two_over_cap) - 1)
+
+    return softcap
+
+
+def flex_kernel_options(score: str, head_dim: int, device: torch.device) -> dict | None:
+    """The kernel_options FlexAttention runs with for scores of `score` at `head_dim` on `device` (FLEX_OPTIONS_SM90
+    on Hopper), or None: its own defaults."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return None
+    opts = FLEX_OPTIONS_SM90.get((score, head_dim))
+    return dict(opts) if opts else None
+
+
 def attention_context(position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: bool,
-                      window: int | None, force_mask: bool = False, head_dim: int | None = None) -> AttnContext:
+                      window: int | None, force_mask: bool = False, head_dim: int | None = None,
+                      flex_options: dict | None = None) -> AttnContext:
     """An AttnContext: causal attention, within documents when rows are packed, over the last `window` positions
     (the query's own included, as transformers' sliding_window_overlay: kv > q - window) when a window is given.
     Unpacked rows no longer than the window need no mask (plain causal SDPA) unless `force_mask` (attention that
-    SDPA cannot run, as soft-capped scores, needs one)."""
+    SDPA cannot run, as soft-capped scores, needs one); `flex_options`: FlexAttention's kernel_options for that
+    attention (flex_kernel_options)."""
     B, T = position_ids.shape
     if window is not None and T <= window:
         window = None  # the window reaches back further than the row: plain causal
@@ -107,7 +140,7 @@ def attention_context(position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.
         # _compile: evaluated block by block; eagerly it would build the T x T grid (measured: +8 GiB at 32k)
         block = _guarded(create_block_mask)(allowed, B if packed else None, None, T, T, device=position_ids.device,
                                             _compile=True)
-        return AttnContext(cos=cos, sin=sin, mask=None, block_mask=block, window=window)
+        return AttnContext(cos=cos, sin=sin, mask=None, block_mask=block, window=window, flex_options=flex_options)
     q = torch.arange(T, device=position_ids.device)
     mask = (q[:, None] >= q[None, :])[None, None]
     if window is not None:
@@ -135,7 +168,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Att
         return blockwise_causal(q, k, v, scale, ctx.attn_block, grad_in_place=True)
     if ctx.block_mask is not None:
         return flex_attention()(q, k, v, score_mod=score_mod, block_mask=ctx.block_mask, scale=scale,
-                                enable_gqa=gqa)
+                                enable_gqa=gqa, kernel_options=ctx.flex_options)
     if score_mod is not None:
         raise ValueError("a score_mod needs a FlexAttention block mask (a CUDA context built with force_mask)")
     if ctx.mask is None:

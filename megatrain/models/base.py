@@ -130,6 +130,7 @@ class AttnContext:
     # kernel's segments over the rows laid end to end (models/varlen.py): int32 offsets, the longest segment
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
+    flex_options: dict | None = None  # FlexAttention's kernel_options (attention.flex_kernel_options) or its defaults
 
     @property
     def varlen(self) -> bool:  # not max_seqlen > 0: a compiled layer would be guarded on each micro-batch's longest

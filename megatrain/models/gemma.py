@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..errors import MegatrainError
 from .base import AttnContext, TensorSpec, Unit
-from .attention import attention_context, causal_attention
+from .attention import attention_context, causal_attention, flex_kernel_options, softcap_score
 from .decoder import STATIC_ROPE_TYPES, DecoderAdapter, rotate_half, static_rope
 
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -61,6 +61,7 @@ class GemmaAdapter(DecoderAdapter):
         self.scale = float(c.query_pre_attn_scalar) ** -0.5
         self.attn_softcap = getattr(c, "attn_logit_softcapping", None)
         self.attention_score = "plain" if self.attn_softcap is None else "softcap"
+        self.score_mod = None if self.attn_softcap is None else softcap_score(float(self.attn_softcap))
         self.logit_softcap = getattr(c, "final_logit_softcapping", None)
         self.embed_scale = c.hidden_size**0.5
         self.sliding_window = int(c.sliding_window) if getattr(c, "sliding_window", None) else None
@@ -116,13 +117,14 @@ class GemmaAdapter(DecoderAdapter):
         attention soft-capping on CUDA every kind carries a FlexAttention block mask (the score cap needs it)."""
         kinds = set(self.layer_kinds)
         need_mask = self.attn_softcap is not None and position_ids.is_cuda
+        options = flex_kernel_options("softcap", self.head_dim, position_ids.device) if need_mask else None
         ctxs = {}
         for kind in kinds:
             inv, scaling = self.ropes[kind]
             cos, sin = self.rope(position_ids, dtype, inv, scaling)
             window = self.sliding_window if kind == "sliding" else None
             ctxs[kind] = attention_context(position_ids, cos, sin, packed, window, force_mask=need_mask,
-                                           head_dim=self.head_dim)
+                                           head_dim=self.head_dim, flex_options=options)
         base = ctxs.pop("full", None)
         if base is None:  # every layer slides: a base context no layer uses, holding the sliding one
             base = dataclasses.replace(ctxs["sliding"], variants={})
@@ -134,10 +136,7 @@ class GemmaAdapter(DecoderAdapter):
             return causal_attention(q, k, v, ctx, self.scale)
         cap = float(self.attn_softcap)
         if ctx.block_mask is not None:
-            def softcap(score, b, h, q_idx, kv_idx):
-                return torch.tanh(score / cap) * cap
-
-            return causal_attention(q, k, v, ctx, self.scale, score_mod=softcap)
+            return causal_attention(q, k, v, ctx, self.scale, score_mod=self.score_mod)
         # explicit, as transformers' eager attention: scores, cap, mask, softmax in fp32, cast back
         rep = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
