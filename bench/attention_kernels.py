@@ -171,7 +171,8 @@ def softcap_paths(reps: int) -> list[dict]:
     three ways: as megatrain ran it before (cap·tanh on FlexAttention's default kernel options), the sigmoid form
     (softcap_score) on the defaults, and megatrain's path (the sigmoid form with flex_kernel_options). Forward and
     forward + backward times, and each output's largest error against float64 math (cap·tanh) over row 0's first
-    two documents (its one document, unpacked). Queries scaled so the scores reach the cap's bend (|s| up to ~100 before the cap of 50)."""
+    two documents (its one document, unpacked). Queries scaled so the scores reach the cap's bend (|s| up to ~100
+    before the cap of 50)."""
     name, h, kvh, d, B, T, _, _, docs = next(s for s in SHAPES if s[7] == "softcap")
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
