@@ -55,3 +55,45 @@ def test_flex_kernel_options_on_hopper_only(monkeypatch):
     for key, v in FLEX_OPTIONS_SM90[("softcap", 256)].items():
         if "BLOCK" in key:
             assert 128 % v == 0, key
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_planned_capped_layer_allocates_as_the_cuda_kernel(packed):
+    """The planner's meta-device layer of Gemma 2 planned for CUDA allocates what FlexAttention does there (the
+    fused kernel's output and log-sum-exp, as an uncapped layer's), not the CPU path's T x T scores; planned for
+    CPU it holds them."""
+    from conftest import tiny_hf_config
+
+    from megatrain.models import get_adapter
+    from megatrain.planner.activations import layer_memory
+
+    capped, plain = tiny_hf_config("gemma2"), tiny_hf_config("gemma2")
+    capped.attn_logit_softcapping, plain.attn_logit_softcapping = 50.0, None
+    rows, seq = 2, 1024
+    a, b = get_adapter(capped), get_adapter(plain)
+    assert a.attention_score == "softcap" and b.attention_score == "plain"
+    cuda = [layer_memory(ad, rows, seq, torch.bfloat16, packed, cuda_attention=True) for ad in (a, b)]
+    assert cuda[0]["forward_peak"] == cuda[1]["forward_peak"]
+    assert cuda[0]["backward_peak"] == cuda[1]["backward_peak"]
+    cpu = layer_memory(a, rows, seq, torch.bfloat16, packed, cuda_attention=False)
+    scores = rows * capped.num_attention_heads * seq * seq * 2  # one bf16 T x T score tensor
+    assert cpu["backward_peak"] >= cuda[0]["backward_peak"] + scores
+
+
+def test_planned_head_counts_the_logit_cap():
+    """The planner's LM head of Gemma 2 runs the engine's head with its final-logit cap (tanh and the capped logits
+    per chunk besides the logits), so it plans more than the same head uncapped."""
+    from conftest import tiny_hf_config
+
+    from megatrain.models import get_adapter
+    from megatrain.planner.activations import head_memory
+
+    capped, plain = tiny_hf_config("gemma2"), tiny_hf_config("gemma2")
+    capped.final_logit_softcapping, plain.final_logit_softcapping = 30.0, None
+    capped.vocab_size = plain.vocab_size = 8192  # the logits, not the hidden states, make the head's peak
+    a, b = get_adapter(capped), get_adapter(plain)
+    assert a.logit_softcap == 30.0 and b.logit_softcap is None
+    chunk = 256
+    for cuda in (True, False):
+        got, base = (head_memory(ad, 2, 512, 1000, chunk, torch.bfloat16, cuda=cuda) for ad in (a, b))
+        assert got >= base + chunk * capped.vocab_size * 2, (cuda, got, base)  # at least one more bf16 chunk

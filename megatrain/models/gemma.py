@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..errors import MegatrainError
 from .base import AttnContext, TensorSpec, Unit
+from . import attention
 from .attention import attention_context, causal_attention, flex_kernel_options, softcap_score
 from .decoder import STATIC_ROPE_TYPES, DecoderAdapter, rotate_half, static_rope
 
@@ -137,6 +138,8 @@ class GemmaAdapter(DecoderAdapter):
         cap = float(self.attn_softcap)
         if ctx.block_mask is not None:
             return causal_attention(q, k, v, ctx, self.scale, score_mod=self.score_mod)
+        if q.is_meta and attention.META_AS_CUDA[0]:  # the planner's stand-in for FlexAttention on CUDA: what the
+            return causal_attention(q, k, v, ctx, self.scale)  # fused kernels allocate, not the T x T scores below
         # explicit, as transformers' eager attention: scores, cap, mask, softmax in fp32, cast back
         rep = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

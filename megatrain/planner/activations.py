@@ -293,7 +293,7 @@ def head_memory(adapter, batch: int, seq: int, targets: int, chunk: int, dtype: 
     """Peak bytes of the LM-head loss and its backward for one micro-batch (runtime.lmhead.head_loss, the engine's
     own function, run on the meta device with the CUDA kernels when `cuda`), excluding the hidden states, weights
     and gradient accumulators it is given, and excluding the d(hidden) it returns (the planner counts those per
-    micro-batch)."""
+    micro-batch). Capped logits (Gemma 2's final_logit_softcapping) as the engine caps them."""
     H, V = adapter.hidden_size, adapter.vocab_size
     h = torch.empty(batch, seq, H, dtype=dtype, device="meta")
     index = torch.empty(targets, dtype=torch.long, device="meta")
@@ -306,7 +306,8 @@ def head_memory(adapter, batch: int, seq: int, targets: int, chunk: int, dtype: 
     mode.ignore(h, norm_w, lm_w, norm_g, lm_g, index, labels)
     with mode:
         loss, dh = head_loss(adapter.final_norm, h, index, labels, norm_w, lm_w, norm_g, lm_g,
-                             1.0 / max(targets, 1), chunk, HeadKernels(fused_ce=cuda, fused_accumulate=cuda))
+                             1.0 / max(targets, 1), chunk, HeadKernels(fused_ce=cuda, fused_accumulate=cuda),
+                             getattr(adapter, "logit_softcap", None))
         del loss, dh
     return mode.peak
 

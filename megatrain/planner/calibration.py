@@ -191,16 +191,16 @@ ATTENTION_BY_SEQ = _fit(
     f"{_LONG} --seq S for S = 32768, 131072, 262144; {_PVM} (step time)")
 KERNEL_RATE = _fit(
     "KERNEL_RATE", {
-        ("varlen", "plain", 128): ((370, 0.136, 0.156), (1374, 0.339, 0.356), (1796, 0.407, 0.412),
-                                   (4096, 0.527, 0.543), (18546, 0.568, 0.596), (32768, 0.587, 0.602),
-                                   (131072, 0.598, 0.613)),
-        ("varlen", "plain", 256): ((1798, 0.35, 0.449), (4096, 0.436, 0.574)),
-        ("flex", "plain", 64): ((248, 0.135, 0.151), (1798, 0.318, 0.44), (4096, 0.776, 0.716)),
-        ("flex", "plain", 128): ((370, 0.14, 0.183), (1374, 0.37, 0.422), (1796, 0.425, 0.482), (4096, 0.611, 0.666),
-                                 (18546, 0.671, 0.704), (32768, 0.724, 0.735)),
-        ("flex", "plain", 256): ((1798, 0.344, 0.28), (4096, 0.411, 0.374)),
-        ("flex", "sinks", 64): ((248, 0.094, 0.107), (1798, 0.278, 0.373), (4096, 0.651, 0.636)),
-        ("flex", "softcap", 256): ((1798, 0.192, 0.2), (4096, 0.243, 0.267)),
+        ("varlen", "plain", 128): ((370, 0.146, 0.158), (1374, 0.356, 0.358), (1796, 0.398, 0.415),
+                                   (4096, 0.546, 0.547), (18545, 0.568, 0.589), (32768, 0.518, 0.591),
+                                   (131072, 0.602, 0.613)),
+        ("varlen", "plain", 256): ((1798, 0.344, 0.453), (4096, 0.445, 0.57)),
+        ("flex", "plain", 64): ((248, 0.129, 0.153), (1798, 0.339, 0.439), (4096, 0.81, 0.715)),
+        ("flex", "plain", 128): ((370, 0.165, 0.179), (1374, 0.364, 0.418), (1796, 0.439, 0.484), (4096, 0.583, 0.661),
+                                 (18545, 0.659, 0.701), (32768, 0.633, 0.723)),
+        ("flex", "plain", 256): ((1798, 0.338, 0.282), (4096, 0.406, 0.373)),
+        ("flex", "sinks", 64): ((248, 0.101, 0.108), (1798, 0.295, 0.374), (4096, 0.719, 0.63)),
+        ("flex", "softcap", 256): ((1798, 0.315, 0.305), (4096, 0.426, 0.411)),
     }, "(span, forward share, forward + backward share) by (kernel, score, head_dim)",
     "the rate of the attention kernels other than SDPA's causal one, per FLOP they execute, as a share of SDPA's "
     "over plain rows of the same head_dim and length, against the span the rows attend over per token (their "
@@ -209,12 +209,13 @@ KERNEL_RATE = _fit(
     "the variable-length flash kernel (packed rows otherwise) costs, on top of its attention at the planner's rate, "
     "the time its kernel takes beyond SDPA's at SDPA_RATE over the same FLOPs (kernel_time.kernel_extra). Short "
     "documents cost more per FLOP (blocks and tails partly empty): documents of 50-600 tokens run at a seventh of "
-    "SDPA's rate, of 200-3,000 at two fifths, whole rows at 0.53-0.61 (varlen) and 0.61-0.72 (FlexAttention, "
-    "head_dim 128)",
+    "SDPA's rate, of 200-3,000 at two fifths, whole rows at 0.52-0.61 (varlen) and 0.58-0.72 (FlexAttention, "
+    "head_dim 128); Gemma 2's capped scores at head_dim 256 0.31-0.43 (0.19-0.27 before the sigmoid form and "
+    "Hopper's tiles, models/attention.py)",
     "python3 bench/attention_kernels.py --quick --json OUT.json (prints calibration.KERNEL_RATE)")
 SDPA_RATE = _fit(
-    "SDPA_RATE", {128: ((4096, 590e12, 495e12), (32768, 587e12, 535e12), (131072, 556e12, 529e12)),
-                  64: ((4096, 444e12, 382e12),), 256: ((4096, 634e12, 403e12),)},
+    "SDPA_RATE", {128: ((4096, 577e12, 497e12), (32768, 668e12, 547e12), (131072, 553e12, 533e12)),
+                  64: ((4096, 425e12, 388e12),), 256: ((4096, 652e12, 407e12),)},
     "(tokens per row, forward FLOP/s, forward + backward FLOP/s) by head_dim; FLOPs: 2·T·heads·head_dim per token "
     "forward, 3.5x that forward + backward",
     "SDPA's causal kernel alone over plain bf16 rows (8 x 4,096 tokens; one row of 32,768 and 131,072), the kernel "
