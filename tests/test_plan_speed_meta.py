@@ -10,8 +10,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "bench" / "model-configs"
-# dense (llama, qwen2), soft-capping (gemma-2), sinks and experts (gpt-oss), experts (mixtral, qwen3-moe)
-FAMILIES = ["llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b", "gpt-oss-20b", "mixtral-8x7b", "qwen3-30b-a3b"]
+# dense (llama), soft-capping (gemma-2), sinks and experts (gpt-oss), experts (mixtral): a fresh process each, a few
+# seconds of CI apiece, so one per kind of layer (qwen2's ops are llama's and biases, qwen3-moe's mixtral's)
+FAMILIES = ["llama-3.1-8b", "gemma-2-9b", "gpt-oss-20b", "mixtral-8x7b"]
 
 _MEASURE = """
 import json, sys, torch
@@ -58,7 +59,7 @@ def test_stand_ins_measure_what_the_real_modules_measure():
     stub = [json.loads(_run(_MEASURE, "stub", p).splitlines()[-1]) for p in paths]
     real = json.loads(_run(_MEASURE, "real", *paths).splitlines()[-1])
     assert all(s["tripped"] == [] for s in stub) and real["tripped"] == []
-    assert stub[0]["loaded"] == stub[1]["loaded"] == [] and len(real["loaded"]) == 4
+    assert stub[0]["loaded"] == [] and len(real["loaded"]) == 4  # (qwen2's: test_plan_imports)
     sizes = [x for s in stub for x in s["sizes"]]
     assert sizes == real["sizes"] and len(sizes) == 2 * 10 * len(FAMILIES)
     assert all(v > 0 for one in sizes for v in one.values())
