@@ -26,9 +26,9 @@ FLEX_SHAPES = 256
 # the CPU's explicit mask (by default): the planner's memory simulation sets it to the device it plans for.
 META_AS_CUDA = [False]
 # FlexAttention's kernel_options where its defaults measured slower, by (score, head_dim), on Hopper (sm90: these
-# tiles need its 227 KiB of shared memory per block). Gemma 2's soft-capped scores at head_dim 256 ran forward and
-# backward 1.3x faster on 8 warps (forward 128 x 64 tiles in one stage, backward 64 x 64 in two) than on the
-# defaults' 4 (bench/attention_kernels.py --softcap times both).
+# tiles need its 227 KiB of shared memory per block). Gemma 2's soft-capped scores at head_dim 256 ran forward +
+# backward 1.25x faster on 8 warps (forward 128 x 64 tiles in one stage, backward 64 x 64 in two) than on the
+# defaults' 4 (bench/attention_kernels.py --softcap times both). ROWS_GUARANTEED_SAFE gave NaN over packed rows.
 FLEX_OPTIONS_SM90 = {
     ("softcap", 256): {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 8, "fwd_num_stages": 1,
                        "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
