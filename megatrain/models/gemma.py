@@ -19,8 +19,7 @@ import torch.nn.functional as F
 
 from ..errors import MegatrainError
 from .base import AttnContext, TensorSpec, Unit
-from . import attention
-from .attention import attention_context, causal_attention, flex_kernel_options, softcap_score
+from .attention import META_AS_CUDA, attention_context, causal_attention, flex_kernel_options, softcap_score
 from .decoder import STATIC_ROPE_TYPES, DecoderAdapter, rotate_half, static_rope
 
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -138,7 +137,7 @@ class GemmaAdapter(DecoderAdapter):
         cap = float(self.attn_softcap)
         if ctx.block_mask is not None:
             return causal_attention(q, k, v, ctx, self.scale, score_mod=self.score_mod)
-        if q.is_meta and attention.META_AS_CUDA[0]:  # the planner's stand-in for FlexAttention on CUDA: what the
+        if q.is_meta and META_AS_CUDA[0]:  # the planner's stand-in for FlexAttention on CUDA: what the
             return causal_attention(q, k, v, ctx, self.scale)  # fused kernels allocate, not the T x T scores below
         # explicit, as transformers' eager attention: scores, cap, mask, softmax in fp32, cast back
         rep = self.num_heads // self.num_kv_heads
