@@ -35,6 +35,7 @@ Each result gives GB/s and the fraction of the disk's rate it is measured agains
 the store, read for resume and the cold load, min(read, write) for the export of a checkpoint). --layers keeps the
 first N layers of the config (the disk must hold one checkpoint: 12 B/param, and the export beside it).
 
+(--only-load instead: a cold load into a store without Adam's moments, for a model this host cannot hold whole.)
 Then (unless --no-train; --only-train: after the disk's probe, only these) periodic saves through the real command
 line: bench/bench_cli.py runs `megatrain train` twice in --dir, the same --train-steps steps of --train-seqs x
 --train-seq tokens (random init, no compile), once without checkpoints and once with checkpoint.every=--every (one
@@ -302,6 +303,47 @@ def periodic(a, root: Path, write_bps: float, log) -> dict:
     return out
 
 
+def record_rate(out: dict, log, name: str, nbytes: int, seconds: float, against: float, what: str) -> None:
+    """One operation's bytes, seconds and GB/s into out['results'][name], beside the disk's rate `against`."""
+    r = {"bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9,
+         "fraction_of_disk": nbytes / seconds / against, "against": what}
+    out["results"][name] = r
+    log(f"{name:13s} {nbytes / 1e9:7.2f} GB in {seconds:6.1f}s: {r['gb_per_s']:.2f} GB/s, "
+        f"{r['fraction_of_disk']:.0%} of the disk's {what} ({against / 1e9:.2f} GB/s)")
+
+
+def load_only(a, cfg, root: Path, rd: float, out: dict, log) -> None:
+    """--only-load: the model's pretrained bf16 safetensors (pretrained_files.write_weights) read cold into a store
+    of the fp32 master and the bf16 streaming copy, 6 B/param, without Adam's moments: the loader of `megatrain
+    train` (HostStore.load_safetensors) on a model whose whole store (14 B/param) this host cannot hold. Then
+    `load_cached` when host RAM holds the files' pages beside the store."""
+    from pretrained_files import write_weights
+
+    from megatrain.planner.sysmem import host_memory
+
+    model = root / "model"
+    model.mkdir()
+    cfg.to_json_file(model / "config.json")
+    t0 = time.perf_counter()
+    nbytes = write_weights(model)
+    log(f"pretrained bf16 safetensors: {nbytes / 1e9:.2f} GB, {len(list(model.glob('*.safetensors')))} shards, "
+        f"written in {time.perf_counter() - t0:.1f}s")
+    store = HostStore(get_adapter(cfg), torch.bfloat16, adam_states=False)
+    out.update(params=store.num_params, file_bytes=nbytes, store="fp32 master and bf16 streaming copy, no Adam m, v")
+    evict(model)
+    r = store.load_safetensors(model, threads=a.threads, progress=False)
+    record_rate(out, log, "load_cold", r["bytes"], r["seconds"], rd, "read")
+    free = host_memory().available
+    out["host_available_after_gib"] = free / 2**30
+    if free > 1.1 * nbytes:
+        store.load_safetensors(model, threads=a.threads, progress=False)  # the pages in the cache, then timed
+        r = store.load_safetensors(model, threads=a.threads, progress=False)
+        record_rate(out, log, "load_cached", r["bytes"], r["seconds"], rd, "read")
+    else:
+        log(f"load_cached skipped: {free / 2**30:.1f} GiB free beside the store, the files are {nbytes / 2**30:.1f}")
+    shutil.rmtree(model)
+
+
 def io_ops(a, cfg, root: Path, rd: float, wr: float, out: dict, log) -> None:
     """Every operation but the runs (the module's docstring), into out['results']; the store is freed after."""
     out_hash = hash_rate(a.threads)
@@ -317,11 +359,7 @@ def io_ops(a, cfg, root: Path, rd: float, wr: float, out: dict, log) -> None:
     out.update(params=store.num_params, sha256_bps=out_hash)
 
     def record(name: str, nbytes: int, seconds: float, against: float, what: str) -> None:
-        r = {"bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9,
-             "fraction_of_disk": nbytes / seconds / against, "against": what}
-        out["results"][name] = r
-        log(f"{name:13s} {nbytes / 1e9:7.2f} GB in {seconds:6.1f}s: {r['gb_per_s']:.2f} GB/s, "
-            f"{r['fraction_of_disk']:.0%} of the disk's {what} ({against / 1e9:.2f} GB/s)")
+        record_rate(out, log, name, nbytes, seconds, against, what)
 
     ckroot = root / "checkpoints"
     saver = CheckpointSaver(ckroot, store, threads=a.threads)
@@ -408,6 +446,9 @@ def main() -> int:
     ap.add_argument("--skip-busy", action="store_true", help="skip save_busy and save_gil (a small CPU check)")
     ap.add_argument("--no-train", action="store_true", help="skip the periodic saves through megatrain train")
     ap.add_argument("--only-train", action="store_true", help="the disk's probe and the periodic saves only")
+    ap.add_argument("--only-load", action="store_true",
+                    help="the disk's probe and a cold load of pretrained files into a store without Adam's moments "
+                         "only (load_only: a model whose whole store this host cannot hold)")
     ap.add_argument("--every", type=int, default=3, help="checkpoint.every of the run with saves")
     ap.add_argument("--train-steps", type=int, default=5, help="steps of each run (at least --every + 2)")
     ap.add_argument("--train-seq", type=int, default=1024)
@@ -431,7 +472,10 @@ def main() -> int:
     rd, wr = disk["read_bps"], disk["write_bps"]
     out = {"model": a.model, "layers": cfg.num_hidden_layers, "disk": disk, "threads": a.threads,
            "cpus": len(os.sched_getaffinity(0)), "results": {}}
-    if not a.only_train:
+    if a.only_load:
+        load_only(a, cfg, root, rd, out, log)
+        a.no_train = True
+    elif not a.only_train:
         io_ops(a, cfg, root, rd, wr, out, log)
     out["command"] = "python3 bench/bench_io.py " + " ".join(sys.argv[1:])
     if os.environ.get("BENCH_REV"):  # a copy without .git: the revision it was copied from

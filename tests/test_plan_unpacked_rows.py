@@ -94,18 +94,26 @@ def test_mixed_lengths_execute_the_flops_of_their_micro_batches():
     assert plan.time["timed_rows"] == {"mean_padded_row": seq, "attention_span": pytest.approx(span)}
 
 
-def test_a_run_times_its_unpacked_rows_from_its_data(tmp_path):
-    """check_inputs reads the data and retimes the plan from the epoch's micro-batches (the embedded demo's rows are
-    far shorter than its max_seq_len); packed rows are timed from their documents instead."""
+def demo_inputs(out, *overrides):
+    """check_inputs of the embedded demo (train.steps=2 unless overridden)."""
     from megatrain.config import load_config
     from megatrain.run.prepare import check_inputs
 
+    return check_inputs(load_config(None, [f"output.dir={out}", "train.steps=2", "train.eval_every=0",
+                                           "train.exact_match_path=", *overrides]))
+
+
+def test_a_run_times_its_unpacked_rows_from_its_data(tmp_path):
+    """check_inputs reads the data and retimes the plan from the micro-batches the run trains (the embedded demo's
+    rows are far shorter than its max_seq_len); packed rows are timed from their documents instead."""
     def inputs(*overrides):
-        return check_inputs(load_config(None, [f"output.dir={tmp_path / 'run'}", "train.steps=2", "train.eval_every=0",
-                                               "train.exact_match_path=", *overrides]))
+        return demo_inputs(tmp_path / "run", *overrides)
 
     got = inputs("data.packing=false")
-    rows, padded, _ = micro_batch_shapes(got.loader.sampler.plan, got.loader.examples.lengths)
+    epoch = got.loader.sampler.plan
+    trained = epoch[:2 * got.loader.grad_accum_steps]  # train.steps=2: the first micro-batches, not the epoch's
+    assert len(trained) < len(epoch)
+    rows, padded, _ = micro_batch_shapes(trained, got.loader.examples.lengths)
     mb_tokens, span = rows_timing(rows, padded)
     w = got.plan.workload
     assert not w.packed and padded.max() < w.seq_len
@@ -114,3 +122,31 @@ def test_a_run_times_its_unpacked_rows_from_its_data(tmp_path):
     assert any("padded to its longest row" in n for n in got.plan.notes)
     packed = inputs("data.packing=true")
     assert "timed_rows" not in packed.plan.time
+
+
+def test_packed_rows_are_timed_over_the_rows_the_run_trains(tmp_path):
+    """A run shorter than an epoch is timed at the packed rows it trains, not at the epoch's (packed rows differ in
+    their documents: a best-fit packing's rows, shuffled, from full to nearly empty); one that reaches past the epoch's end at the
+    whole epoch's; a resumed run from the checkpoint's cursor."""
+    from types import SimpleNamespace
+
+    from megatrain.data.sampler import packed_span, run_part
+    from megatrain.run.prepare import trained_rows
+
+    short = demo_inputs(tmp_path / "a", "data.packing=true", "train.steps=1")
+    epoch, n = short.loader.sampler.plan, short.loader.grad_accum_steps
+    lengths, T = short.loader.examples.lengths, short.plan.workload.seq_len
+    assert 2 * n < len(epoch)
+    first, whole = packed_span(epoch[:n], lengths, T), packed_span(epoch, lengths, T)
+    assert first != pytest.approx(whole, rel=1e-3)
+    assert short.plan.workload.attn_len == pytest.approx(first)
+    past = demo_inputs(tmp_path / "b", "data.packing=true", f"train.steps={len(epoch)}")
+    assert past.plan.workload.attn_len == pytest.approx(whole)
+
+    cfg = SimpleNamespace(train=SimpleNamespace(steps=5, grad_accum_steps=2))
+    at = SimpleNamespace(step=3, state={"loader": {"epoch": 0, "cursor": 6}})
+    assert trained_rows(cfg, epoch, 1, at) == epoch[6:10] == run_part(epoch, 6, 4)
+    assert trained_rows(cfg, epoch, 2, None) == epoch[:20]  # every rank's share of each step
+    later = SimpleNamespace(step=3, state={"loader": {"epoch": 1, "cursor": 6}})
+    assert trained_rows(cfg, epoch, 1, later) is epoch
+    assert run_part(epoch, len(epoch) - 1, 2) is epoch

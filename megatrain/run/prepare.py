@@ -199,12 +199,13 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
         eval_batches = build_eval(cfg.data, tokenizer, micro_batch_size=cfg.train.micro_batch_size)
     if world.fills_store:
         ranks.node_phase("data-cached")
-    if cfg.data.packing and plan is not None and not grpo:  # the rows' documents are known now: attention timed
-        #                                                        over their segments
-        retime_packed(plan, adapter, packed_span(loader.sampler.plan, loader.examples.lengths, cfg.data.max_seq_len))
-    elif plan is not None and not grpo and not pairs:  # unpacked rows: each micro-batch padded to its longest row
-        rows, padded, _ = micro_batch_shapes(loader.sampler.plan, loader.examples.lengths)
-        retime_unpacked(plan, adapter, *rows_timing(rows, padded))
+    if plan is not None and not grpo and not pairs:  # the rows this run trains are known now
+        trained = trained_rows(cfg, loader.sampler.plan, world.size, resumed)
+        if cfg.data.packing:  # attention timed over their documents and padding pieces
+            retime_packed(plan, adapter, packed_span(trained, loader.examples.lengths, cfg.data.max_seq_len))
+        else:  # each micro-batch padded to its longest row
+            rows, padded, _ = micro_batch_shapes(trained, loader.examples.lengths)
+            retime_unpacked(plan, adapter, *rows_timing(rows, padded))
     reference = choose_reference(cfg, plan, adapter, loader, tokenizer, eval_batches, resumed) if pairs else \
         Reference()
     if exact and not tokenizer.chat_template:  # (the loader has set data.chat_template on it, when given)
@@ -212,6 +213,20 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
                              "but the tokenizer has none; set data.chat_template")
     return Inputs(device, hf_config, adapter, plan, out_dir, resumed, tokenizer, loader, eval_batches, exact,
                   reference)
+
+
+def trained_rows(cfg: Config, epoch_plan, world: int, resumed) -> list:
+    """The micro-batches of the epoch's plan that this run trains (data.sampler.run_part): train.steps less the
+    steps resumed, grad_accum_steps micro-batches a step on each rank, from the sampler's cursor (a resumed later
+    epoch's plan is drawn alike: the whole of this one stands for it)."""
+    from ..data.sampler import run_part
+
+    done = resumed.step if resumed else 0
+    state = resumed.state.get("loader", {}) if resumed else {}
+    if state.get("epoch", 0):
+        return epoch_plan
+    return run_part(epoch_plan, int(state.get("cursor", 0)),
+                    max(cfg.train.steps - done, 1) * cfg.train.grad_accum_steps * world)
 
 
 def check_tune_first(cfg: Config, device: torch.device, ranks: int) -> None:
