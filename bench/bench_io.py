@@ -312,11 +312,35 @@ def record_rate(out: dict, log, name: str, nbytes: int, seconds: float, against:
         f"{r['fraction_of_disk']:.0%} of the disk's {what} ({against / 1e9:.2f} GB/s)")
 
 
+def huge_empty(numel: int, dtype: torch.dtype, zero: bool, what: str = "") -> torch.Tensor:
+    """A flat tensor on 2 MiB boundaries, advised to transparent huge pages (MADV_HUGEPAGE): a store whose first
+    touch faults 2 MiB pages, not 4 KiB ones."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    es, huge = torch.empty((), dtype=dtype).element_size(), 2 << 20
+    raw = torch.empty(numel + huge // es, dtype=dtype)
+    buf = raw[(-raw.data_ptr() % huge) // es:][:numel]
+    libc.madvise(buf.data_ptr(), numel * es // huge * huge, 14)  # MADV_HUGEPAGE; refused where THP is off
+    return buf.zero_() if zero else buf
+
+
+def meminfo(key: str) -> int:
+    """A /proc/meminfo field in bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def load_only(a, cfg, root: Path, rd: float, out: dict, log) -> None:
     """--only-load: the model's pretrained bf16 safetensors (pretrained_files.write_weights) read cold into a store
     of the fp32 master and the bf16 streaming copy, 6 B/param, without Adam's moments: the loader of `megatrain
-    train` (HostStore.load_safetensors) on a model whose whole store (14 B/param) this host cannot hold. Then
-    `load_cached` when host RAM holds the files' pages beside the store."""
+    train` (HostStore.load_safetensors) on a model whose whole store (14 B/param) this host cannot hold.
+    Before it the files read with O_DIRECT (`files_read`: the disk over these files); then the cold load into a
+    store whose pages are faulted in first on all cores (`load_cold_prefaulted`) and into one on transparent huge
+    pages (`load_cold_huge`), then `load_cached` when host RAM holds the files' pages beside the store."""
     from pretrained_files import write_weights
 
     from megatrain.planner.sysmem import host_memory
@@ -328,11 +352,27 @@ def load_only(a, cfg, root: Path, rd: float, out: dict, log) -> None:
     nbytes = write_weights(model)
     log(f"pretrained bf16 safetensors: {nbytes / 1e9:.2f} GB, {len(list(model.glob('*.safetensors')))} shards, "
         f"written in {time.perf_counter() - t0:.1f}s")
-    store = HostStore(get_adapter(cfg), torch.bfloat16, adam_states=False)
-    out.update(params=store.num_params, file_bytes=nbytes, store="fp32 master and bf16 streaming copy, no Adam m, v")
     evict(model)
-    r = store.load_safetensors(model, threads=a.threads, progress=False)
-    record_rate(out, log, "load_cold", r["bytes"], r["seconds"], rd, "read")
+    record_rate(out, log, "files_read", *files_read(model, a.threads), rd, "read")
+    out.update(file_bytes=nbytes, store="fp32 master and bf16 streaming copy, no Adam m, v",
+               thp=Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip())
+    for name, alloc, zero in (("load_cold", None, False), ("load_cold_prefaulted", None, True),
+                              ("load_cold_huge", huge_empty, False)):
+        t0 = time.perf_counter()
+        store = HostStore(get_adapter(cfg), torch.bfloat16, adam_states=False, allocate=alloc)
+        if zero:  # every page faulted in first, on all cores (torch's threads), then the load into them
+            store.master.zero_()
+            store.stream.zero_()
+        made = time.perf_counter() - t0
+        evict(model)
+        r = store.load_safetensors(model, threads=a.threads, progress=False)
+        record_rate(out, log, name, r["bytes"], r["seconds"], rd, "read")
+        out["results"][name].update(store_made_s=made, anon_huge_gib=meminfo("AnonHugePages") / 2**30)
+        log(f"{'':13s} the store made in {made:.1f}s; AnonHugePages {meminfo('AnonHugePages') / 2**30:.1f} GiB")
+        out["params"] = store.num_params
+        if name != "load_cold_huge":
+            del store, r
+            gc.collect()
     free = host_memory().available
     out["host_available_after_gib"] = free / 2**30
     if free > 1.1 * nbytes:
