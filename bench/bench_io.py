@@ -312,9 +312,9 @@ def record_rate(out: dict, log, name: str, nbytes: int, seconds: float, against:
         f"{r['fraction_of_disk']:.0%} of the disk's {what} ({against / 1e9:.2f} GB/s)")
 
 
-def huge_empty(numel: int, dtype: torch.dtype, zero: bool, what: str = "") -> torch.Tensor:
-    """A flat tensor on 2 MiB boundaries, advised to transparent huge pages (MADV_HUGEPAGE): a store whose first
-    touch faults 2 MiB pages, not 4 KiB ones."""
+def huge_pages_empty(numel: int, dtype: torch.dtype, zero: bool, what: str = "") -> torch.Tensor:
+    """A flat tensor on 2 MiB boundaries advised to transparent huge pages (MADV_HUGEPAGE): the store's first touch
+    then faults 2 MiB pages, not 4 KiB ones (the store's own allocator, pinned.aligned_empty, uses 4 KiB pages)."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -338,9 +338,9 @@ def load_only(a, cfg, root: Path, rd: float, out: dict, log) -> None:
     """--only-load: the model's pretrained bf16 safetensors (pretrained_files.write_weights) read cold into a store
     of the fp32 master and the bf16 streaming copy, 6 B/param, without Adam's moments: the loader of `megatrain
     train` (HostStore.load_safetensors) on a model whose whole store (14 B/param) this host cannot hold.
-    Before it the files read with O_DIRECT (`files_read`: the disk over these files); then the cold load into a
-    store whose pages are faulted in first on all cores (`load_cold_prefaulted`) and into one on transparent huge
-    pages (`load_cold_huge`), then `load_cached` when host RAM holds the files' pages beside the store."""
+    Before it the files read with O_DIRECT (`files_read`: the disk over these files); beside it the cold load into a
+    store on transparent huge pages (`load_cold_huge`: whether its first touch's faults hold the reads back; the
+    two in the order A B B A, the second of each `_again`), then `load_cached` when host RAM holds the files' pages beside the store."""
     from pretrained_files import write_weights
 
     from megatrain.planner.sysmem import host_memory
@@ -356,13 +356,11 @@ def load_only(a, cfg, root: Path, rd: float, out: dict, log) -> None:
     record_rate(out, log, "files_read", *files_read(model, a.threads), rd, "read")
     out.update(file_bytes=nbytes, store="fp32 master and bf16 streaming copy, no Adam m, v",
                thp=Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip())
-    for name, alloc, zero in (("load_cold", None, False), ("load_cold_prefaulted", None, True),
-                              ("load_cold_huge", huge_empty, False)):
+    ways = (("load_cold", None), ("load_cold_huge", huge_pages_empty))
+    for k, (name, alloc) in enumerate(ways + ways[::-1]):  # A B B A: neither gains from going first or last
+        name += "" if k < 2 else "_again"
         t0 = time.perf_counter()
         store = HostStore(get_adapter(cfg), torch.bfloat16, adam_states=False, allocate=alloc)
-        if zero:  # every page faulted in first, on all cores (torch's threads), then the load into them
-            store.master.zero_()
-            store.stream.zero_()
         made = time.perf_counter() - t0
         evict(model)
         r = store.load_safetensors(model, threads=a.threads, progress=False)
@@ -370,7 +368,7 @@ def load_only(a, cfg, root: Path, rd: float, out: dict, log) -> None:
         out["results"][name].update(store_made_s=made, anon_huge_gib=meminfo("AnonHugePages") / 2**30)
         log(f"{'':13s} the store made in {made:.1f}s; AnonHugePages {meminfo('AnonHugePages') / 2**30:.1f} GiB")
         out["params"] = store.num_params
-        if name != "load_cold_huge":
+        if k < 3:
             del store, r
             gc.collect()
     free = host_memory().available
