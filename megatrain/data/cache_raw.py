@@ -7,8 +7,7 @@ them one row at a time: ~50 us a row, in one process (a million rows: most of a 
 a block of lines becomes one Arrow table with numpy and Arrow (a block that is not all UTF-8 falls back to the per-line
 reading of sources), written into the cache folder under the part's identity (the same as sources.load_raw's); a
 second run memory-maps the file. Blocks are cut from the bytes read without a copy and made into tables on a few
-threads while the next are read (a 625 MB file: 4.1 s -> 2.5 s on two cores, `/tmp`-cached). JSON arrays go through
-sources.load_raw as before.
+threads while the next are read. JSON arrays go through sources.load_raw as before.
 """
 
 from __future__ import annotations
