@@ -121,10 +121,37 @@ def tokenize_pieces(tok, pieces: list[tuple[str, bool]], add_special_tokens: boo
     enc = _encode(tok, text, add_special_tokens)
     if enc is not None:
         ids = enc.ids
-        return ids, piece_labels(pieces, ids, enc.offsets)
+        return ids, encoding_labels(pieces, ids, enc)
     enc = tok(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     return ids, piece_labels(pieces, ids, enc["offset_mapping"])
+
+
+def encoding_labels(pieces: list[tuple[str, bool]], ids: list[int], enc) -> list[int]:
+    """piece_labels for a Rust Encoding `enc` of the pieces' text, without turning every token's offsets into Python
+    tuples (most of a row's labelling time): the tokens overlapping a trained piece run from the token of its first
+    character to that of its last (Encoding.char_to_token), widened over the neighbours that overlap it as well (the
+    tokens of one character: byte fallback). piece_labels over all offsets where a piece's end character has no
+    token (a normalizer removed it)."""
+    n, labels, pos = len(ids), [IGNORE] * len(ids), 0
+
+    def overlaps(k: int, a: int, b: int) -> bool:
+        span = enc.token_to_chars(k)  # (start, end); a special token the post-processor added: (0, 0) or None
+        return span is not None and span[0] < span[1] and span[0] < b and span[1] > a
+
+    for text, train in pieces:
+        a, b, pos = pos, pos + len(text), pos + len(text)
+        if not train or a == b:
+            continue
+        first, last = enc.char_to_token(a), enc.char_to_token(b - 1)
+        if first is None or last is None:
+            return piece_labels(pieces, ids, enc.offsets)
+        while first > 0 and overlaps(first - 1, a, b):
+            first -= 1
+        while last + 1 < n and overlaps(last + 1, a, b):
+            last += 1
+        labels[first: last + 1] = ids[first: last + 1]
+    return labels
 
 
 def piece_labels(pieces: list[tuple[str, bool]], ids: list[int], offsets) -> list[int]:
@@ -333,7 +360,7 @@ def _encoded(tok, sample: dict, opts: EncodeOptions, plan, enc):
     if enc is not None:
         try:
             ids = enc.ids
-            labels = None if kind == "text" else piece_labels(plan[0], ids, enc.offsets)
+            labels = None if kind == "text" else encoding_labels(plan[0], ids, enc)
             return (*_finish(tok, kind, ids, labels, opts), 0)
         except Exception:
             pass
