@@ -340,7 +340,8 @@ def load_only(a, cfg, root: Path, rd: float, out: dict, log) -> None:
     train` (HostStore.load_safetensors) on a model whose whole store (14 B/param) this host cannot hold.
     Before it the files read with O_DIRECT (`files_read`: the disk over these files); beside it the cold load into a
     store on transparent huge pages (`load_cold_huge`: whether its first touch's faults hold the reads back; the
-    two in the order A B B A, the second of each `_again`), then `load_cached` when host RAM holds the files' pages beside the store."""
+    two in the order A B B A, the second of each `_again`), then `load_cached` when host RAM holds the files'
+    pages beside the store."""
     from pretrained_files import write_weights
 
     from megatrain.planner.sysmem import host_memory

@@ -14,8 +14,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from megatrain.data.template import encoding_labels, piece_labels
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "[UNK]"]
-WORDS = ["the", "quick", "brown", "fox", "jumps", "über", "café", "naïve", "日本語", "テスト", "😀", "👍🏽", "a\u0301",
-         "12345", "x=y+1;", "<|im_end|>", "<|im_start|>", "\n", "  ", "\t", "Paris.", "what?", "ﬁne", "Ⅻ"]
+WORDS = ["the", "quick", "brown", "fox", "jumps", "über", "café", "naïve", "日本語", "テスト", "😀", "👍🏽",
+         "a\u0301", "12345", "x=y+1;", "<|im_end|>", "<|im_start|>", "\n", "  ", "\t", "Paris.", "what?", "ﬁne", "Ⅻ"]
 
 
 def corpus(rng: random.Random, n: int, words=WORDS) -> list[str]:

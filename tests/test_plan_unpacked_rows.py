@@ -126,8 +126,8 @@ def test_a_run_times_its_unpacked_rows_from_its_data(tmp_path):
 
 def test_packed_rows_are_timed_over_the_rows_the_run_trains(tmp_path):
     """A run shorter than an epoch is timed at the packed rows it trains, not at the epoch's (packed rows differ in
-    their documents: a best-fit packing's rows, shuffled, from full to nearly empty); one that reaches past the epoch's end at the
-    whole epoch's; a resumed run from the checkpoint's cursor."""
+    their documents: a best-fit packing's rows, shuffled, from full to nearly empty); one that reaches past the
+    epoch's end at the whole epoch's; a resumed run from the checkpoint's cursor."""
     from types import SimpleNamespace
 
     from megatrain.data.sampler import packed_span, run_part

@@ -107,7 +107,7 @@ def _table(data: bytes | memoryview, first: int):
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    if not bytes(data[-1:]) == b"\n":
+    if bytes(data[-1:]) != b"\n":
         data = bytes(data) + b"\n"
     if len(data) >= 1 << 31:  # a line of 2 GB or more: past 32-bit offsets
         return _slow_table(data, first)

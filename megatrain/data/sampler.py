@@ -115,8 +115,8 @@ def _docs_by_row(plan: Plan, lengths: np.ndarray) -> tuple[int, np.ndarray, np.n
 def run_part(plan: Plan, cursor: int, count: int) -> Plan:
     """The micro-batches of an epoch's plan that a run of `count` more micro-batches from `cursor` trains, for the
     planner to time the run at (a short run's rows can be far from its epoch's average: packed rows of long
-    documents differ by row in their attention's work); the whole plan when the run reaches past the epoch's end (the later epochs' plans are
-    drawn alike)."""
+    documents differ by row in their attention's work); the whole plan when the run reaches past the epoch's end
+    (the later epochs' plans are drawn alike)."""
     return plan if cursor + count > len(plan) else plan[cursor: cursor + count]
 
 

@@ -140,7 +140,8 @@ def encoding_labels(pieces: list[tuple[str, bool]], ids: list[int], enc) -> list
         return span is not None and span[0] < span[1] and span[0] < b and span[1] > a
 
     for text, train in pieces:
-        a, b, pos = pos, pos + len(text), pos + len(text)
+        a = pos
+        b = pos = pos + len(text)
         if not train or a == b:
             continue
         first, last = enc.char_to_token(a), enc.char_to_token(b - 1)
