@@ -53,6 +53,7 @@ process's store released first: the runs' plans bound the staging pool by it).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -240,7 +241,7 @@ def phases(st: dict) -> str:
 
 def periodic(a, root: Path, write_bps: float, log) -> dict:
     """Two `megatrain train` runs through bench_cli.py, without and with checkpoint.every (see the docstring)."""
-    from megatrain.planner.sysmem import host_memory
+    from megatrain.planner.sysmem import host_memory, meminfo
 
     runs, stats_file = {}, root / "save-stats.jsonl"
     avail = host_memory().available
@@ -326,14 +327,6 @@ def huge_pages_empty(numel: int, dtype: torch.dtype, zero: bool, what: str = "")
     return buf.zero_() if zero else buf
 
 
-def meminfo(key: str) -> int:
-    """A /proc/meminfo field in bytes."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def load_only(a, cfg, root: Path, rd: float, out: dict, log) -> None:
     """--only-load: the model's pretrained bf16 safetensors (pretrained_files.write_weights) read cold into a store
     of the fp32 master and the bf16 streaming copy, 6 B/param, without Adam's moments: the loader of `megatrain
@@ -344,7 +337,7 @@ def load_only(a, cfg, root: Path, rd: float, out: dict, log) -> None:
     pages beside the store."""
     from pretrained_files import write_weights
 
-    from megatrain.planner.sysmem import host_memory
+    from megatrain.planner.sysmem import host_memory, meminfo
 
     model = root / "model"
     model.mkdir()
@@ -366,8 +359,9 @@ def load_only(a, cfg, root: Path, rd: float, out: dict, log) -> None:
         evict(model)
         r = store.load_safetensors(model, threads=a.threads, progress=False)
         record_rate(out, log, name, r["bytes"], r["seconds"], rd, "read")
-        out["results"][name].update(store_made_s=made, anon_huge_gib=meminfo("AnonHugePages") / 2**30)
-        log(f"{'':13s} the store made in {made:.1f}s; AnonHugePages {meminfo('AnonHugePages') / 2**30:.1f} GiB")
+        huge = meminfo().get("AnonHugePages", 0) / 2**30
+        out["results"][name].update(store_made_s=made, anon_huge_gib=huge)
+        log(f"{'':13s} the store made in {made:.1f}s; AnonHugePages {huge:.1f} GiB")
         out["params"] = store.num_params
         if k < 3:
             del store, r
@@ -397,8 +391,7 @@ def io_ops(a, cfg, root: Path, rd: float, wr: float, out: dict, log) -> None:
     log(f"{store.num_params / 1e9:.2f}B params, store filled in {time.perf_counter() - t0:.1f}s")
     out.update(params=store.num_params, sha256_bps=out_hash)
 
-    def record(name: str, nbytes: int, seconds: float, against: float, what: str) -> None:
-        record_rate(out, log, name, nbytes, seconds, against, what)
+    record = functools.partial(record_rate, out, log)
 
     ckroot = root / "checkpoints"
     saver = CheckpointSaver(ckroot, store, threads=a.threads)
