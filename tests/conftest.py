@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One core per worker (pytest -n): the tiny models gain nothing from a second intra-op thread, and two workers
+    # of two threads each on two cores take 3x as long as one. The processes the tests start inherit it.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral", "olmoe", "gpt_oss"]
 
