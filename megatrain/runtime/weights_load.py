@@ -3,13 +3,14 @@ fp32 master on the same threads, without a copy of the model beside the store.
 
 Each checkpoint tensor (bf16, fp16 or fp32) is cut into pieces of PIECE bytes; a piece is one task of a pool of
 `threads` threads: `preadv` its bytes (the call releases the GIL) into the thread's own PIECE buffer, then copy
-them, cast, into the master's view (an fp32 piece is read straight into the master), and cast again into the
-streaming copy's view while the piece is in the core's cache (no pass over the store at the end). So the loader
-holds `threads` x PIECE bytes beyond the store however large the model, reads many places of many shards at once
-(what a disk needs to reach its rate; a page-cached file reads at memory speed on every thread), and casts on every
-core. Tensors of other dtypes and those a checkpoint stores packed (gpt-oss's MXFP4 experts,
-`ModelAdapter.packed_source`) go through `safe_open`, one tensor per task. A progress bar (tqdm, on a terminal)
-shows GB/s; the caller logs bytes and seconds.
+them, cast, into the master's view (an fp32 piece is read straight into the master), and into the streaming copy's
+view while the piece is in the core's cache (no pass over the store at the end): the buffer's bytes themselves when
+the file holds the streaming dtype (bf16 -> fp32 -> bf16 returns every value: a copy of 2 B/param, not a cast that
+reads the master's 4), else cast from the master. So the loader holds `threads` x PIECE bytes beyond the store
+however large the model, reads many places of many shards at once (what a disk needs to reach its rate; a
+page-cached file reads at memory speed on every thread), and casts on every core. Tensors of other dtypes and
+those a checkpoint stores packed (gpt-oss's MXFP4 experts, `ModelAdapter.packed_source`) go through `safe_open`, one
+tensor per task. A progress bar (tqdm, on a terminal) shows GB/s; the caller logs bytes and seconds.
 """
 
 from __future__ import annotations
@@ -104,7 +105,9 @@ def load_units(store, model_dir: Path, weight_map: dict, packed: dict, open_shar
         _read(fds[f], memoryview(dest.numpy()), start + a * es, model_dir / f)
         if src != part.dtype:
             part[a:b].copy_(dest.view(src))
-        if spart is not None:
+        if spart is not None and src == spart.dtype != part.dtype:  # the file's bytes: what the cast back would give
+            spart[a:b].view(torch.uint8).copy_(dest)
+        elif spart is not None:
             spart[a:b].copy_(part[a:b])
         moved((b - a) * es)
 
