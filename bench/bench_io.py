@@ -241,7 +241,7 @@ def phases(st: dict) -> str:
 
 def periodic(a, root: Path, write_bps: float, log) -> dict:
     """Two `megatrain train` runs through bench_cli.py, without and with checkpoint.every (see the docstring)."""
-    from megatrain.planner.sysmem import host_memory, meminfo
+    from megatrain.planner.sysmem import host_memory
 
     runs, stats_file = {}, root / "save-stats.jsonl"
     avail = host_memory().available

@@ -82,8 +82,8 @@ def test_dpo_with_either_reference_strategy_gives_the_same_steps(tmp_path):
 def test_dpo_teaches_the_demo_model_to_prefer_the_correct_reversal(tmp_path):
     """The demo's task as pairs (preference_helpers.reversal_pairs): after 150 DPO steps from the demo model's
     random init, it gives the correct reversal of held-out words a higher log-prob than the wrong one for at least
-    95% of them; at step 0 about half. (~22 s on 2 cores; it reaches 1.0 here, 0.99 at lr 2e-3, 0.89 after 110
-    steps: 150 leaves a margin.)"""
+    95% of them; at step 0 about half. (It reaches 1.0 here, 0.99 at lr 2e-3, 0.89 after 110 steps: 150 leaves a
+    margin.)"""
     cfg = pair_config(tmp_path, "dpo", train_pairs=2000, heldout=None,
                       train={"steps": 150, "micro_batch_size": 32, "grad_accum_steps": 1, "lr": 1.5e-3,
                              "warmup_steps": 10, "lr_schedule": "cosine", "min_lr_ratio": 0.1, "weight_decay": 0.01,
