@@ -13,8 +13,7 @@ import yaml
 
 from megatrain.cli import main
 from megatrain.config import load_command_line, load_config
-from megatrain.errors import MegatrainError
-from preference_helpers import DEFAULTS, pair_config, records, step_losses
+from preference_helpers import DEFAULTS, pair_config, records
 
 TRL = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected")
 ROOT = Path(__file__).resolve().parents[1]
