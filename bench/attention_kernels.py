@@ -4,18 +4,20 @@ FlexAttention (a score SDPA cannot apply: Gemma 2's soft-capping, gpt-oss's sink
 windows), through megatrain's own functions (models/attention.py: causal_attention, sink_attention; the contexts
 attention_context builds).
 
-    python bench/attention_kernels.py [--json OUT.json] [--reps 5] [--quick | --softcap]
+    python bench/attention_kernels.py [--json OUT.json] [--reps 5] [--quick] [--cases NAME,...]
+    python bench/attention_kernels.py --softcap [--bwd-sweep] [--json OUT.json] [--reps 5]
 
-(--quick: no kernel_options sweep. The JSON is rewritten after every case: a run cut short keeps what it timed.
---softcap: only Gemma 2's capped attention, before and now: softcap_paths.)
+(--quick: no kernel_options sweep; --cases: only the shapes named. The JSON is rewritten after every case: a run cut
+short keeps what it timed. --softcap: only Gemma 2's capped attention, before and now: softcap_paths; --bwd-sweep
+adds other backward tiles.)
 
 Two kinds of case:
     one row per document  every row one document (FLOPs as a plain causal row, or a window's): each kernel against
                           SDPA's at the same FLOPs
-    packed                rows of documents 200-3,000 tokens long (seeded; one shape 50-600, long rows: 8,192-24,000),
-                          as SFT packing makes them: the varlen kernel, FlexAttention with the document block mask
-                          (and, at head_dim 256, with other kernel_options), and the plain causal row of the same
-                          shape beside them (what the packed row costs against an unpacked one)
+    packed                rows of documents 200-3,000 tokens long (seeded; one shape 50-600, long rows 8,192-24,000
+                          and 32,768-98,304), as SFT packing makes them: the varlen kernel, FlexAttention with the
+                          document block mask (and, at head_dim 256, with other kernel_options), and the plain causal
+                          row of the same shape beside them (what the packed row costs against an unpacked one)
 
 Each kernel's rate per executed FLOP as a share of SDPA's over plain rows of the same head_dim and length, against
 the span its rows attend over (rate_vs_sdpa_*), and SDPA's own rates are what the planner times a layer's other
@@ -55,10 +57,17 @@ SHAPES = [
     ("gpt-oss-120b sliding", 64, 8, 64, 8, 4096, 128, "sinks", (200, 3000)),
     ("llama-3.1-8b 32k", 32, 8, 128, 1, 32768, None, "plain", (8192, 24000)),
     ("llama-3.1-8b 128k", 32, 8, 128, 1, 131072, None, "plain", (8192, 24000)),
+    ("qwen2.5-7b 128k long docs", 28, 4, 128, 1, 131072, None, "plain", (32768, 98304)),
 ]
 # FlexAttention's kernel_options tried at head_dim 256 (its defaults there run at a third of flash's rate)
 FLEX_OPTIONS = [None, {"BLOCK_M": 64, "BLOCK_N": 64}, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8},
                 {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2}, {"USE_TMA": True}, {"ROWS_GUARANTEED_SAFE": True}]
+# --bwd-sweep: the soft-capped backward's tiles (M1 x N1: the dK/dV pass's query x key blocks, M2 x N2: dQ's),
+# warps and stages tried beside megatrain's (the backward is ~5x its forward at head_dim 256)
+BWD_SWEEP = [(m1, n1, m2, n2, w, st) for m1, n1, m2, n2, w, st in (
+    (32, 64, 64, 32, 4, 2), (32, 64, 64, 32, 8, 2), (32, 128, 128, 32, 8, 2), (64, 128, 128, 64, 8, 1),
+    (64, 64, 64, 64, 4, 2), (64, 64, 64, 64, 8, 3), (64, 64, 64, 64, 8, 1), (32, 64, 64, 32, 4, 3),
+    (128, 64, 64, 128, 8, 1), (32, 32, 32, 32, 4, 2), (32, 32, 32, 32, 4, 3), (16, 64, 64, 16, 4, 2))]
 CAP = 50.0
 
 
@@ -166,13 +175,15 @@ def case(name, kernel, h, kvh, d, B, T, window, reps, score, packed, docs, optio
     return row
 
 
-def softcap_paths(reps: int) -> list[dict]:
+def softcap_paths(reps: int, bwd_sweep: bool = False) -> list[dict]:
     """Gemma 2's capped attention at its shape (rows packed with 200-3,000-token documents, and rows of one document)
     three ways: as megatrain ran it before (cap·tanh on FlexAttention's default kernel options), the sigmoid form
     (softcap_score) on the defaults, and megatrain's path (the sigmoid form with flex_kernel_options). Forward and
     forward + backward times, and each output's largest error against float64 math (cap·tanh) over row 0's first
     two documents (its one document, unpacked). Queries scaled so the scores reach the cap's bend (|s| up to ~100
-    before the cap of 50)."""
+    before the cap of 50). bwd_sweep: megatrain's forward options with each BWD_SWEEP backward beside them (packed
+    rows), each one's gradients against megatrain's path's (grad_rel_vs_tuned: the largest difference over the
+    largest gradient)."""
     name, h, kvh, d, B, T, _, _, docs = next(s for s in SHAPES if s[7] == "softcap")
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -186,6 +197,7 @@ def softcap_paths(reps: int) -> list[dict]:
         return torch.tanh(sc / CAP) * CAP
 
     out = []
+    tuned = flex_kernel_options("softcap", d, dev)
     for packed in (True, False):
         pos, lengths = documents(B, T, 0, *docs) if packed else (torch.arange(T).expand(B, T), [T] * B)
         ctx = attention_context(pos.to(dev), cos, cos, packed=packed, window=None, force_mask=True, head_dim=d)
@@ -199,10 +211,14 @@ def softcap_paths(reps: int) -> list[dict]:
                     ~torch.ones(n, n, dtype=torch.bool, device=dev).tril(), float("-inf"))
                 ref.append((lo, n, torch.softmax(sc, -1) @ vv))
                 lo += n
-        for path, score_mod, options in (("tanh, defaults (before)", tanh_cap, None),
-                                         ("sigmoid, defaults", softcap_score(CAP), None),
-                                         ("sigmoid, tuned (megatrain)", softcap_score(CAP),
-                                          flex_kernel_options("softcap", d, dev))):
+        paths = [("tanh, defaults (before)", tanh_cap, None), ("sigmoid, defaults", softcap_score(CAP), None),
+                 ("sigmoid, tuned (megatrain)", softcap_score(CAP), tuned)]
+        if bwd_sweep and packed and tuned:
+            paths += [(f"sigmoid, bwd {m1}x{n1} {m2}x{n2} w{w} s{st}", softcap_score(CAP), dict(
+                tuned, bwd_BLOCK_M1=m1, bwd_BLOCK_N1=n1, bwd_BLOCK_M2=m2, bwd_BLOCK_N2=n2, bwd_num_warps=w,
+                bwd_num_stages=st)) for m1, n1, m2, n2, w, st in BWD_SWEEP]
+        grads_tuned = None
+        for path, score_mod, options in paths:
             def attend():
                 return flex_attention()(q, k, v, score_mod=score_mod, block_mask=ctx.block_mask, scale=scale,
                                         enable_gqa=True, kernel_options=options)
@@ -214,17 +230,32 @@ def softcap_paths(reps: int) -> list[dict]:
             def fwd_bwd():
                 attend().backward(dout)
 
-            f, fb = timed(fwd, reps), timed(fwd_bwd, reps)
+            try:
+                f, fb = timed(fwd, reps), timed(fwd_bwd, reps)
+            except Exception as e:  # tiles the kernel refuses (shared memory)
+                print(f"{name} {path}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                out.append({"case": name, "rows_are": "packed" if packed else "one doc", "path": path,
+                            "options": options, "error": str(e)[:300]})
+                q.grad = k.grad = v.grad = None
+                torch.cuda.empty_cache()
+                continue
             q.grad = k.grad = v.grad = None
+            attend().backward(dout)
+            grads = [t.grad.float() for t in (q, k, v)]
+            q.grad = k.grad = v.grad = None
+            if options is tuned:
+                grads_tuned = grads
+            rel = None if grads_tuned is None else max(float((a - b).abs().max() / b.abs().max())
+                                                       for a, b in zip(grads, grads_tuned))
             with torch.no_grad():
                 o = attend()
             err = max(float((o[0, :, lo:lo + n].double() - r).abs().max()) for lo, n, r in ref)
             out.append({"case": name, "rows_are": "packed" if packed else "one doc", "path": path,
                         "options": options, "documents": len(lengths), "forward_ms": f * 1e3,
-                        "fwd_bwd_ms": fb * 1e3, "max_abs_vs_float64": err})
+                        "fwd_bwd_ms": fb * 1e3, "max_abs_vs_float64": err, "grad_rel_vs_tuned": rel})
             print(f"{name} {out[-1]['rows_are']:<8} {path:<28} fwd {f * 1e3:7.2f} ms  fwd+bwd {fb * 1e3:7.2f} ms  "
                   f"vs float64 {err:.3g}", flush=True)
-        first = [r for r in out if r["rows_are"] == out[-1]["rows_are"]]
+        first = [r for r in out if r["rows_are"] == out[-1]["rows_are"] and "error" not in r]
         for r in first:
             r["speedup_vs_before_fwd"] = first[0]["forward_ms"] / r["forward_ms"]
             r["speedup_vs_before_fwd_bwd"] = first[0]["fwd_bwd_ms"] / r["fwd_bwd_ms"]
@@ -293,19 +324,25 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="no kernel_options sweep (compiling it takes most time)")
     ap.add_argument("--softcap", action="store_true",
                     help="only Gemma 2's capped attention: before, the sigmoid form, megatrain's tuned path")
+    ap.add_argument("--cases", help="only the shapes whose names contain one of these (comma-separated)")
+    ap.add_argument("--bwd-sweep", action="store_true", help="with --softcap: BWD_SWEEP's backward options too")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("attention_kernels: needs CUDA", file=sys.stderr)
         return 2
     if args.softcap:
-        rows = softcap_paths(args.reps)
+        rows = softcap_paths(args.reps, args.bwd_sweep)
         write_json(args.json, {"machine": machine(), "git": git_rev(), "command": " ".join(sys.argv),
                                "softcap": rows, "complete": True})
-        print(table(rows, ["case", "rows_are", "path", "documents", "forward_ms", "fwd_bwd_ms",
-                           "speedup_vs_before_fwd", "speedup_vs_before_fwd_bwd", "max_abs_vs_float64"]))
+        print(table([r for r in rows if "error" not in r],
+                    ["case", "rows_are", "path", "documents", "forward_ms", "fwd_bwd_ms", "speedup_vs_before_fwd",
+                     "speedup_vs_before_fwd_bwd", "max_abs_vs_float64", "grad_rel_vs_tuned"]))
         return 0
     rows, bases, seen = [], {}, set()
+    wanted = args.cases.split(",") if args.cases else None
     for name, h, kvh, d, B, T, window, score, docs in SHAPES:
+        if wanted and not any(w in name for w in wanted):
+            continue
         base = {}
         one_doc_done = (h, kvh, d, B, T, window, score) in seen  # the same shape's one-document rows timed before
         seen.add((h, kvh, d, B, T, window, score))
