@@ -193,11 +193,11 @@ KERNEL_RATE = _fit(
     "KERNEL_RATE", {
         ("varlen", "plain", 128): ((370, 0.146, 0.158), (1374, 0.356, 0.358), (1796, 0.398, 0.415),
                                    (4096, 0.546, 0.547), (18545, 0.568, 0.589), (32768, 0.518, 0.591),
-                                   (131072, 0.602, 0.613)),
+                                   (49228, 0.609, 0.607), (131072, 0.602, 0.613)),
         ("varlen", "plain", 256): ((1798, 0.344, 0.453), (4096, 0.445, 0.57)),
         ("flex", "plain", 64): ((248, 0.129, 0.153), (1798, 0.339, 0.439), (4096, 0.81, 0.715)),
         ("flex", "plain", 128): ((370, 0.165, 0.179), (1374, 0.364, 0.418), (1796, 0.439, 0.484), (4096, 0.583, 0.661),
-                                 (18545, 0.659, 0.701), (32768, 0.633, 0.723)),
+                                 (18545, 0.659, 0.701), (32768, 0.633, 0.723), (49228, 0.759, 0.73)),
         ("flex", "plain", 256): ((1798, 0.338, 0.282), (4096, 0.406, 0.373)),
         ("flex", "sinks", 64): ((248, 0.101, 0.108), (1798, 0.295, 0.374), (4096, 0.719, 0.63)),
         ("flex", "softcap", 256): ((1798, 0.315, 0.305), (4096, 0.426, 0.411)),
@@ -210,7 +210,7 @@ KERNEL_RATE = _fit(
     "the time its kernel takes beyond SDPA's at SDPA_RATE over the same FLOPs (kernel_time.kernel_extra). Short "
     "documents cost more per FLOP (blocks and tails partly empty): documents of 50-600 tokens run at a seventh of "
     "SDPA's rate, of 200-3,000 at two fifths, whole rows at 0.52-0.61 (varlen) and 0.58-0.72 (FlexAttention, "
-    "head_dim 128); Gemma 2's capped scores at head_dim 256 0.31-0.43 (0.19-0.27 before the sigmoid form and "
+    "head_dim 128), documents of 32,768-98,304 tokens at 0.61 (varlen) and 0.73-0.76 (FlexAttention); Gemma 2's capped scores at head_dim 256 0.31-0.43 (0.19-0.27 before the sigmoid form and "
     "Hopper's tiles, models/attention.py)",
     "python3 bench/attention_kernels.py --quick --json OUT.json (prints calibration.KERNEL_RATE)")
 SDPA_RATE = _fit(
