@@ -191,3 +191,52 @@ def test_the_pipelines_stats_name_its_longest_piece_of_work():
     assert fields["optimizer_longest_usual_s"] == pytest.approx(stats["longest_params"] * stats["update_s"] /
                                                                 stats["params"])
     assert pipe.take_stats()["longest_s"] == 0.0  # reset with the rest
+
+
+def packed_plan():
+    """Qwen2.5-7B cut to 6 layers, one packed row of 131,072 tokens a step, timed at the data's mean span of 30,000
+    (estimate.retime_packed), and span -> the plan's time for a step of that span (estimate.packed_step_time)."""
+    from megatrain.planner.estimate import packed_step_time, retime_packed
+
+    cfg = AutoConfig.from_pretrained(QWEN14.parent / "qwen2.5-7b")
+    cfg.num_hidden_layers = 6
+    adapter = get_adapter(cfg)
+    plan = make_plan(adapter, Workload((1,), 131072, device="cuda", compile=True, packed=True), DEFAULTS,
+                     suggest=False, host_available=512 * GiB)
+    retime_packed(plan, adapter, 30000.0)
+    return plan, packed_step_time(plan, adapter), adapter
+
+
+def test_packed_steps_are_held_at_their_own_documents_span():
+    """Packed rows: each step's documents set its attention work (11 to 29 s a step on one 524,288-token row of
+    documents of 32k-98k tokens), so a step is held against the plan at its own span (the record's attn_len), and a
+    step of long documents at the usual pace is no stall; a step slow for its documents is."""
+    plan, expect, adapter = packed_plan()
+    assert expect(30000.0) == pytest.approx(plan.time["step_s"], rel=0.01)  # the plan's own span: its own time
+    short, long_ = expect(8000.0), expect(90000.0)
+    assert short < plan.time["step_s"] / 1.2 and long_ > plan.time["step_s"] * 1.2  # the span matters this much
+    assert expect(8000.0) is not None and expect(131072 * 4) == expect(131072.0)  # at most the row
+    from megatrain.planner.estimate import packed_step_time
+    assert packed_step_time(ssd_plan(), adapter) is None  # unpacked rows: none
+
+    check = PlanCheck(plan, 0, expect)  # a step of long documents at the plan's pace: no plan line
+    assert check(record(3, long_ * 1.05, attn_len=90000.0)) is None
+    line = PlanCheck(plan, 0)(record(3, long_ * 1.05, attn_len=90000.0))  # held against the one time: "off"
+    assert line and "short" in line
+    line = PlanCheck(plan, 0, expect)(record(3, long_ * 1.5, attn_len=90000.0))
+    assert line.startswith(f"plan check: step 3 took {long_ * 1.5:.2f} s, the plan {long_:.2f} s for its documents' "
+                           f"attention span of 90,000 tokens (33% short;")
+
+    spans = [30000.0, 90000.0, 8000.0, 60000.0, 15000.0, 90000.0]
+    check, said = PlanCheck(plan, 0, expect), []
+    for i, span in enumerate(spans):  # every step at the plan's pace for its documents, the fifth 1.4x it
+        t = expect(span) * (1.4 if i == 4 else 1.0)
+        said += [x for x in (check(record(STEADY_AFTER + 1 + i, t, attn_len=span)) or "").splitlines()
+                 if x.startswith("slow step")]
+    assert len(said) == 1 and said[0].startswith(
+        f"slow step: step {STEADY_AFTER + 5} took {expect(15000.0) * 1.4:.2f} s, 1.40x the {expect(15000.0):.2f} s "
+        f"its documents take at the median pace of 5 steady steps"), said
+    check, said = PlanCheck(plan, 0, expect), []  # at the plan's pace throughout: nothing, though the times vary 3x
+    for i, span in enumerate(spans):
+        said.append(check(record(STEADY_AFTER + 1 + i, expect(span), attn_len=span)))
+    assert said == [None] * len(spans)

@@ -9,6 +9,7 @@ the limits it was planned for, and `estimate`, which computes it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -271,6 +272,25 @@ def retime_unpacked(plan: Plan, adapter, mb_tokens: float, span: float) -> None:
     plan.notes.append(f"unpacked rows: the step timed at the data's micro-batches, each padded to its longest row: "
                       f"{seq:,} tokens a row on average (of max_seq_len {w.seq_len:,}), attention over "
                       f"{timed.span_len:,.0f} (sum(r·L²)/sum(r·L))")
+
+
+def packed_step_time(plan: Plan, adapter):
+    """Packed rows on CUDA: span -> the plan's step time with a step's own attention span (its documents set its
+    attention work, so a step of long documents takes longer than the plan's step at the data's mean span), timed
+    as retime_packed times the plan and kept per 1% of span. None for other rows."""
+    w = plan.workload
+    if not w.packed or w.device != "cuda":
+        return None
+    units, times = adapter.units(), {}
+
+    def at(span: float) -> float:
+        key = round(math.log(min(max(span, 1.0), w.seq_len)) * 100)
+        if key not in times:
+            timed = replace(w, attn_len=min(math.exp(key / 100), w.seq_len))
+            times[key] = world_time(step_time(adapter, units, timed, plan.profile, other_mode=False), plan.comm,
+                                    plan.world)["step_s"]
+        return times[key]
+    return at
 
 
 def retime_packed(plan: Plan, adapter, attn_len: float) -> None:

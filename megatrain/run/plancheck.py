@@ -14,7 +14,10 @@ against the plan's rollout phase.
 
 Stalls, also said once (any device, with a plan or without): the slowest steady step (its own part) when it is more
 than SLOW_STEP behind the median of the steady steps so far (the latest WINDOW), once there are MEDIAN_OF of them, so
-that a step that stalls early is named when later ones show the median; with its GPU idle time and its longest idle
+that a step that stalls early is named when later ones show the median. Packed rows vary in attention work from step
+to step (a row of a few long documents attends over far more than one of many short ones: 11 to 29 s a step on one
+524,288-token row), so there each step is held, against the plan and the median, at the plan's time for its own
+documents' attention span (the record's attn_len; planner.estimate.packed_step_time); with its GPU idle time and its longest idle
 stretches (the record's `busy_compute` and `idle_gaps`: run/stepstats.py), the CPU AdamW's rate, and its longest
 piece of work when that took HELD_TIMES its usual time: the benchmark's own reads of the run's smaps held the
 optimizer's threads 0.4-0.6 s at a time (docs/planner.md, "Steps at an even pace").
@@ -34,10 +37,12 @@ WINDOW = 100  # the median of the latest this many steady steps
 
 
 class PlanCheck:
-    def __init__(self, plan, first_step: int):
+    def __init__(self, plan, first_step: int, expect=None):
         """plan: the run's planner.Plan (None: nothing to check against a plan); first_step: the step this process
-        started after."""
+        started after; expect: span -> the plan's step time at a step's own attention span (packed rows:
+        planner.estimate.packed_step_time), or None: every step is held against the plan's one time."""
         self.plan = plan if plan is not None and plan.workload.device == "cuda" else None
+        self.expect = expect if self.plan is not None else None
         self.first_step = first_step
         self.done = self.plan is None
         self.steady: deque = deque(maxlen=WINDOW)  # the latest steady steps' records, until a stall is named
@@ -54,30 +59,44 @@ class PlanCheck:
         lines = [line for line in (self._plan_line(record), self._rollout_line(record), self._slow_line()) if line]
         return "\n".join(lines) or None
 
+    def _expected(self, record: dict) -> float | None:
+        """The plan's time for this step's own work (expect at its attention span), or None."""
+        return self.expect(record["attn_len"]) if self.expect and record.get("attn_len") else None
+
+    def _pace(self, record: dict) -> float:
+        """A step's time over the plan's for its own work (packed rows: its documents' attention), else its time."""
+        e = self._expected(record)
+        return own_time(record) / e if e else own_time(record)
+
     def _slow_line(self) -> str | None:
-        """Once: the slowest steady step so far, when it is more than SLOW_STEP behind their median."""
+        """Once: the slowest steady step so far, when it is more than SLOW_STEP behind their median (with packed
+        rows, by pace: its time over what the plan gives its own documents, so a step of long documents is not a
+        stall)."""
         if self.slow_said or len(self.steady) < MEDIAN_OF:
             return None
-        median = statistics.median(own_time(r) for r in self.steady)
-        slow = max(self.steady, key=own_time)
-        if own_time(slow) <= median * (1 + SLOW_STEP):
+        median = statistics.median(self._pace(r) for r in self.steady)
+        slow = max(self.steady, key=self._pace)
+        if self._pace(slow) <= median * (1 + SLOW_STEP):
             return None
         self.slow_said = True
         rates = [r["optimizer_gparams_per_s"] for r in self.steady if r.get("optimizer_gparams_per_s")]
-        return slow_step_line(slow, median, len(self.steady), statistics.median(rates) if rates else None)
+        e = self._expected(slow)
+        return slow_step_line(slow, median * e if e else median, len(self.steady),
+                              statistics.median(rates) if rates else None, own_work=bool(e))
 
     def _plan_line(self, record: dict) -> str | None:
         if self.done:
             return None
         self.done = True
         t = self.plan.time
-        measured = own_time(record)
-        predicted = self.rollout["train_step_s"] if self.rollout else t["step_s"]
+        measured, own = own_time(record), None if self.rollout else self._expected(record)
+        predicted = self.rollout["train_step_s"] if self.rollout else own or t["step_s"]
         err = predicted / measured - 1
         if abs(err) <= TOLERANCE:
             return None
         what = f"step {record['step']}'s training" if "train_s" in record else f"step {record['step']}"
-        parts = [f"plan check: {what} took {measured:.2f} s, the plan {predicted:.2f} s "
+        at = f" for its documents' attention span of {record['attn_len']:,.0f} tokens" if own else ""
+        parts = [f"plan check: {what} took {measured:.2f} s, the plan {predicted:.2f} s{at} "
                  f"({abs(err):.0%} {'long' if err > 0 else 'short'}; bound by {t['bound']})"]
         if "busy_compute" in record:
             parts.append(f"GPU idle {(1 - record['busy_compute']) * measured:.2f} s (planned "
@@ -123,15 +142,18 @@ def own_time(record: dict) -> float:
     return record["train_s"] if "train_s" in record else record["step_time_s"]
 
 
-def slow_step_line(record: dict, median: float, steps: int, optimizer_median: float | None = None) -> str:
+def slow_step_line(record: dict, median: float, steps: int, optimizer_median: float | None = None,
+                   own_work: bool = False) -> str:
     """A step well behind the median of `steps` steady steps: its time (a grpo step's training part), the ratio, its
     GPU idle time and its longest idle stretches of the compute stream (each with the work it followed and the work
     it waited for), and the CPU AdamW's rate in it against the steady steps' median (`optimizer_median`, Gparam/s):
-    a GPU that waited for an optimizer running at its usual rate waited on something else."""
+    a GPU that waited for an optimizer running at its usual rate waited on something else. own_work: `median` is
+    the time the steady steps' median pace gives this step's own documents (packed rows)."""
     t = own_time(record)
     what = f"step {record['step']}'s training" if "train_s" in record else f"step {record['step']}"
-    line = (f"slow step: {what} took {t:.2f} s, {t / median:.2f}x the median {median:.2f} s of "
-            f"{steps} steady steps")
+    line = (f"slow step: {what} took {t:.2f} s, {t / median:.2f}x the {median:.2f} s its documents take at the "
+            f"median pace of {steps} steady steps" if own_work else
+            f"slow step: {what} took {t:.2f} s, {t / median:.2f}x the median {median:.2f} s of {steps} steady steps")
     if "busy_compute" in record:
         line += f"; GPU idle {(1 - record['busy_compute']) * t:.2f} s"
     gaps = record.get("idle_gaps") or []

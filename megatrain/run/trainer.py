@@ -157,7 +157,10 @@ def start(run: Run, stop: StopOnSignal | None = None) -> Session:
                  + (f"; the layers' kernels compiled and tuned first: {run.tuned_first}" if run.tuned_first else
                     "; the first step compiles the layers" if run.engine.options.compile_layers else ""))
     stats = attach(run, log)  # the plan's figures in the start summary; per-step throughput, memory, streams
-    log.check = PlanCheck(run.plan, first)  # a GPU run's steady step off its plan is said, with where and why
+    from ..planner.estimate import packed_step_time
+
+    # a GPU run's steady step off its plan is said, with where and why (packed rows: at their own documents' span)
+    log.check = PlanCheck(run.plan, first, packed_step_time(run.plan, run.adapter) if run.plan else None)
     if run.reference.strategy == "precompute":  # before the data thread, which looks its pairs up in the table
         try:
             run.reference.precompute(run, log, stop)
