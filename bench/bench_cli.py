@@ -90,8 +90,8 @@ STEP_FIELDS = ["step_time_s", "wall_s", "data_wait_s", "queue_s", "gpu_wait_s", 
                "expert_load_max", "expert_entropy", "disk_read_gb", "disk_write_gb", "disk_read_gbps",
                "disk_write_gbps", "disk_gbps_step", "disk_busy_s", "disk_gbps", "disk_busy", "host_pinned_cache_gib",
                "optimizer_update_s", "optimizer_copy_wait_s", "optimizer_gparams_per_s", "optimizer_longest_s",
-               "optimizer_longest_usual_s", "idle_gaps",
-               "compiled_graphs", "compile_limit_hits", "gc_s"]
+               "optimizer_longest_usual_s", "idle_gaps", "compiled_graphs", "compile_limit_hits", "gc_s",
+               "attn_len"]  # (packed rows: the step's documents' attention span, which sets its work)
 
 
 def model_config(args) -> dict:
