@@ -333,8 +333,9 @@ def load_only(a, cfg, root: Path, rd: float, out: dict, log) -> None:
     train` (HostStore.load_safetensors) on a model whose whole store (14 B/param) this host cannot hold.
     Before it the files read with O_DIRECT (`files_read`: the disk over these files); beside it the cold load into a
     store on transparent huge pages (`load_cold_huge`: whether its first touch's faults hold the reads back; the
-    two in the order A B B A, the second of each `_again`), then `load_cached` when host RAM holds the files'
-    pages beside the store."""
+    two in the order A B B A, the second of each `_again`), or with --threads-b on that many I/O threads (after a
+    first load, `load_first_touch`, that touches the host's memory once), then `load_cached` when host RAM holds
+    the files' pages beside the store."""
     from pretrained_files import write_weights
 
     from megatrain.planner.sysmem import host_memory, meminfo
@@ -350,20 +351,26 @@ def load_only(a, cfg, root: Path, rd: float, out: dict, log) -> None:
     record_rate(out, log, "files_read", *files_read(model, a.threads), rd, "read")
     out.update(file_bytes=nbytes, store="fp32 master and bf16 streaming copy, no Adam m, v",
                thp=Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip())
-    ways = (("load_cold", None), ("load_cold_huge", huge_pages_empty))
-    for k, (name, alloc) in enumerate(ways + ways[::-1]):  # A B B A: neither gains from going first or last
-        name += "" if k < 2 else "_again"
+    ways = (("load_cold", None, a.threads), ("load_cold_huge", huge_pages_empty, a.threads))
+    if a.threads_b:  # B: the cold load on another number of I/O threads, after a load that touches the memory first
+        ways = (("load_cold", None, a.threads), (f"load_cold_threads{a.threads_b}", None, a.threads_b))
+        ways = (("load_first_touch", None, a.threads),) + ways + ways[::-1]
+    else:
+        ways = ways + ways[::-1]
+    runs = len(ways)
+    for k, (name, alloc, threads) in enumerate(ways):  # A B B A: neither gains from going first or last
+        name += "_again" if k >= runs - 2 else ""
         t0 = time.perf_counter()
         store = HostStore(get_adapter(cfg), torch.bfloat16, adam_states=False, allocate=alloc)
         made = time.perf_counter() - t0
         evict(model)
-        r = store.load_safetensors(model, threads=a.threads, progress=False)
+        r = store.load_safetensors(model, threads=threads, progress=False)
         record_rate(out, log, name, r["bytes"], r["seconds"], rd, "read")
         huge = meminfo().get("AnonHugePages", 0) / 2**30
         out["results"][name].update(store_made_s=made, anon_huge_gib=huge)
         log(f"{'':13s} the store made in {made:.1f}s; AnonHugePages {huge:.1f} GiB")
         out["params"] = store.num_params
-        if k < 3:
+        if k < runs - 1:
             del store, r
             gc.collect()
     free = host_memory().available
@@ -473,6 +480,8 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp/bench-io", help="folder on the disk measured")
     ap.add_argument("--probe-gib", type=float, default=8.0)
     ap.add_argument("--threads", type=int, default=None, help="I/O threads (default: the code's)")
+    ap.add_argument("--threads-b", type=int, default=None,
+                    help="--only-load: B of A B B A is the cold load on this many I/O threads (default: on huge pages)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--export-repeats", type=int, default=1, help="export_store this many times, the median kept")
     ap.add_argument("--skip-busy", action="store_true", help="skip save_busy and save_gil (a small CPU check)")
