@@ -32,7 +32,8 @@ from ..errors import MegatrainError
 from .gil import short_switches
 
 PIECE = 16 << 20  # bytes of a checkpoint tensor read by one task (fewer tasks: the GIL taken fewer times, gil.py)
-THREADS = 16  # pieces in flight at most (reads and casts: a page-cached file is read at memory speed)
+THREADS = 32  # pieces in flight at most, one per core (reads and casts: a page-cached file is read at memory speed;
+#               on 32 cores 32 threads loaded 4-9% faster than 16, beyond 32 not measured)
 SOURCE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
