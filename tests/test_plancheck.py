@@ -12,6 +12,7 @@ from transformers import AutoConfig
 
 from megatrain.models import get_adapter
 from megatrain.planner import Workload, make_plan
+from megatrain.planner.estimate import packed_step_time, retime_packed
 from megatrain.planner.profile import DEFAULTS, GiB
 from megatrain.run.metrics import MetricsLogger
 from megatrain.run.plancheck import MEDIAN_OF, SLOW_STEP, STEADY_AFTER, PlanCheck
@@ -196,8 +197,6 @@ def test_the_pipelines_stats_name_its_longest_piece_of_work():
 def packed_plan():
     """Qwen2.5-7B cut to 6 layers, one packed row of 131,072 tokens a step, timed at the data's mean span of 30,000
     (estimate.retime_packed), and span -> the plan's time for a step of that span (estimate.packed_step_time)."""
-    from megatrain.planner.estimate import packed_step_time, retime_packed
-
     cfg = AutoConfig.from_pretrained(QWEN14.parent / "qwen2.5-7b")
     cfg.num_hidden_layers = 6
     adapter = get_adapter(cfg)
@@ -215,8 +214,7 @@ def test_packed_steps_are_held_at_their_own_documents_span():
     assert expect(30000.0) == pytest.approx(plan.time["step_s"], rel=0.01)  # the plan's own span: its own time
     short, long_ = expect(8000.0), expect(90000.0)
     assert short < plan.time["step_s"] / 1.2 and long_ > plan.time["step_s"] * 1.2  # the span matters this much
-    assert expect(8000.0) is not None and expect(131072 * 4) == expect(131072.0)  # at most the row
-    from megatrain.planner.estimate import packed_step_time
+    assert expect(131072 * 4) == expect(131072.0)  # at most the row
     assert packed_step_time(ssd_plan(), adapter) is None  # unpacked rows: none
 
     check = PlanCheck(plan, 0, expect)  # a step of long documents at the plan's pace: no plan line

@@ -210,8 +210,9 @@ KERNEL_RATE = _fit(
     "the time its kernel takes beyond SDPA's at SDPA_RATE over the same FLOPs (kernel_time.kernel_extra). Short "
     "documents cost more per FLOP (blocks and tails partly empty): documents of 50-600 tokens run at a seventh of "
     "SDPA's rate, of 200-3,000 at two fifths, whole rows at 0.52-0.61 (varlen) and 0.58-0.72 (FlexAttention, "
-    "head_dim 128), documents of 32,768-98,304 tokens at 0.61 (varlen) and 0.73-0.76 (FlexAttention); Gemma 2's capped scores at head_dim 256 0.31-0.43 (0.19-0.27 before the sigmoid form and "
-    "Hopper's tiles, models/attention.py)",
+    "head_dim 128), documents of 32,768-98,304 tokens at 0.61 (varlen) and 0.73-0.76 (FlexAttention); Gemma 2's "
+    "capped scores at head_dim 256 0.31-0.43 (0.19-0.27 before the sigmoid form and Hopper's tiles, "
+    "models/attention.py)",
     "python3 bench/attention_kernels.py --quick --json OUT.json (prints calibration.KERNEL_RATE)")
 SDPA_RATE = _fit(
     "SDPA_RATE", {128: ((4096, 577e12, 497e12), (32768, 668e12, 547e12), (131072, 553e12, 533e12)),

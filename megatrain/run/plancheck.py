@@ -14,13 +14,15 @@ against the plan's rollout phase.
 
 Stalls, also said once (any device, with a plan or without): the slowest steady step (its own part) when it is more
 than SLOW_STEP behind the median of the steady steps so far (the latest WINDOW), once there are MEDIAN_OF of them, so
-that a step that stalls early is named when later ones show the median. Packed rows vary in attention work from step
-to step (a row of a few long documents attends over far more than one of many short ones: 11 to 29 s a step on one
-524,288-token row), so there each step is held, against the plan and the median, at the plan's time for its own
-documents' attention span (the record's attn_len; planner.estimate.packed_step_time); with its GPU idle time and its longest idle
+that a step that stalls early is named when later ones show the median; with its GPU idle time and its longest idle
 stretches (the record's `busy_compute` and `idle_gaps`: run/stepstats.py), the CPU AdamW's rate, and its longest
 piece of work when that took HELD_TIMES its usual time: the benchmark's own reads of the run's smaps held the
 optimizer's threads 0.4-0.6 s at a time (docs/planner.md, "Steps at an even pace").
+
+Packed rows vary in attention work from step to step (a row of a few long documents attends over far more than one
+of many short ones: 11 to 29 s a step on one 524,288-token row), so there each step is held, against the plan and
+against the median, at the plan's time for its own documents' attention span (the record's attn_len;
+planner.estimate.packed_step_time).
 """
 
 from __future__ import annotations
