@@ -5,11 +5,11 @@ windows), through megatrain's own functions (models/attention.py: causal_attenti
 attention_context builds).
 
     python bench/attention_kernels.py [--json OUT.json] [--reps 5] [--quick] [--cases NAME,...]
-    python bench/attention_kernels.py --softcap [--bwd-sweep] [--json OUT.json] [--reps 5]
+    python bench/attention_kernels.py --softcap [--bwd-sweep [tiles|flags]] [--json OUT.json] [--reps 5]
 
 (--quick: no kernel_options sweep; --cases: only the shapes named. The JSON is rewritten after every case: a run cut
 short keeps what it timed. --softcap: only Gemma 2's capped attention, before and now: softcap_paths; --bwd-sweep
-adds other backward tiles.)
+adds other backward tiles or kernel flags.)
 
 Two kinds of case:
     one row per document  every row one document (FLOPs as a plain causal row, or a window's): each kernel against
@@ -68,6 +68,9 @@ BWD_SWEEP = [(m1, n1, m2, n2, w, st) for m1, n1, m2, n2, w, st in (
     (32, 64, 64, 32, 4, 2), (32, 64, 64, 32, 8, 2), (32, 128, 128, 32, 8, 2), (64, 128, 128, 64, 8, 1),
     (64, 64, 64, 64, 4, 2), (64, 64, 64, 64, 8, 3), (64, 64, 64, 64, 8, 1), (32, 64, 64, 32, 4, 3),
     (128, 64, 64, 128, 8, 1), (32, 32, 32, 32, 4, 2), (32, 32, 32, 32, 4, 3), (16, 64, 64, 16, 4, 2))]
+# --bwd-sweep flags: kernel flags over megatrain's tiles (Hopper's tensor-memory accelerator for the loads; not
+# PRESCALE_QK, which hands score_mod a score scaled by 1/ln 2)
+BWD_FLAGS = [{"USE_TMA": True}, {"bwd_USE_TMA": True}, {"fwd_USE_TMA": True}]
 CAP = 50.0
 
 
@@ -175,15 +178,15 @@ def case(name, kernel, h, kvh, d, B, T, window, reps, score, packed, docs, optio
     return row
 
 
-def softcap_paths(reps: int, bwd_sweep: bool = False) -> list[dict]:
+def softcap_paths(reps: int, bwd_sweep: str | None = None) -> list[dict]:
     """Gemma 2's capped attention at its shape (rows packed with 200-3,000-token documents, and rows of one document)
     three ways: as megatrain ran it before (cap·tanh on FlexAttention's default kernel options), the sigmoid form
     (softcap_score) on the defaults, and megatrain's path (the sigmoid form with flex_kernel_options). Forward and
     forward + backward times, and each output's largest error against float64 math (cap·tanh) over row 0's first
     two documents (its one document, unpacked). Queries scaled so the scores reach the cap's bend (|s| up to ~100
-    before the cap of 50). bwd_sweep: megatrain's forward options with each BWD_SWEEP backward beside them (packed
-    rows), each one's gradients against megatrain's path's (grad_rel_vs_tuned: the largest difference over the
-    largest gradient)."""
+    before the cap of 50). bwd_sweep "tiles": megatrain's forward options with each BWD_SWEEP backward beside them
+    (packed rows), "flags": megatrain's options with each of BWD_FLAGS; each one's gradients against megatrain's
+    path's (grad_rel_vs_tuned: the largest difference over the largest gradient)."""
     name, h, kvh, d, B, T, _, _, docs = next(s for s in SHAPES if s[7] == "softcap")
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -213,10 +216,12 @@ def softcap_paths(reps: int, bwd_sweep: bool = False) -> list[dict]:
                 lo += n
         paths = [("tanh, defaults (before)", tanh_cap, None), ("sigmoid, defaults", softcap_score(CAP), None),
                  ("sigmoid, tuned (megatrain)", softcap_score(CAP), tuned)]
-        if bwd_sweep and packed and tuned:
+        if bwd_sweep == "tiles" and packed and tuned:
             paths += [(f"sigmoid, bwd {m1}x{n1} {m2}x{n2} w{w} s{st}", softcap_score(CAP), dict(
                 tuned, bwd_BLOCK_M1=m1, bwd_BLOCK_N1=n1, bwd_BLOCK_M2=m2, bwd_BLOCK_N2=n2, bwd_num_warps=w,
                 bwd_num_stages=st)) for m1, n1, m2, n2, w, st in BWD_SWEEP]
+        if bwd_sweep == "flags" and packed and tuned:
+            paths += [(f"sigmoid, tuned + {' '.join(f)}", softcap_score(CAP), dict(tuned, **f)) for f in BWD_FLAGS]
         grads_tuned = None
         for path, score_mod, options in paths:
             def attend():
@@ -325,7 +330,8 @@ def main() -> int:
     ap.add_argument("--softcap", action="store_true",
                     help="only Gemma 2's capped attention: before, the sigmoid form, megatrain's tuned path")
     ap.add_argument("--cases", help="only the shapes whose names contain one of these (comma-separated)")
-    ap.add_argument("--bwd-sweep", action="store_true", help="with --softcap: BWD_SWEEP's backward options too")
+    ap.add_argument("--bwd-sweep", nargs="?", const="tiles", choices=["tiles", "flags"],
+                    help="with --softcap: BWD_SWEEP's backward tiles, or BWD_FLAGS over megatrain's, beside it")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("attention_kernels: needs CUDA", file=sys.stderr)
