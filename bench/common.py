@@ -82,7 +82,8 @@ def _f(v) -> str:
 def step_spread(steps: list[dict], key: str) -> dict:
     """The stall check over the measured steps (issue 36: every step after the first within 1.05x of the median):
     each step's seconds (`key`), their median, the slowest step, its ratio to the median, its GPU idle seconds and
-    its longest idle stretches of the compute stream (the records' `busy_compute` and `idle_gaps`, when measured)."""
+    its longest idle stretches of the compute stream (the records' `busy_compute` and `idle_gaps`, when measured),
+    and each step's attention span (`attn_len`: packed rows' steps differ in work by their documents)."""
     import statistics
 
     timed = [r for r in steps if r.get(key) is not None]
@@ -91,10 +92,15 @@ def step_spread(steps: list[dict], key: str) -> dict:
     median = statistics.median(r[key] for r in timed)
     slow = max(timed, key=lambda r: r[key])
     busy = slow.get("busy_compute")
+    spans = {}  # packed rows: each step's documents' attention span, which sets its work (a slow step of long
+    #             documents is no stall)
+    if any(r.get("attn_len") for r in timed):
+        spans = {"step_attn_len": [round(r.get("attn_len") or 0) for r in timed],
+                 "slowest_attn_len": slow.get("attn_len")}
     return {"step_times_s": [round(r[key], 3) for r in timed], "step_median_s": median, "slowest_step": slow["step"],
             "slowest_step_s": slow[key], "slowest_over_median": slow[key] / median if median else None,
             "slowest_idle_s": (1 - busy) * slow[key] if busy is not None else None,
-            "slowest_idle_gaps": slow.get("idle_gaps") or [],
+            "slowest_idle_gaps": slow.get("idle_gaps") or [], **spans,
             **optimizer_spread(timed, slow)}
 
 
@@ -119,8 +125,10 @@ def spread_lines(res: dict) -> str:
     """step_spread's figures as text: every step, the median, the slowest step and its idle stretches."""
     if not res.get("step_times_s"):
         return "steps: none measured"
+    spans = res.get("step_attn_len")
     lines = [f"steps (s): {' '.join(f'{t:.2f}' for t in res['step_times_s'])}; median {res['step_median_s']:.2f}; "
-             f"slowest: step {res['slowest_step']}, {res['slowest_step_s']:.2f} s, {res['slowest_over_median']:.2f}x "
+             + (f"attention spans {' '.join(f'{a:,}' for a in spans)}; " if spans and len(set(spans)) > 1 else "")
+             + f"slowest: step {res['slowest_step']}, {res['slowest_step_s']:.2f} s, {res['slowest_over_median']:.2f}x "
              f"the median" + (f", GPU idle {res['slowest_idle_s']:.2f} s" if res.get("slowest_idle_s") is not None
                                else "")
              + (f", CPU AdamW {res['slowest_optimizer_gparams_per_s']:.2f} Gparam/s (median "
