@@ -315,10 +315,27 @@ def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None,
 
 def _choose_states(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
                    free: frozenset, disk: bool) -> tuple[Workload, str]:
-    """choose() but for reuse_attention: the placement with the states in RAM, else on the SSD tier."""
+    """choose() but for reuse_attention: the placement with the states in RAM, else on the SSD tier; when none fits
+    host RAM but one fits the GPU, the one that needs the least host RAM (_least_host_fit), so that the plan reports
+    host RAM alone short, by what it lacks."""
     got, why, fits = _choose(adapter, units, w, prof, host_limit, gpu_limit, free)
-    if fits or not disk or w.disk_states:
+    if fits:
         return got, why
+    if disk and not w.disk_states:
+        got_d, why = _on_disk(adapter, units, w, prof, host_limit, gpu_limit, free, why)
+        if got_d is not None:
+            return got_d, why
+    if w.device == "cuda" and free and host_limit is not None:
+        least = _least_host_fit(adapter, units, w, prof, host_limit, gpu_limit, free)
+        if least is not None:
+            return least, (f"{why}; the GPU fits with {describe(least.placement, len(least.groups))}, the least "
+                           f"host RAM of the placements that fit it")
+    return got, why
+
+
+def _on_disk(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
+             free: frozenset, why: str) -> tuple[Workload | None, str]:
+    """The placement with states on the SSD tier (DISK_SETS in order) that fits, and why; (None, why it did not)."""
     last = ""  # why the last SSD placement tried did not fit either
     for states in DISK_SETS:
         if "master" in states and (w.precision == "fp32" or w.placement.stream_dtype == "fp32" and
@@ -334,7 +351,7 @@ def _choose_states(adapter, units, w: Workload, prof: Profile, host_limit: float
             return got_d, (f"no placement fits host RAM with every state there; with {', '.join(states)} on the SSD "
                            f"tier (memory.disk_path): {why_d}")
         last = f" ({why_d})"
-    return got, why + "; nor with v, m and the master on the SSD tier" + last
+    return None, why + "; nor with v, m and the master on the SSD tier" + last
 
 
 def with_reuse(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
@@ -463,6 +480,30 @@ def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None
             else "") +
            (", the attention's backward over blocks" if pl.attn_block else ""))
     return replace(w, placement=pl), why, True
+
+
+LEAST_HOST_STEP = 1.02  # the host budget of _least_host_fit's bisection, to within this ratio
+
+
+def _least_host_fit(adapter, units, w: Workload, prof: Profile, host_limit: float, gpu_limit: float | None,
+                    free: frozenset) -> Workload | None:
+    """When no placement fits `host_limit`: the one the search chooses under the least host budget above it under
+    which one fits (bisected to LEAST_HOST_STEP), or None when none fits the GPU whatever the host."""
+    got, _, ok = _choose(adapter, units, w, prof, None, gpu_limit, free)
+    if not ok:
+        return None
+    bare = {k: getattr(Placement(), k) for k in free} | ({"stream_dtype": "fp32"} if "stream_dtype" in free else {})
+    floor = _host_total(adapter, units, replace(w, placement=replace(w.placement, **bare)), prof)  # nothing needs
+    #                                                      less: gradients, inputs and groups sent to host add to it
+    lo, hi = max(host_limit, floor / LEAST_HOST_STEP), _host_total(adapter, units, got, prof)
+    while hi > lo * LEAST_HOST_STEP:
+        mid = (lo * hi) ** 0.5
+        cand, _, ok = _choose(adapter, units, w, prof, mid, gpu_limit, free)
+        if ok:
+            got, hi = cand, _host_total(adapter, units, cand, prof)
+        else:
+            lo = mid
+    return got
 
 
 def _tight(host: float, host_limit: float | None) -> bool:
