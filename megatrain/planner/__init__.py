@@ -14,6 +14,9 @@ is read; and `megatrain probe`, which measures the machine it plans for. Modules
                     never compiles)
     timing.py       executed FLOPs and step time: an event simulation of the runtime's step schedule and of the
                     CPU optimizer pipeline
+    placement.py    the search over the memory knobs (checkpoints, spills, gradients to host, wave groups, tiles)
+    choice.py       the run's placement: that search with the states in RAM, else on the SSD tier; the least host
+                    RAM that fits the GPU when nothing fits host RAM
     suggest.py      what would fit when the run does not
     report.py       the plan as text, and the refusal `megatrain train` gives
     profile.py      the machine profile (rates, sizes) and its H200 defaults

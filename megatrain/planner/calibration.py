@@ -123,7 +123,7 @@ COMPILED_ACTIVATIONS = _fit(
     "device): compiling fuses the layer's elementwise work; a probe at the shape replaces it",
     f"{_BENCH} --compile --json OUT.json; {_PVM} (GPU peak), or megatrain probe --layer MODEL:BxT --compile both")
 
-# ---- placement (placement.choose) ------------------------------------------------------------------------------
+# ---- placement (choice.choose) ---------------------------------------------------------------------------------
 SEQ_TILE = _fit(
     "SEQ_TILE", 8192, "tokens",
     "tokens per MLP tile when the planner tiles: GEMMs of this many rows run at the dense rate on an H100/H200 "

@@ -17,7 +17,8 @@ import numpy as np
 from ..runtime.layer import can_stash
 from .memory import (DEVICE_WORK, TUNE_COPY, autotune_host, checkpoint_bytes, gpu_needed, gpu_phases, host_memory,
                      peak_phase, pinned_bytes)
-from .placement import choose, describe
+from .choice import choose
+from .placement import describe
 from .profile import COMPILED_SPEEDUP, GiB, Profile
 from .tally import sized
 from .timing import executed_flops, step_time

@@ -30,9 +30,10 @@ The knobs, cheapest first in step time (docs/design.md, rules 9-11):
 
     disk_states         with memory.disk_path and host RAM too small for every placement above: Adam v on the SSD
                         tier, then v and m, then v, m and the master (the master beside the bf16 copy only), the
-                        first that fits (the least disk traffic), each searched as above (runtime/disk_tier.py)
+                        first that fits (the least disk traffic), each searched as above (runtime/disk_tier.py;
+                        choice.py tries them)
 
-`choose` keeps every key the config sets and, when the default placement does not fit, searches the others: for
+`search` keeps every key the config sets and, when the default placement does not fit, searches the others: for
 each (G, where accumulators wait) the smallest K that fits, each with the fewest gradients sent to host and then
 the fewest spilled inputs that bring the GPU under its budget (both shrink the GPU need monotonically), for K > 1
 also with the most top layers kept that still fits (host and GPU) by the same rule, and keeps,
@@ -53,7 +54,6 @@ from ..runtime.layer import can_stash
 from ..runtime.schedule import Placement, group_sizes
 from .calibration import ATTN_BLOCK, HOST_HEADROOM, NEAR_FASTEST, REUSE_FROM, SEQ_TILE
 from .memory import Over, gpu_needed, gpu_peak, host_memory
-from .tally import sized
 from .profile import GiB, Profile
 from .timing import step_time
 from .workload import PLACEMENT_KEYS, Workload
@@ -297,63 +297,6 @@ def _candidates(s: _Search, w: Workload) -> list[tuple[float, int, float, Placem
     return candidates
 
 
-DISK_SETS = (("v",), ("v", "m"), ("v", "m", "master"))  # the SSD tier's placements, least disk traffic first
-
-
-def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
-           free: frozenset = FREE_ALL, disk: bool = False) -> tuple[Workload, str]:
-    """The workload with its placement chosen (the keys in `free`; the others as given), and why. disk: the SSD
-    tier may take states (memory.disk_path set, memory.disk_states not): tried, in DISK_SETS order, when no
-    placement fits host RAM. Then, with the rest settled, the layers that keep their attention (`with_reuse`)."""
-    units = sized(units)
-    w, why = _choose_states(adapter, units, w, prof, host_limit, gpu_limit, free - {"reuse_attention"}, disk)
-    if "reuse_attention" in free and w.device == "cuda":
-        w, more = with_reuse(adapter, units, w, prof, host_limit, gpu_limit, free)
-        why += more
-    return w, why
-
-
-def _choose_states(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
-                   free: frozenset, disk: bool) -> tuple[Workload, str]:
-    """choose() but for reuse_attention: the placement with the states in RAM, else on the SSD tier; when none fits
-    host RAM but one fits the GPU, the one that needs the least host RAM (_least_host_fit), so that the plan reports
-    host RAM alone short, by what it lacks."""
-    got, why, fits = _choose(adapter, units, w, prof, host_limit, gpu_limit, free)
-    if fits:
-        return got, why
-    if disk and not w.disk_states:
-        got_d, why = _on_disk(adapter, units, w, prof, host_limit, gpu_limit, free, why)
-        if got_d is not None:
-            return got_d, why
-    if w.device == "cuda" and free and host_limit is not None:
-        least = _least_host_fit(adapter, units, w, prof, host_limit, gpu_limit, free)
-        if least is not None:
-            return least, (f"{why}; the GPU fits with {describe(least.placement, len(least.groups))}, the least "
-                           f"host RAM of the placements that fit it")
-    return got, why
-
-
-def _on_disk(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
-             free: frozenset, why: str) -> tuple[Workload | None, str]:
-    """The placement with states on the SSD tier (DISK_SETS in order) that fits, and why; (None, why it did not)."""
-    last = ""  # why the last SSD placement tried did not fit either
-    for states in DISK_SETS:
-        if "master" in states and (w.precision == "fp32" or w.placement.stream_dtype == "fp32" and
-                                   "stream_dtype" not in free):
-            continue  # the GPU streams the fp32 master itself: it stays in RAM
-        wd = replace(w, disk_states=states)
-        if w.device != "cuda":
-            if _host_total(adapter, units, wd, prof) <= host_limit:
-                return wd, f"host RAM holds the run with {', '.join(states)} on the SSD tier"
-            continue
-        got_d, why_d, fits_d = _choose(adapter, units, wd, prof, host_limit, gpu_limit, free)
-        if fits_d:
-            return got_d, (f"no placement fits host RAM with every state there; with {', '.join(states)} on the SSD "
-                           f"tier (memory.disk_path): {why_d}")
-        last = f" ({why_d})"
-    return None, why + "; nor with v, m and the master on the SSD tier" + last
-
-
 def with_reuse(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
                free: frozenset = frozenset({"reuse_attention"})) -> tuple[Workload, str]:
     """`w` with the most top layers keeping their attention for the backward that still fit (the GPU need grows
@@ -410,7 +353,7 @@ def _least_host(units, adapter, used: list) -> str:
             f"largest parts: " + ", ".join(f"{k} {v / GiB:.1f} GiB" for k, v in parts))
 
 
-def _host_total(adapter, units, w: Workload, prof: Profile) -> float:
+def host_total(adapter, units, w: Workload, prof: Profile) -> float:
     """Host RAM of a workload as planned as is (a CPU run's device work included: the device is the host)."""
     host = sum(host_memory(units, w, adapter.tied).values())
     if w.device != "cuda":
@@ -418,11 +361,12 @@ def _host_total(adapter, units, w: Workload, prof: Profile) -> float:
     return host
 
 
-def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
-            free: frozenset) -> tuple[Workload, str, bool]:
-    """choose() with the workload's states where they are: (workload, why, whether it fits)."""
+def search(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
+           free: frozenset) -> tuple[Workload, str, bool]:
+    """The placement of the keys in `free` (the others as given) with the workload's states where they are
+    (choice.choose moves them to the SSD tier): (workload, why, whether it fits)."""
     if w.device != "cuda" or not free:
-        ok = host_limit is None or _host_total(adapter, units, w, prof) <= host_limit
+        ok = host_limit is None or host_total(adapter, units, w, prof) <= host_limit
         return w, ("as the config sets it" if not free else "a CPU run: the default placement (the device is the "
                    "host)"), ok
     w = replace(w, placement=replace(w.placement, **{k: getattr(Placement(), k) for k in free}))
@@ -480,30 +424,6 @@ def _choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None
             else "") +
            (", the attention's backward over blocks" if pl.attn_block else ""))
     return replace(w, placement=pl), why, True
-
-
-LEAST_HOST_STEP = 1.02  # the host budget of _least_host_fit's bisection, to within this ratio
-
-
-def _least_host_fit(adapter, units, w: Workload, prof: Profile, host_limit: float, gpu_limit: float | None,
-                    free: frozenset) -> Workload | None:
-    """When no placement fits `host_limit`: the one the search chooses under the least host budget above it under
-    which one fits (bisected to LEAST_HOST_STEP), or None when none fits the GPU whatever the host."""
-    got, _, ok = _choose(adapter, units, w, prof, None, gpu_limit, free)
-    if not ok:
-        return None
-    bare = {k: getattr(Placement(), k) for k in free} | ({"stream_dtype": "fp32"} if "stream_dtype" in free else {})
-    floor = _host_total(adapter, units, replace(w, placement=replace(w.placement, **bare)), prof)  # nothing needs
-    #                                                      less: gradients, inputs and groups sent to host add to it
-    lo, hi = max(host_limit, floor / LEAST_HOST_STEP), _host_total(adapter, units, got, prof)
-    while hi > lo * LEAST_HOST_STEP:
-        mid = (lo * hi) ** 0.5
-        cand, _, ok = _choose(adapter, units, w, prof, mid, gpu_limit, free)
-        if ok:
-            got, hi = cand, _host_total(adapter, units, cand, prof)
-        else:
-            lo = mid
-    return got
 
 
 def _tight(host: float, host_limit: float | None) -> bool:
