@@ -1,22 +1,17 @@
 """The run's placement: the memory knobs' search (placement.py) with the states in host RAM, else on the SSD tier
 (memory.disk_path: Adam v, then v and m, then those and the master, the first that fits), then the layers that
-keep their attention (placement.with_reuse). When nothing fits host RAM but a placement fits the GPU, the plan is
-that placement's under the least host budget that holds one (bisected to LEAST_HOST_STEP), so host RAM is the one
-problem it names, with what the run needs of it: the default placement's host RAM may be less, but come with a GPU
-need no placement of it meets."""
+keep their attention (placement.with_reuse)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from ..runtime.schedule import Placement
-from .placement import FREE_ALL, describe, host_total, search, with_reuse
+from .placement import FREE_ALL, host_total, search, with_reuse
 from .profile import Profile
 from .tally import sized
 from .workload import Workload
 
 DISK_SETS = (("v",), ("v", "m"), ("v", "m", "master"))  # the SSD tier's placements, least disk traffic first
-LEAST_HOST_STEP = 1.02  # the host budget of least_host_fit's bisection, to within this ratio
 
 
 def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
@@ -34,9 +29,7 @@ def choose(adapter, units, w: Workload, prof: Profile, host_limit: float | None,
 
 def _choose_states(adapter, units, w: Workload, prof: Profile, host_limit: float | None, gpu_limit: float | None,
                    free: frozenset, disk: bool) -> tuple[Workload, str]:
-    """choose() but for reuse_attention: the placement with the states in RAM, else on the SSD tier; when none fits
-    host RAM but one fits the GPU, the one that needs the least host RAM (least_host_fit), so that the plan reports
-    host RAM alone short, by what it lacks."""
+    """choose() but for reuse_attention: the placement with the states in RAM, else on the SSD tier."""
     got, why, fits = search(adapter, units, w, prof, host_limit, gpu_limit, free)
     if fits:
         return got, why
@@ -44,11 +37,6 @@ def _choose_states(adapter, units, w: Workload, prof: Profile, host_limit: float
         got_d, why = _on_disk(adapter, units, w, prof, host_limit, gpu_limit, free, why)
         if got_d is not None:
             return got_d, why
-    if w.device == "cuda" and free and host_limit is not None:
-        least = least_host_fit(adapter, units, w, prof, host_limit, gpu_limit, free)
-        if least is not None:
-            return least, (f"{why}; the GPU fits with {describe(least.placement, len(least.groups))}, the least "
-                           f"host RAM of the placements that fit it")
     return got, why
 
 
@@ -72,23 +60,3 @@ def _on_disk(adapter, units, w: Workload, prof: Profile, host_limit: float | Non
         last = f" ({why_d})"
     return None, why + "; nor with v, m and the master on the SSD tier" + last
 
-
-def least_host_fit(adapter, units, w: Workload, prof: Profile, host_limit: float, gpu_limit: float | None,
-                   free: frozenset) -> Workload | None:
-    """When no placement fits `host_limit`: the one the search chooses under the least host budget above it under
-    which one fits (bisected to LEAST_HOST_STEP), or None when none fits the GPU whatever the host."""
-    got, _, ok = search(adapter, units, w, prof, None, gpu_limit, free)
-    if not ok:
-        return None
-    bare = {k: getattr(Placement(), k) for k in free} | ({"stream_dtype": "fp32"} if "stream_dtype" in free else {})
-    floor = host_total(adapter, units, replace(w, placement=replace(w.placement, **bare)), prof)  # nothing needs
-    #                                                      less: gradients, inputs and groups sent to host add to it
-    lo, hi = max(host_limit, floor / LEAST_HOST_STEP), host_total(adapter, units, got, prof)
-    while hi > lo * LEAST_HOST_STEP:
-        mid = (lo * hi) ** 0.5
-        cand, _, ok = search(adapter, units, w, prof, mid, gpu_limit, free)
-        if ok:
-            got, hi = cand, host_total(adapter, units, cand, prof)
-        else:
-            lo = mid
-    return got

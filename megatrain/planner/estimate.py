@@ -222,13 +222,18 @@ def _rank_host_limit(available: float | None, params: int, world: World) -> floa
 
 
 def _check(plan: Plan) -> None:
-    if plan.host_available is not None and plan.host_total > plan.host_available:
+    host_short = plan.host_available is not None and plan.host_total > plan.host_available
+    if host_short:
         plan.problems.append(f"host RAM: needs {plan.host_total / GiB:.1f} GiB, {plan.host_available / GiB:.1f} GiB "
                              f"available ({plan.host_source})")
     if plan.workload.device == "cuda" and plan.gpu_limit is not None and plan.gpu_needed > plan.gpu_limit:
-        plan.problems.append(f"GPU memory: needs {plan.gpu_needed / GiB:.1f} GiB at the peak ({plan.gpu_peak_phase}; "
-                             f"{plan.gpu_peak / GiB:.1f} GiB allocated), {plan.gpu_limit / GiB:.1f} GiB available "
-                             f"({plan.gpu_limit_source})")
+        # the search refuses for host RAM before it walks the GPU: with host RAM short, the figure is the default
+        # placement's, not the least a placement needs
+        searched = " with the default placement (host RAM short, no other was searched)" if host_short and \
+            plan.free else ""
+        plan.problems.append(f"GPU memory: needs {plan.gpu_needed / GiB:.1f} GiB at the peak{searched} "
+                             f"({plan.gpu_peak_phase}; {plan.gpu_peak / GiB:.1f} GiB allocated), "
+                             f"{plan.gpu_limit / GiB:.1f} GiB available ({plan.gpu_limit_source})")
     ssd = plan.ssd
     if ssd and plan.ssd_free is not None and ssd["resident_bytes"] > plan.ssd_free:
         plan.problems.append(f"SSD: the tier's files take {ssd['resident_bytes'] / GiB:.1f} GiB, "
