@@ -351,12 +351,11 @@ def load_only(a, cfg, root: Path, rd: float, out: dict, log) -> None:
     record_rate(out, log, "files_read", *files_read(model, a.threads), rd, "read")
     out.update(file_bytes=nbytes, store="fp32 master and bf16 streaming copy, no Adam m, v",
                thp=Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip())
-    ways = (("load_cold", None, a.threads), ("load_cold_huge", huge_pages_empty, a.threads))
-    if a.threads_b:  # B: the cold load on another number of I/O threads, after a load that touches the memory first
-        ways = (("load_cold", None, a.threads), (f"load_cold_threads{a.threads_b}", None, a.threads_b))
-        ways = (("load_first_touch", None, a.threads),) + ways + ways[::-1]
-    else:
-        ways = ways + ways[::-1]
+    # A: the cold load as the code runs it; B: on huge pages, or on --threads-b I/O threads after a load that
+    # touches the memory first
+    pair = (("load_cold", None, a.threads), (f"load_cold_threads{a.threads_b}", None, a.threads_b) if a.threads_b
+            else ("load_cold_huge", huge_pages_empty, a.threads))
+    ways = (("load_first_touch", None, a.threads),) * bool(a.threads_b) + pair + pair[::-1]
     runs = len(ways)
     for k, (name, alloc, threads) in enumerate(ways):  # A B B A: neither gains from going first or last
         name += "_again" if k >= runs - 2 else ""

@@ -29,7 +29,6 @@ NOT_FITTED = {
     ("sysmem.py", "UNLIMITED"): "the number cgroup v1 reports for no limit",
     ("placement.py", "CHECKPOINT_INTERVALS"): "the search's grid of checkpoint intervals",
     ("placement.py", "GROUP_COUNTS"): "the search's grid of wave-group counts",
-    ("placement.py", "LEAST_HOST_STEP"): "the precision of the search for the least host RAM that fits",
     ("plan.py", "QUICK_ADAMW_PARAMS"): "the size of the tile timed at a run's start (its cost, not a fit)",
     ("probe.py", "CPU_LAYER_FLOPS"): "the most work the CPU layer timed at a run's start may take (its cost)",
     ("probe.py", "CPU_LAYER_PARAMS"): "the largest layer timed at a CPU run's start (its memory, not a fit)",
