@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from megatrain.models import get_adapter, load_hf_config
@@ -29,6 +31,16 @@ def reference_optimizer(model) -> torch.optim.AdamW:
 def reference_step(model, opt, batches, max_norm=MAX_NORM) -> tuple[float, dict[str, torch.Tensor]]:
     """One optimizer step over micro-batches: loss = sum of token losses / all target tokens of the step."""
     opt.zero_grad(set_to_none=True)
+    total = _backward(model, batches)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if max_norm:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    opt.step()
+    return total, grads
+
+
+def _backward(model, batches) -> float:
+    """The step's loss (sum of token losses / all target tokens of the step) backpropagated into model's .grad."""
     n_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
     total = 0.0
     moe = getattr(model.config, "output_router_logits", False)
@@ -40,11 +52,21 @@ def reference_step(model, opt, batches, max_norm=MAX_NORM) -> tuple[float, dict[
             loss = loss - (1 - 1 / len(batches)) * model.config.router_aux_loss_coef * out.aux_loss
         loss.backward()
         total += loss.item()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    if max_norm:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    opt.step()
-    return total, grads
+    return total
+
+
+def exact_grads(model, params: dict[str, torch.Tensor], batches) -> dict[str, torch.Tensor]:
+    """The step's gradients in float64 at the weights `params` (HF name -> tensor, megatrain's layout allowed):
+    a float64 copy of the reference model given those weights, the loss of reference_step."""
+    m = copy.deepcopy(model).double()
+    if getattr(m.config, "_experts_implementation", None) not in (None, "eager"):
+        m.set_experts_implementation("eager")  # (grouped_mm takes no float64)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_(params[n].reshape(p.shape))
+    m.zero_grad(set_to_none=True)
+    _backward(m, batches)
+    return {n: p.grad for n, p in m.named_parameters()}
 
 
 class Megatrain:

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import make_model_dir, reference_attention
-from reference import Megatrain, random_batches, reference_optimizer, reference_step, rel
+from reference import Megatrain, exact_grads, random_batches, reference_optimizer, reference_step, rel
 
 TOL = 1e-5
 
@@ -58,15 +58,25 @@ def test_twenty_steps_with_unequal_padded_microbatches(tmp_path, family):
 
 def assert_trains_like_reference(ref, mt, steps: int, seed: int) -> None:
     """`steps` steps of 4 unequal padded micro-batches: loss, every gradient and every updated weight of megatrain
-    within TOL of transformers + torch AdamW."""
+    within TOL of transformers + torch AdamW.
+
+    A gradient is a function of the weights, and after a few steps the two fp32 runs' weights differ by rounding
+    (about 6e-7 relative); where a gradient is ill-conditioned (a norm's weight, a router's: sums that cancel) that
+    alone moves it by more than TOL, each run's gradient within ~2e-6 of the exact one at its own weights. Such a
+    gradient is held to the exact gradient (float64) at megatrain's own weights, within the same TOL."""
     opt = reference_optimizer(ref)
     for step in range(steps):
         batches = random_batches(4, 2, 97, [5, 17, 9, 12], seed=seed + step)
+        before = {n: p.clone() for n, p in mt.params().items()}
         ref_loss, ref_grads = reference_step(ref, opt, batches)
         loss, grads = mt.step(batches)
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"loss at step {step}"
+        exact = None
         for name, g in grads.items():
-            assert rel(g, ref_grads[name]) <= TOL, f"gradient of {name} at step {step}"
+            if rel(g, ref_grads[name]) <= TOL:
+                continue
+            exact = exact or exact_grads(ref, before, batches)
+            assert rel(g, exact[name]) <= TOL, f"gradient of {name} at step {step}"
     ref_params = dict(ref.named_parameters())
     for name, p in mt.params().items():
         assert rel(p, ref_params[name].detach()) <= TOL, f"{name} after {steps} steps"
