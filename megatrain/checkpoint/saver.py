@@ -83,10 +83,12 @@ class _Source:
     """A unit file's parts as its chunks are gathered: the store's tensors, or once staged the header and the copy.
     `live` counts the chunks being gathered from the store, which a staging waits out before the update starts."""
 
-    def __init__(self, head: torch.Tensor, state: list[torch.Tensor]):
-        self.head, self.state = head, state
-        self.store_parts = self.parts = [head] + state
-        self.nbytes = sum(p.numel() for p in state)
+    def __init__(self, head: torch.Tensor, state: list[torch.Tensor], step: torch.Tensor):
+        self.head, self.state = head, state + [step]
+        self.store_parts = self.parts = [head] + self.state
+        self.nbytes = sum(p.numel() for p in self.state)
+        self.pooled = self.nbytes - step.numel()  # what it takes of the pool: the plan bounds the pool by the
+        #                                           checkpoint's master, m and v (12 B/param), not the units' steps
         self.staged: torch.Tensor | None = None
         self.reserved = self.done = False  # room taken in the pool (the saver's lock); the file written
         self.live = 0
@@ -171,8 +173,8 @@ class CheckpointSaver:
                 if src is not None and src.reserved:  # staged by an earlier update in this save (no clipping)
                     src = None
                     break
-                if src is not None and src.nbytes <= job.staging_bytes - job.staged_now:
-                    job.staged_now += src.nbytes  # reserved: the copy is made outside the lock
+                if src is not None and src.pooled <= job.staging_bytes - job.staged_now:
+                    job.staged_now += src.pooled  # reserved: the copy is made outside the lock
                     src.reserved = True
                     job.staged_peak = max(job.staged_peak, job.staged_now)
                     break
@@ -236,7 +238,7 @@ class CheckpointSaver:
         if not any(k in self.store.on_disk for k in KINDS):  # a kind on the SSD tier: its units are never staged
             job.sources = [_Source(torch.frombuffer(bytearray(header_bytes(unit_plan(t), {
                 "format": "pt", "unit": t.unit.name, "step": step})), dtype=torch.uint8),
-                [byte_view(v) for k in KINDS for v in t.views(getattr(t, k)).values()] + [byte_view(t.step)])
+                [byte_view(v) for k in KINDS for v in t.views(getattr(t, k)).values()], byte_view(t.step))
                 for t in self.store.tiles]
         self._job = job
         if self.listener is not None:
@@ -362,7 +364,7 @@ class CheckpointSaver:
             src = job.sources[i] if job.sources else None
             if src is not None and src.reserved:
                 src.reserved = False
-                job.staged_now -= src.nbytes  # its copy is freed: room for the next unit the optimizer reaches
+                job.staged_now -= src.pooled  # its copy is freed: room for the next unit the optimizer reaches
             if src is not None:
                 src.free()
             job.lock.notify_all()
