@@ -1,5 +1,6 @@
 """Packed rows on CUDA through the variable-length flash kernel (models/varlen.py): exactness against float64 and
-FlexAttention, its backward over block pairs, a packed layer's time beside a plain one, and memory at length.
+FlexAttention, its backward over block pairs, and memory at length (the kernels' speed is a benchmark:
+bench/attention_kernels.py, and packed runs through `megatrain train` beside plain ones).
 
     python3 -m pytest -q -s -m gpu tests/gpu/test_varlen_cuda.py     (MEGATRAIN_GPU_RESULTS=DIR: JSON there)
 
@@ -7,10 +8,7 @@ FlexAttention, its backward over block pairs, a packed layer's time beside a pla
    against the float64 truth (the same bf16 inputs, the dense document mask, SDPA's math in float64), the varlen
    output and d(q), d(k), d(v) are within 2x FlexAttention's error (the kernel it replaces); so are the backward
    over blocks of 1,024 (documents crossing block boundaries) and a window of 512 inside the documents.
-2. A Llama-3.1-8B layer (random weights), 8 x 4,096 tokens, forward + backward through runtime.layer's own functions
-   (layer_template, layer_backward), compiled as the engine runs it: plain rows, packed rows on the varlen kernel and
-   packed rows on FlexAttention (the old path). Recorded, not asserted.
-3. Memory at 131,072 tokens, Llama-3.1-8B's heads, 9 documents: the varlen backward's allocated peak above its
+2. Memory at 131,072 tokens, Llama-3.1-8B's heads, 9 documents: the varlen backward's allocated peak above its
    inputs, whole and over blocks of 65,536, against what the planner's meta device measures for the same calls.
 """
 
@@ -89,54 +87,6 @@ def test_varlen_is_as_exact_as_flex(window, block):
     print(res)
     for name in ("out", "dq", "dk", "dv"):
         assert res[f"{name}_rel_varlen"] <= 2 * res[f"{name}_rel_flex"], res
-
-
-def _layer_times(adapter, B, T, pos, packed, flex, reps=5):
-    from megatrain.runtime.layer import layer_backward, layer_template
-
-    unit = next(u for u in adapter.units() if u.kind == "layer")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w = {s.name: (torch.randn(s.shape, device="cuda", generator=g) * 0.02).to(torch.bfloat16) if s.init == "normal"
-         else torch.ones(s.shape, device="cuda", dtype=torch.bfloat16) for s in unit.specs}
-    x = torch.randn(B, T, adapter.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
-    dh = torch.randn_like(x) * 0.01
-    grads = [torch.zeros(s.shape, device="cuda") for s in unit.specs]
-    cos, sin = adapter.rope(pos, torch.bfloat16)
-    ctx = attention_context(pos, cos, sin, packed, None, force_mask=flex)
-    layer = layer_template(adapter, compile=True)
-
-    def step():
-        with torch.no_grad():
-            layer(w, x, ctx)
-        layer_backward(layer, w, x, ctx, dh.clone(), grads)
-
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
-
-
-def test_packed_llama_layer_beside_a_plain_one():
-    from megatrain.models import get_adapter, load_hf_config
-
-    adapter = get_adapter(load_hf_config("bench/model-configs/llama-3.1-8b"))
-    B, T = 8, 4096
-    plain_pos = torch.arange(T, device="cuda").expand(B, T)
-    packed_pos = torch.cat([packed_positions(T, 200, 3000, seed=s) for s in range(B)])
-    res = {"rows": B, "tokens": T, "documents": int((packed_pos == 0).sum()),
-           "plain_s": _layer_times(adapter, B, T, plain_pos, False, False),
-           "packed_varlen_s": _layer_times(adapter, B, T, packed_pos, True, False),
-           "packed_flex_s": _layer_times(adapter, B, T, packed_pos, True, True)}
-    res["varlen_vs_plain"] = res["packed_varlen_s"] / res["plain_s"]
-    res["flex_vs_plain"] = res["packed_flex_s"] / res["plain_s"]
-    write_result("varlen_llama_layer_cuda", __file__, res)
-    print(res)
 
 
 @pytest.mark.parametrize("block", [0, 65536])
