@@ -36,6 +36,7 @@ the store, read for resume and the cold load, min(read, write) for the export of
 first N layers of the config (the disk must hold one checkpoint: 12 B/param, and the export beside it).
 
 (--only-load instead: a cold load into a store without Adam's moments, for a model this host cannot hold whole.)
+(--probe-gib-b G: the disk probed again over G GiB, `disk_b`, and each rate also as a fraction of that one.)
 Then (unless --no-train; --only-train: after the disk's probe, only these) periodic saves through the real command
 line: bench/bench_cli.py runs `megatrain train` twice in --dir, the same --train-steps steps of --train-seqs x
 --train-seq tokens (random init, no compile), once without checkpoints and once with checkpoint.every=--every (one
@@ -309,8 +310,12 @@ def record_rate(out: dict, log, name: str, nbytes: int, seconds: float, against:
     r = {"bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9,
          "fraction_of_disk": nbytes / seconds / against, "against": what}
     out["results"][name] = r
+    longer = (out.get("disk_b") or {}).get(f"{what}_bps")  # the rate over the longer probe (--probe-gib-b)
+    if longer:
+        r["fraction_of_disk_b"] = nbytes / seconds / longer
     log(f"{name:13s} {nbytes / 1e9:7.2f} GB in {seconds:6.1f}s: {r['gb_per_s']:.2f} GB/s, "
-        f"{r['fraction_of_disk']:.0%} of the disk's {what} ({against / 1e9:.2f} GB/s)")
+        f"{r['fraction_of_disk']:.0%} of the disk's {what} ({against / 1e9:.2f} GB/s)" +
+        (f", {r['fraction_of_disk_b']:.0%} of it over the longer probe ({longer / 1e9:.2f} GB/s)" if longer else ""))
 
 
 def huge_pages_empty(numel: int, dtype: torch.dtype, zero: bool, what: str = "") -> torch.Tensor:
@@ -481,6 +486,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="I/O threads (default: the code's)")
     ap.add_argument("--threads-b", type=int, default=None,
                     help="--only-load: B of A B B A is the cold load on this many I/O threads (default: on huge pages)")
+    ap.add_argument("--probe-gib-b", type=float, default=None,
+                    help="a second probe of the disk over this many GiB (`disk_b`: the rate over a longer span)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--export-repeats", type=int, default=1, help="export_store this many times, the median kept")
     ap.add_argument("--skip-busy", action="store_true", help="skip save_busy and save_gil (a small CPU check)")
@@ -512,6 +519,9 @@ def main() -> int:
     rd, wr = disk["read_bps"], disk["write_bps"]
     out = {"model": a.model, "layers": cfg.num_hidden_layers, "disk": disk, "threads": a.threads,
            "cpus": len(os.sched_getaffinity(0)), "results": {}}
+    if a.probe_gib_b:
+        out["disk_b"] = measure_disk(root, int(a.probe_gib_b * 2**30), key="--dir")
+        log(describe(out["disk_b"]))
     if a.only_load:
         load_only(a, cfg, root, rd, out, log)
         a.no_train = True
