@@ -58,8 +58,17 @@ def finish(procs: list[subprocess.Popen], timeout: float = 600) -> list[tuple[in
 def run_ok(cfg: Path, *overrides: str, nproc: int = 2, nnodes: int = 1) -> str:
     results = finish(torchrun(cfg, *overrides, nproc=nproc, nnodes=nnodes))
     for rc, text in results:
-        assert rc == 0, text[-4000:]
+        assert rc == 0, failure_text(text)
     return results[0][1]
+
+
+def failure_text(text: str, tail: int = 4000) -> str:
+    """A failed run's output for the assertion: its end, and where a rank crashed (faulthandler's "Fatal Python
+    error" with the threads' stacks, which the module list it ends with pushes out of the tail)."""
+    crash = text.find("Fatal Python error")
+    if crash < 0 or crash >= len(text) - tail:
+        return text[-tail:]
+    return text[crash: crash + 3000] + "\n[...]\n" + text[-tail:]
 
 
 class Worker:
