@@ -23,7 +23,9 @@ from test_noclip import step_after_backward, step_without_clipping
 
 
 def unit_bytes(store) -> list[int]:
-    return [12 * t.numel + 4 for t in store.tiles]  # master, m, v (fp32) and the step
+    """What each unit takes of the pool: its master, m and v (fp32), 12 B/param as the plan counts a checkpoint
+    (its 4-byte step is copied with them, outside the bound)."""
+    return [12 * t.numel for t in store.tiles]
 
 
 def train_through_a_save(tmp, monkeypatch, staging, clipping=True, seed=5):
@@ -97,6 +99,35 @@ def test_without_room_the_optimizer_waits_for_the_writer_and_the_files_hold_the_
     assert set(st["wait_s_by_step"]) <= {"3", "4", "5"} and sum(st["wait_s_by_step"].values()) == \
         pytest.approx(st["wait_s"])
     assert_holds(m, path, at_save, tmp_path)
+
+
+def test_a_pool_of_one_checkpoint_stages_every_unit_while_the_writer_has_written_none(tmp_path, monkeypatch):
+    """The plan's pool at most one checkpoint, 12 B/param (planner/io_time.staging_limit): with the writer held
+    before its first byte, the optimizer stages every unit, none waits (each unit's 4-byte step, copied with its
+    state, is not counted against that bound)."""
+    make_model_dir(tmp_path / "model", "llama", seed=5)
+    m = Megatrain(tmp_path / "model")
+    gate, original = threading.Event(), fastio.transfer
+
+    def held(*a, **kw):
+        assert gate.wait(timeout=60)
+        return original(*a, **kw)
+    monkeypatch.setattr(fastio, "transfer", held)
+    saver = CheckpointSaver(tmp_path / "ckpt", m.store, staging_bytes=12 * m.store.num_params)
+    try:
+        saver.save(2, state(2))
+        updates = threading.Thread(target=lambda: [saver.before_update(i) for i in range(len(m.store.tiles))])
+        updates.start()
+        updates.join(timeout=20)
+        staged_all = not updates.is_alive()
+    finally:
+        gate.set()
+        saver.wait()
+        m.close()
+    assert staged_all, "an update waited for the writer with room in the pool"
+    st = saver.stats
+    assert st["waits"] == 0 and st["staged_units"] == len(m.store.tiles)
+    assert st["staged_peak_bytes"] == st["staging_limit_bytes"] == sum(unit_bytes(m.store))
 
 
 def test_a_pool_of_one_unit_stages_what_fits_and_never_holds_more(tmp_path, monkeypatch, tmp_path_factory):
