@@ -13,9 +13,15 @@ Their rate is a benchmark: bench/moe_experts.py.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from gpu_results import write_result
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from moe_experts import inputs  # noqa: E402  (the benchmark's random routed tokens and experts)
 
 from megatrain.models import get_adapter, load_hf_config
 from megatrain.models.moe import _grouped_ffn, _looped_ffn
@@ -84,20 +90,9 @@ def test_fp32_cuda_equals_cpu(tmp_path, record, no_tf32):
     assert loss_rel < 1e-5 and grad_rel < 1e-4
 
 
-def _inputs(N, H, I, E, k, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, generator=g)
-    logits = torch.randn(N, E, device="cuda", generator=g)
-    top_p, top_i = torch.topk(torch.softmax(logits, -1), k, dim=-1)
-    top_w = (top_p / top_p.sum(-1, keepdim=True)).to(torch.bfloat16)
-    gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H**-0.5).to(torch.bfloat16)
-    down = (torch.randn(E, H, I, device="cuda", generator=g) * I**-0.5).to(torch.bfloat16)
-    return x, top_i, top_w, gate_up, down
-
-
 def test_grouped_equals_looped_and_never_syncs(record):
     N, H, I, E, k = 8192, 2048, 768, 128, 8  # Qwen3-30B-A3B's expert shape, 8192 tokens
-    x, top_i, top_w, gate_up, down = _inputs(N, H, I, E, k)
+    x, top_i, top_w, gate_up, down = inputs(N, H, I, E, k)
     results = {}
     outs = {}
     for name, fn in (("grouped", _grouped_ffn), ("looped", _looped_ffn)):
