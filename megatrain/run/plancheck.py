@@ -20,9 +20,8 @@ piece of work when that took HELD_TIMES its usual time: the benchmark's own read
 optimizer's threads 0.4-0.6 s at a time (docs/planner.md, "Steps at an even pace").
 
 Packed rows vary in attention work from step to step (a row of a few long documents attends over far more than one
-of many short ones), so there each step is held, against the plan and
-against the median, at the plan's time for its own documents' attention span (the record's attn_len;
-planner.estimate.packed_step_time).
+of many short ones), so there each step is held, against the plan and against the median, at the plan's time for its
+own documents' attention span (the record's attn_len; planner.estimate.packed_step_time).
 """
 
 from __future__ import annotations
