@@ -56,11 +56,18 @@ def target_rows(mb: MicroBatch) -> torch.Tensor:
 def row_logps(final_norm, h: torch.Tensor, mb: MicroBatch, norm_w: torch.Tensor, lm_w: torch.Tensor, chunk: int,
               kernels: HeadKernels, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp [B] fp32: each row's sum of its targets' log-probs, n [B] int64: its target count), on h's device."""
-    B, rows = mb.input_ids.shape[0], target_rows(mb)
+    (B, T), rows = mb.input_ids.shape, target_rows(mb)
     tok = token_logps(final_norm, h, mb.target_index, mb.targets, norm_w, lm_w, chunk, kernels, softcap)
-    logp = torch.zeros(B, dtype=torch.float32, device=h.device).index_add_(0, rows, tok)
-    n = torch.zeros(B, dtype=torch.int64, device=h.device).index_add_(0, rows, torch.ones_like(rows))
-    return logp, n
+    return row_sums(tok, mb.target_index, B, T), torch.bincount(rows, minlength=B)
+
+
+def row_sums(values: torch.Tensor, index: torch.Tensor, rows: int, T: int) -> torch.Tensor:
+    """Each row's sum of `values`, which sit at the distinct flat positions `index` of a [rows, T] batch, always
+    added in the same order: placed in a dense [rows, T] and summed along T. (index_add_ adds with atomics on CUDA,
+    in whatever order they land, so a row's sum changed in its last bits from one run to the next.)"""
+    dense = torch.zeros(rows * T, dtype=values.dtype, device=values.device)
+    dense[index] = values
+    return dense.view(rows, T).sum(1)
 
 
 def chosen_targets(mb: MicroBatch) -> int:
@@ -152,14 +159,14 @@ class PreferenceStep:
                   kernels: HeadKernels, softcap: float | None, loss_sum: torch.Tensor) -> torch.Tensor:
         """The head over chunks of whole pairs (pair_chunks), each chunk's logits computed once (lmhead.head_backward):
         the pairs' row weights come from the chunk's own log-probs, then weight its tokens' gradients."""
-        row_of = target_rows(mb)
+        row_of, T = target_rows(mb), mb.input_ids.shape[1]
 
         def chunk_grad(span: tuple[int, int, int, int], logits: torch.Tensor) -> torch.Tensor:
             a, b, r0, r1 = span
             y, local = mb.targets[a:b], row_of[a:b] - r0
             tok = -ce_token_losses(logits, y, kernel=kernels.fused_ce)  # the logits left as they are
-            logp = torch.zeros(r1 - r0, dtype=torch.float32, device=h.device).index_add_(0, local, tok)
-            n = torch.zeros(r1 - r0, dtype=torch.int64, device=h.device).index_add_(0, local, torch.ones_like(local))
+            logp = row_sums(tok, mb.target_index[a:b] - r0 * T, r1 - r0, T)
+            n = torch.bincount(local, minlength=r1 - r0)
             ref = None if mb.ref_logps is None else mb.ref_logps[r0:r1]
             weight = self._row_weights(logp, n, ref, loss_sum)
             return ce_loss_and_grad(logits, y, weight.index_select(0, local), kernel=kernels.fused_ce)[1]
