@@ -457,6 +457,7 @@ def check_paths(cfg: Config, outputs: bool = True, default_profile: Path | None 
     if cfg.data.chat_template and "{" not in cfg.data.chat_template:
         kind("data.chat_template", cfg.data.chat_template, False, "a Jinja file (or the template itself)")
     kind("plan.profile", cfg.plan.profile, False, "a profile written by `megatrain probe`")
+    kind("data.cache_dir", cfg.data.cache_dir, True, "a folder for the tokenised data")
     check_memory(cfg, disk=outputs)
     if cfg.resume and cfg.resume != "auto":
         kind("resume", cfg.resume, True, "a checkpoint directory (step-N) or a run's output.dir")
@@ -470,6 +471,8 @@ def check_paths(cfg: Config, outputs: bool = True, default_profile: Path | None 
         check_dir_target(cfg.output.dir, "output.dir")
         if cfg.export.at_end:
             check_dir_target(cfg.export.dir or Path(cfg.output.dir) / "export", "export.dir")
+        if cfg.data.cache_dir:
+            check_dir_target(cfg.data.cache_dir, "data.cache_dir")
         check_overlaps(cfg)
 
 

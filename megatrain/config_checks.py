@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from .errors import MegatrainError
+from .errors import MegatrainError, user_path
 
 MAX_CONFIG_NODES = 100_000  # values after aliases are expanded: a real config has hundreds
 MAX_CONFIG_DEPTH = 64
@@ -54,21 +54,24 @@ def check_yaml_size(node) -> None:
 def expand_home(cfg) -> None:
     """Expand a leading `~` in every path field of a validated `megatrain.config.Config`, in place."""
 
-    def home(v):
-        return str(Path(v).expanduser()) if isinstance(v, str) and v.startswith("~") else v
-
     d = cfg.data
-    fields = [(cfg.model, "path"), (cfg.model, "tokenizer"), (cfg.train, "exact_match_path"), (cfg.output, "dir"),
-              (cfg.preference, "reference_path"),
-              (cfg.export, "dir"), (cfg.memory, "disk_path"), (cfg.plan, "profile"), (d, "path"), (d, "eval_path"),
-              (d, "dataset_info"), (d, "cache_dir"),
-              *((e, "path") for e in (d.datasets or []) + (d.eval_datasets or []))]
+    fields = [("model.path", cfg.model, "path"), ("model.tokenizer", cfg.model, "tokenizer"),
+              ("train.exact_match_path", cfg.train, "exact_match_path"), ("output.dir", cfg.output, "dir"),
+              ("preference.reference_path", cfg.preference, "reference_path"), ("export.dir", cfg.export, "dir"),
+              ("memory.disk_path", cfg.memory, "disk_path"), ("plan.profile", cfg.plan, "profile"),
+              ("data.path", d, "path"), ("data.eval_path", d, "eval_path"), ("data.dataset_info", d, "dataset_info"),
+              ("data.cache_dir", d, "cache_dir"),
+              *((f"data.datasets[{i}].path", e, "path") for i, e in enumerate(d.datasets or [])),
+              *((f"data.eval_datasets[{i}].path", e, "path") for i, e in enumerate(d.eval_datasets or []))]
     if d.chat_template and "{" not in d.chat_template:  # a file, not the template itself
-        fields.append((d, "chat_template"))
+        fields.append(("data.chat_template", d, "chat_template"))
     if cfg.resume != "auto":
-        fields.append((cfg, "resume"))
-    for obj, key in fields:
-        object.__setattr__(obj, key, home(getattr(obj, key)))  # (no re-validation: the value's type is unchanged)
+        fields.append(("resume", cfg, "resume"))
+    for name, obj, key in fields:
+        v = getattr(obj, key)
+        if isinstance(v, str) and v:  # (no re-validation: the value's type is unchanged)
+            p = user_path(v, name)
+            object.__setattr__(obj, key, str(p) if v.startswith("~") else v)
 
 
 def check_overlaps(cfg) -> None:
@@ -91,6 +94,19 @@ def check_overlaps(cfg) -> None:
         if export == ckpts or ckpts in export.parents:
             raise MegatrainError(f"export.dir: {export} lies inside output.dir's checkpoints folder, where saves "
                                  f"replace and remove folders; choose a folder outside {ckpts}")
+        if export == out or export in out.parents:  # the export replaces its folder whole, at the end of the run
+            raise MegatrainError(f"export.dir: {export} {'is' if export == out else 'holds'} output.dir ({out}); the "
+                                 f"export would replace the run's folder: choose a folder beside it, or leave "
+                                 f"export.dir unset ({out / 'export'})")
+    if d.cache_dir:  # the tokenised data is written there while the inputs are still being checked
+        cache = Path(d.cache_dir).resolve()
+        kept = [(k, o, "the run's own files") for k, o in outputs]
+        kept += [(k, Path(v).resolve(), "the model") for k, v in (("model.path", cfg.model.path),
+                                                                  ("model.tokenizer", cfg.model.tokenizer)) if v]
+        for okey, o, what in kept:
+            if cache == o or o in cache.parents:
+                raise MegatrainError(f"data.cache_dir: {cache} {'is' if cache == o else 'lies inside'} {okey} ({o}), "
+                                     f"which holds {what} alone; choose a cache folder outside it")
     for okey, o in outputs:
         for ikey, value in inputs:
             if not value:

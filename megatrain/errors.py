@@ -11,6 +11,7 @@ or a value the user wrote, a library's multi-line text) is shown escaped, so tha
 """
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -119,15 +120,42 @@ def load_json(path: Path):
 
 
 # ---- paths -------------------------------------------------------------------------------------------------------
+NAME_MAX = 255  # bytes in one name of a path (Linux's file systems)
+SIBLING_SPARE = len(".partial") + 1  # a folder is first written as `.NAME.partial` beside it (export)
+
+
+def user_path(value, key: str, spare: int = 0) -> Path:
+    """A path the user gave, a leading `~` expanded; refused with one line naming `key` where the system would
+    raise later: `~name` of no known user, a loop of symbolic links, a name longer than NAME_MAX bytes (its last
+    name less `spare`: what megatrain adds to it for a temporary sibling), a path longer than the system takes."""
+    try:
+        p = Path(value).expanduser()
+    except RuntimeError:
+        raise MegatrainError(f"{key}: {value}: there is no home folder for '{str(value).split('/')[0]}'") from None
+    for k, part in enumerate(p.parts):
+        room = NAME_MAX - (spare if k == len(p.parts) - 1 else 0)
+        if len(os.fsencode(part)) > room:
+            raise MegatrainError(f"{key}: {p}: the name '{part[:24]}...' is {len(os.fsencode(part))} bytes long; "
+                                 f"the file system takes at most {room} here")
+    try:
+        os.stat(p)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise MegatrainError(f"{key}: {p}: its symbolic links form a loop") from None
+        if e.errno == errno.ENAMETOOLONG:
+            raise MegatrainError(f"{key}: {p}: the path is longer than the system takes") from None
+    return p
+
+
 def check_dir_target(path, key: str) -> None:
     """A folder the run creates or writes into: not a file, not under a file, and writable where it will be
     created. `key` names it in the message (output.dir, export.dir, ...)."""
-    _check_target(Path(path).expanduser(), key, folder=True)
+    _check_target(user_path(path, key, SIBLING_SPARE), key, folder=True)
 
 
 def check_file_target(path, key: str) -> None:
     """A file that will be written: not a folder, not under a file, its folder writable or creatable."""
-    _check_target(Path(path).expanduser(), key, folder=False)
+    _check_target(user_path(path, key), key, folder=False)
 
 
 def _check_target(p: Path, key: str, folder: bool) -> None:

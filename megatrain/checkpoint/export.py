@@ -38,7 +38,7 @@ from .export_stream import write_from_checkpoint
 from .resume import unit_segments
 from .tensorfile import TensorFileReader, fsync_dir, header_bytes
 from ..runtime.disk_files import transfer
-from ..errors import MegatrainError, check_dir_target
+from ..errors import SIBLING_SPARE, MegatrainError, check_dir_target, user_path
 from ..models import get_adapter, load_hf_config
 
 INDEX = "model.safetensors.index.json"
@@ -111,13 +111,32 @@ class _Shards:
         self.fds = []
 
 
-def check_export_target(out: Path, replace_export: bool = False) -> None:
-    """The export goes to a new or empty directory, or (replace_export) replaces an earlier export: never over
-    anything else, and never where a file is in the way (`out` a file, or under one)."""
-    out = Path(out).expanduser()
+def check_export_target(out: Path, run_checkpoints: Path | None = None) -> Path:
+    """The folder an export writes (a symbolic link: the folder it points to). It goes to a new or empty folder,
+    or replaces an earlier export of the run whose checkpoints folder is `run_checkpoints` (export.at_end of a run
+    started again): never over anything else, and never where a file is in the way (`out` a file, or under one)."""
+    out = user_path(out, "export", SIBLING_SPARE)
+    if out.is_symlink():  # replaced by a rename beside the folder it points to, the link kept
+        out = out.resolve()
     check_dir_target(out, "export")
-    if out.exists() and any(out.iterdir()) and not (replace_export and (out / INDEX).is_file()):
+    if out.exists() and any(out.iterdir()) and not (run_checkpoints and is_export_of(out, run_checkpoints)):
         raise MegatrainError(f"export: {out} is not empty; choose another directory")
+    return out
+
+
+def is_export_of(folder: Path, run_checkpoints: Path) -> bool:
+    """Whether `folder` is an export megatrain wrote that holds nothing else (its index lists the files it wrote),
+    from a checkpoint in `run_checkpoints` or in that run's own folder (`export/` beside it: a run folder moved
+    since): the one folder export.at_end may replace."""
+    try:
+        meta = json.loads((folder / INDEX).read_text()).get("metadata", {})
+        source, files = Path(meta["megatrain_checkpoint"]), set(meta["megatrain_files"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    ckpts = Path(run_checkpoints).resolve()
+    if source.parent.resolve() != ckpts and folder.resolve() != ckpts.parent / "export":
+        return False
+    return all(not p.is_symlink() and p.name in files for p in folder.iterdir())
 
 
 def _check_outside_checkpoints(ckpt: Path, out: Path) -> None:
@@ -136,7 +155,8 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "
                       replace_export: bool = False, threads: int | None = None) -> dict:
     """Export the checkpoint `source` (a checkpoint, a run's checkpoints/ folder or its output.dir: the newest
     complete checkpoint) to `out_dir`. Returns {"path", "checkpoint", "shards", "bytes", "seconds"}.
-    replace_export: out_dir may hold an earlier export, which is replaced (export.at_end of a resumed run).
+    replace_export: out_dir may hold an earlier export from the same run (its checkpoints folder: the source's), which
+    is replaced (export.at_end of a run started again; see check_export_target).
     threads: I/O and conversion threads (default fastio.THREADS, at most the cores)."""
     t0 = time.perf_counter()
     torch_dtype, dtype_name, ckpt, manifest, out, adapter, units, specs, shards = _prepare(
@@ -172,8 +192,7 @@ def _prepare(source, out_dir, dtype: str, max_shard_mb, replace_export: bool):
     torch_dtype, dtype_name = DTYPES[dtype]
     ckpt = locate(Path(source), "export")
     manifest = read_manifest(ckpt)
-    out = Path(out_dir).expanduser()
-    check_export_target(out, replace_export)
+    out = check_export_target(out_dir, ckpt.parent if replace_export else None)
     _check_outside_checkpoints(ckpt, out)
     verify_file(ckpt, manifest, "config.json")
     adapter = get_adapter(load_hf_config(ckpt))
@@ -255,12 +274,13 @@ def _export(masters, out, shards, torch_dtype, dtype_name, ckpt, manifest, adapt
         else:
             weight_map = _write_streamed(tmp, masters, shards, torch_dtype, specs, threads, per_unit)
         total = sum(esize * _numel(shape) for shard in shards for _, shape in shard)
-        index = {"metadata": {"total_size": total, "megatrain_checkpoint": str(ckpt), "step": manifest["step"]},
-                 "weight_map": weight_map}
-        (tmp / INDEX).write_text(json.dumps(index, indent=2))
         _write_configs(ckpt, manifest, tmp, adapter.hf_config, dtype_name)
         _copy_tokenizer(ckpt, manifest, tmp)
         (tmp / LOCK_FILE).unlink()  # the export holds model files only; the lock stays held on its descriptor
+        files = sorted([p.name for p in tmp.iterdir()] + [INDEX])  # (what a later export.at_end may replace)
+        index = {"metadata": {"total_size": total, "megatrain_checkpoint": str(ckpt.resolve()),
+                              "step": manifest["step"], "megatrain_files": files}, "weight_map": weight_map}
+        (tmp / INDEX).write_text(json.dumps(index, indent=2))
         for p in tmp.iterdir():
             if p.is_file() and not p.name.endswith(".safetensors"):  # shards were fsynced as written
                 with open(p, "rb") as f:
@@ -270,6 +290,11 @@ def _export(masters, out, shards, torch_dtype, dtype_name, ckpt, manifest, adapt
             shutil.rmtree(out)
         os.rename(tmp, out)
         fsync_dir(out.parent)
+    except OSError as e:  # the disk full, a quota, a folder made read-only meanwhile: nothing exported, the source kept
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise MegatrainError(f"export: writing {out} failed ({e.strerror or e}); nothing was exported and "
+                             f"{ckpt} is unchanged: make room in {out.parent} and export again "
+                             f"(`megatrain export {ckpt} {out}`)") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -345,6 +370,9 @@ def _partial_folder(out: Path) -> tuple[Path, FolderLock]:
     if tmp.is_dir():
         if (who := holder(tmp)) is not None:
             raise MegatrainError(f"export: another export is writing {out} ({who}); wait for it to end")
+        if not (tmp / LOCK_FILE).is_file():  # not what a killed export leaves (its lock file in it)
+            raise MegatrainError(f"export: {tmp} is in the way (the export writes its shards there before renaming "
+                                 f"it to {out}) and is not an interrupted export's; move or remove it")
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     return tmp, FolderLock(tmp, "export").acquire()

@@ -111,6 +111,26 @@ def check_model_config(r: Resumed, hf_config, model_path: str) -> None:
                              f"{shown}{more}; resume with the model config it was trained with")
 
 
+def check_resume_target(out_dir: Path, ckpt: Path, overwrite: bool) -> None:
+    """A run resumed from the checkpoint `ckpt` (resume: PATH) writes into output.dir only where that loses nothing:
+    never into the checkpoint (or its checkpoints folder); and, where the checkpoint is not one of output.dir's own,
+    output.dir is new, empty, or (as for a fresh start) holds a run's files but no checkpoint of its own, which this
+    run's saves would then prune and its metrics.jsonl mix with another run's."""
+    out, c = Path(out_dir).resolve(), Path(ckpt).resolve()
+    if out == c or c in out.parents or (out == c.parent and c.parent.name == "checkpoints"):
+        raise MegatrainError(f"output.dir: {out_dir} {'is' if out in (c, c.parent) else 'lies inside'} "
+                             f"{'the checkpoint' if out != c.parent else 'the checkpoints folder of'} {ckpt} being "
+                             f"resumed, which the run would write over; choose an output.dir outside it")
+    if c.parent == out / "checkpoints":
+        return  # continuing this output.dir's own run (check_no_newer)
+    theirs = complete_checkpoints(out / "checkpoints")
+    if theirs and not overwrite:
+        raise MegatrainError(f"output.dir: {out_dir} holds checkpoints of its own run ({theirs[-1][1].name}), not "
+                             f"{ckpt}'s: resuming there would prune them and mix two runs' metrics; choose an empty "
+                             f"output.dir (or resume=auto to continue the run in {out_dir})")
+    check_fresh_start(out_dir, overwrite, "auto")
+
+
 def check_no_newer(r: Resumed, out_dir: Path) -> None:
     """A newer checkpoint left in output.dir would be what a later `resume: auto` picks, not this run's."""
     newer = [p for s, p in complete_checkpoints(Path(out_dir) / "checkpoints")
@@ -278,5 +298,10 @@ def trim_metrics(out_dir: Path, step: int) -> None:
         except (json.JSONDecodeError, AttributeError):
             continue  # a line torn by a crash
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(keep))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk: metrics.jsonl is left as it was
+        tmp.unlink(missing_ok=True)
+        raise MegatrainError(f"output.dir: rewriting {path} failed ({e.strerror or e}); make room in {out_dir} and "
+                             f"start again") from None

@@ -169,13 +169,14 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
     if (resume_path := resume_lib.resolve(cfg.resume, out_dir)) is None:
         resume_lib.check_fresh_start(out_dir, cfg.output.overwrite, cfg.resume)
     else:
+        resume_lib.check_resume_target(out_dir, resume_path, cfg.output.overwrite)
         resumed = resume_lib.open_checkpoint(resume_path)
         resume_lib.check_model_config(resumed, hf_config, cfg.model.path)
         resume_lib.check_no_newer(resumed, out_dir)
     if cfg.export.at_end:
         from ..checkpoint.export import check_export_target
 
-        check_export_target(Path(cfg.export.dir or out_dir / "export"), replace_export=True)
+        check_export_target(Path(cfg.export.dir or out_dir / "export"), out_dir / "checkpoints")
     tokenizer = data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path,
                                         "model.tokenizer" if cfg.model.tokenizer else "model.path")
     if len(tokenizer) > adapter.vocab_size:

@@ -1,0 +1,170 @@
+"""What a run or an export may write over: export.at_end replaces only its own run's earlier export, `resume: PATH`
+writes into output.dir only where nothing is lost, export.dir and data.cache_dir never hold or sit in what the run
+owns or reads, and paths the system would refuse later (no such home, a loop of links, a name too long, a full
+disk) are one line naming them. Found by a red-team pass; each case lost data or ended in a traceback before."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+
+import pytest
+
+from megatrain.checkpoint.export import INDEX, check_export_target, export_checkpoint
+from megatrain.errors import MegatrainError
+from test_checkpoint_helpers import run, setup_run
+
+
+def error(cfg, *overrides) -> str:
+    with pytest.raises(MegatrainError) as e:
+        run(cfg, *overrides)
+    return str(e.value)
+
+
+def snapshot(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished run (steps 1-2 saved) with its export, shared by the tests that only read it."""
+    tmp = tmp_path_factory.mktemp("trained")
+    cfg = setup_run(tmp, train={"steps": 2}, checkpoint={"every": 1, "keep": 0}, export={"at_end": True})
+    run(cfg)
+    return tmp, cfg
+
+
+# ---- export.at_end replaces only this run's own export ------------------------------------------------------------
+def test_export_at_end_refuses_a_model_folder_and_another_runs_export(trained, tmp_path):
+    tmp, cfg = trained
+    hf = tmp_path / "hfmodel"  # a sharded Hugging Face model: it has the export's index file
+    shutil.copytree(tmp / "run" / "export", hf)
+    meta = json.loads((hf / INDEX).read_text())
+    del meta["metadata"]["megatrain_checkpoint"]
+    (hf / INDEX).write_text(json.dumps(meta))
+    other = tmp_path / "other"  # another run's export
+    shutil.copytree(tmp / "run" / "export", other)
+    for folder in (hf, other):
+        before = snapshot(folder)
+        msg = error(cfg, f"output.dir={tmp_path / 'fresh'}", "export.at_end=true", f"export.dir={folder}")
+        assert msg == f"export: {folder} is not empty; choose another directory"
+        assert snapshot(folder) == before and not (tmp_path / "fresh").exists()
+
+
+def test_export_at_end_of_a_resumed_run_replaces_its_export_but_not_a_users_file(trained, tmp_path):
+    tmp, cfg = trained
+    out = tmp_path / "run"  # the run's folder moved: its export names checkpoints where they were
+    shutil.copytree(tmp / "run", out)
+    (out / "export" / "README.md").write_text("my notes")
+    assert error(cfg, f"output.dir={out}", "resume=auto", "train.steps=3") == \
+        f"export: {out / 'export'} is not empty; choose another directory"
+    (out / "export" / "README.md").unlink()
+    summary = run(cfg, f"output.dir={out}", "resume=auto", "train.steps=3")
+    meta = json.loads((out / "export" / INDEX).read_text())["metadata"]
+    assert summary["export"] == str(out / "export") and meta["step"] == 3
+    assert sorted(p.name for p in (out / "export").iterdir()) == meta["megatrain_files"]
+
+
+def test_export_dir_may_not_hold_output_dir(trained, tmp_path):
+    _, cfg = trained
+    out = tmp_path / "a" / "run"
+    for export in (out, tmp_path / "a"):
+        msg = error(cfg, f"output.dir={out}", "export.at_end=true", f"export.dir={export}")
+        assert msg.startswith(f"export.dir: {export} {'is' if export == out else 'holds'} output.dir ({out})"), msg
+    assert not (tmp_path / "a").exists()
+
+
+def test_export_into_a_link_writes_the_folder_it_points_to(trained, tmp_path):
+    tmp, _ = trained
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    export_checkpoint(tmp / "run", tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "real" / INDEX).is_file()
+
+
+def test_a_users_folder_named_like_the_exports_partial_one_is_kept(trained, tmp_path):
+    tmp, _ = trained
+    mine = tmp_path / ".mine.partial"
+    mine.mkdir()
+    (mine / "data.txt").write_text("precious")
+    with pytest.raises(MegatrainError, match=r"\.mine\.partial is in the way .* not an interrupted export's"):
+        export_checkpoint(tmp / "run", tmp_path / "mine")
+    assert (mine / "data.txt").read_text() == "precious" and not (tmp_path / "mine").exists()
+
+
+def test_a_full_disk_during_an_export_is_one_line_and_leaves_nothing(trained, tmp_path, monkeypatch):
+    tmp, _ = trained
+    import megatrain.checkpoint.export as export
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(export, "_write_configs", full)
+    with pytest.raises(MegatrainError) as e:
+        export_checkpoint(tmp / "run", tmp_path / "hf")
+    assert str(e.value).startswith(f"export: writing {tmp_path / 'hf'} failed (No space left on device); nothing "
+                                   f"was exported")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- resume: PATH writes into output.dir only where nothing is lost ------------------------------------------------
+def test_resume_from_a_path_refuses_a_foreign_folder_the_checkpoint_and_another_runs_checkpoints(trained, tmp_path):
+    tmp, cfg = trained
+    step2 = tmp / "run" / "checkpoints" / "step-2"
+    folder = tmp_path / "notes"  # a folder of the user's
+    folder.mkdir()
+    (folder / "notes.txt").write_text("precious")
+    msg = error(cfg, f"output.dir={folder}", f"resume={step2}", "train.steps=3")
+    assert msg.startswith(f"output.dir: {folder} holds notes.txt, which a megatrain run does not write"), msg
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp / "run", copy)
+    before = snapshot(copy)
+    inner = copy / "checkpoints" / "step-2"
+    for out in (inner, copy / "checkpoints"):
+        msg = error(cfg, f"output.dir={out}", f"resume={inner}", "train.steps=3")
+        assert msg.startswith(f"output.dir: {out} is the checkpoint"), msg
+
+    other = tmp_path / "other"  # another run's output.dir, its own checkpoints in it
+    shutil.copytree(tmp / "run", other)
+    msg = error(cfg, f"output.dir={other}", f"resume={inner}", "train.steps=3")
+    assert msg.startswith(f"output.dir: {other} holds checkpoints of its own run (step-2), not {inner}'s"), msg
+    assert snapshot(copy) == before and (folder / "notes.txt").read_text() == "precious"
+
+
+def test_resume_from_a_path_into_an_empty_output_dir_trains(trained, tmp_path):
+    tmp, cfg = trained
+    out = tmp_path / "new"
+    run(cfg, f"output.dir={out}", f"resume={tmp / 'run' / 'checkpoints' / 'step-1'}", "train.steps=2",
+        "export.at_end=false")
+    assert (out / "checkpoints" / "step-2" / "manifest.json").is_file()
+
+
+# ---- data.cache_dir and paths the system would refuse --------------------------------------------------------------
+def test_cache_dir_is_a_folder_outside_what_the_run_writes(trained, tmp_path):
+    tmp, cfg = trained
+    (tmp_path / "afile").write_text("x")
+    assert error(cfg, f"output.dir={tmp_path / 'o'}", f"data.cache_dir={tmp_path / 'afile'}").startswith(
+        f"data.cache_dir: {tmp_path / 'afile'} is a file")
+    msg = error(cfg, f"output.dir={tmp_path / 'o'}", f"data.cache_dir={tmp_path / 'o' / 'cache'}")
+    assert msg.startswith(f"data.cache_dir: {tmp_path / 'o' / 'cache'} lies inside output.dir"), msg
+    assert not (tmp_path / "o").exists()
+
+
+def test_paths_the_system_would_refuse_are_one_line(trained, tmp_path):
+    tmp, cfg = trained
+    (tmp_path / "loopA").symlink_to(tmp_path / "loopB")
+    (tmp_path / "loopB").symlink_to(tmp_path / "loopA")
+    long = tmp_path / ("e" * 250)
+    cases = [("output.dir=~no-such-user-here/x", "output.dir: ~no-such-user-here/x: there is no home folder for "
+                                                 "'~no-such-user-here'"),
+             (f"model.path={tmp_path / 'loopA'}", f"model.path: {tmp_path / 'loopA'}: its symbolic links form a loop"),
+             (f"output.dir={tmp_path / 'loopA'}", f"output.dir: {tmp_path / 'loopA'}: its symbolic links form a loop"),
+             (f"output.dir={long}", f"output.dir: {long}: the name 'eeeeeeeeeeeeeeeeeeeeeeee...' is 250 bytes long; "
+                                    f"the file system takes at most 246 here")]
+    for override, want in cases:
+        assert error(cfg, override) == want
+    for target, want in (("~no-such-user-here/x", "there is no home folder"), (long, "is 250 bytes long")):
+        with pytest.raises(MegatrainError, match=want):
+            check_export_target(target)
