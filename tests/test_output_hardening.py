@@ -168,3 +168,68 @@ def test_paths_the_system_would_refuse_are_one_line(trained, tmp_path):
     for target, want in (("~no-such-user-here/x", "there is no home folder"), (long, "is 250 bytes long")):
         with pytest.raises(MegatrainError, match=want):
             check_export_target(target)
+
+
+# ---- a checkpoint's own files: every key read is checked, the file named ------------------------------------------
+def edited_checkpoint(trained, tmp_path, manifest=None, state=None, name="step-2"):
+    """A copy of the trained run's step-2 as tmp_path/run/checkpoints/NAME, its manifest and run state edited
+    (the run state's sha256 in the manifest updated, so the edit is read, not refused as a corrupted file)."""
+    import hashlib
+
+    tmp, _ = trained
+    ckpt = tmp_path / "run" / "checkpoints" / name
+    shutil.copytree(tmp / "run" / "checkpoints" / "step-2", ckpt)
+    m = json.loads((ckpt / "manifest.json").read_text())
+    if state is not None:
+        s = json.loads((ckpt / "run_state.json").read_text())
+        state(s)
+        data = json.dumps(s).encode()
+        (ckpt / "run_state.json").write_bytes(data)
+        m["files"]["run_state.json"].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    if manifest is not None:
+        manifest(m)
+    (ckpt / "manifest.json").write_text(json.dumps(m))
+    return ckpt
+
+
+UNIT = "unit-00001-layer0.safetensors"
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda m: m["files"][UNIT].pop("bytes"), f"the entry of {UNIT} has no 'bytes' (a whole number)"),
+    (lambda m: m["files"]["run_state.json"].pop("sha256"), "the entry of run_state.json has no 'sha256' (a string)"),
+    (lambda m: m["files"][UNIT].update(chunk_bytes=0), f"the entry of {UNIT} has no 'chunk_bytes'"),
+    (lambda m: m["files"][UNIT].update(sha256_chunks=None), f"the entry of {UNIT} does not list one sha256 per chunk"),
+    (lambda m: m.pop("step"), "'step' is missing or not a whole number >= 0"),
+    (lambda m: m.update(step=-5), "'step' is missing or not a whole number >= 0"),
+])
+def test_a_malformed_manifest_is_named(trained, tmp_path, edit, problem):
+    ckpt = edited_checkpoint(trained, tmp_path, manifest=edit)
+    _, cfg = trained
+    for act in (lambda: run(cfg, f"output.dir={tmp_path / 'run'}", "resume=auto", "train.steps=3"),
+                lambda: export_checkpoint(ckpt, tmp_path / "hf")):
+        with pytest.raises(MegatrainError) as e:
+            act()
+        assert str(e.value).startswith(f"{ckpt / 'manifest.json'}: {problem}"), str(e.value)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda s: s.update(step="abc"), "step 'abc', the manifest's is 2"),
+    (lambda s: s.update(loader={}), "'loader' is not a run state's (it lacks epoch)"),
+    (lambda s: s.update(loader=None), "'loader' is not a run state's (it lacks everything: not an object)"),
+    (lambda s: s.update(rng={"python": 1}), "'rng' is not a run state's (it lacks torch)"),
+    (lambda s: s.update(summary=[1]), "'summary' is not an object"),
+])
+def test_a_malformed_run_state_is_named_before_anything_is_written(trained, tmp_path, edit, problem):
+    ckpt = edited_checkpoint(trained, tmp_path, state=edit)
+    before = snapshot(tmp_path / "run")
+    assert error(trained[1], f"output.dir={tmp_path / 'run'}", "resume=auto", "train.steps=3") == \
+        f"{ckpt / 'run_state.json'}: {problem}"
+    assert snapshot(tmp_path / "run") == before
+
+
+def test_a_checkpoint_folder_named_for_another_step_is_refused(trained, tmp_path):
+    ckpt = edited_checkpoint(trained, tmp_path, name="step-10")
+    msg = error(trained[1], f"output.dir={tmp_path / 'run'}", "resume=auto", "train.steps=12")
+    assert msg.startswith(f"{ckpt / 'manifest.json'}: the checkpoint of step 2 sits in a folder named step-10"), msg

@@ -90,7 +90,38 @@ def read_manifest(ckpt: Path) -> dict:
             raise MegatrainError(f"{f}: {where} entry {problem.replace('its folder', 'the checkpoint')}")
         if where == "units" and name not in m["files"]:
             raise MegatrainError(f"{f}: unit file '{name}' is not listed among its files")
+    for name, info in m["files"].items():
+        if (problem := entry_problem(info)) is not None:
+            raise MegatrainError(f"{f}: the entry of {name} {problem}")
+    step = m.get("step")
+    if not _whole(step):
+        raise MegatrainError(f"{f}: 'step' is missing or not a whole number >= 0")
+    if (named := STEP_DIR.match(Path(ckpt).name)) and int(named.group(1)) != step:
+        raise MegatrainError(f"{f}: the checkpoint of step {step} sits in a folder named {Path(ckpt).name}; "
+                             f"rename it step-{step} (resume and clean-up order checkpoints by their names)")
     return m
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def entry_problem(info) -> str | None:
+    """Why a manifest's file entry cannot be checked (None: it can): bytes, and a sha256 or per-chunk sha256s with
+    the chunk size, one checksum per chunk."""
+    if not isinstance(info, dict):
+        return "is not an object"
+    if not _whole(info.get("bytes")):
+        return "has no 'bytes' (a whole number)"
+    if "sha256_chunks" not in info:
+        return None if isinstance(info.get("sha256"), str) else "has no 'sha256' (a string)"
+    chunk, sums = info.get("chunk_bytes"), info["sha256_chunks"]
+    if not _whole(chunk) or chunk == 0:
+        return "has no 'chunk_bytes' (a whole number above 0)"
+    if not (isinstance(sums, list) and all(isinstance(x, str) for x in sums)) or \
+            len(sums) != max(1, -(-info["bytes"] // chunk)):
+        return f"does not list one sha256 per chunk of {chunk} bytes ('sha256_chunks')"
+    return None
 
 
 def verify_file(ckpt: Path, manifest: dict, name: str) -> Path:

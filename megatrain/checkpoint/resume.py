@@ -90,10 +90,28 @@ def _model_config(p: Path) -> bool:
 def open_checkpoint(path: Path) -> Resumed:
     manifest = read_manifest(path)
     state = read_json(path, manifest, RUN_STATE)
+    where = Path(path) / RUN_STATE
+    if not isinstance(state, dict):
+        raise MegatrainError(f"{where}: not a run state (an object)")
     for k in ("step", "loader", "rng", "config"):
         if k not in state:
-            raise MegatrainError(f"{Path(path) / RUN_STATE}: key '{k}' is missing")
+            raise MegatrainError(f"{where}: key '{k}' is missing")
+    if state["step"] != manifest["step"]:
+        raise MegatrainError(f"{where}: step {state['step']!r}, the manifest's is {manifest['step']}")
     return Resumed(Path(path), int(state["step"]), state, manifest)
+
+
+def check_run_state(r: Resumed) -> None:
+    """The parts of a run state a resumed run restores (the data's position, the random generators, the config) are
+    a run state's, named where not: checked before the run writes anything."""
+    where = r.path / RUN_STATE
+    for k, keys in (("loader", ("epoch", "cursor", "seed")), ("rng", ("torch", "python", "numpy")),
+                    ("config", ("train",))):
+        if not isinstance(r.state[k], dict) or (gone := [x for x in keys if x not in r.state[k]]):
+            raise MegatrainError(f"{where}: '{k}' is not a run state's (it lacks "
+                                 f"{gone[0] if isinstance(r.state[k], dict) else 'everything: not an object'})")
+    if not isinstance(r.state.get("summary", {}), dict):
+        raise MegatrainError(f"{where}: 'summary' is not an object")
 
 
 def check_model_config(r: Resumed, hf_config, model_path: str) -> None:
