@@ -233,3 +233,29 @@ def test_a_checkpoint_folder_named_for_another_step_is_refused(trained, tmp_path
     ckpt = edited_checkpoint(trained, tmp_path, name="step-10")
     msg = error(trained[1], f"output.dir={tmp_path / 'run'}", "resume=auto", "train.steps=12")
     assert msg.startswith(f"{ckpt / 'manifest.json'}: the checkpoint of step 2 sits in a folder named step-10"), msg
+
+
+def test_an_export_whose_checkpoint_a_running_run_removes_says_so(trained, tmp_path, monkeypatch):
+    import megatrain.checkpoint.export as export
+    from megatrain.checkpoint.folder_lock import FolderLock
+
+    tmp, _ = trained
+    run_dir = tmp_path / "run"
+    shutil.copytree(tmp / "run", run_dir)
+    ckpt = run_dir / "checkpoints" / "step-2"
+    read = export.load_hf_config
+
+    def pruned_meanwhile(path, *a, **kw):  # the run's save of step 3 removes step-2 while the export reads it
+        shutil.rmtree(ckpt)
+        return read(path, *a, **kw)
+
+    monkeypatch.setattr(export, "load_hf_config", pruned_meanwhile)
+    lock = FolderLock(run_dir, "train").acquire()
+    try:
+        with pytest.raises(MegatrainError) as e:
+            export_checkpoint(run_dir, tmp_path / "hf")
+    finally:
+        lock.release()
+    assert str(e.value).startswith(f"export: {ckpt} was removed while it was read, by the run that holds {run_dir} "
+                                   f"(pid "), str(e.value)
+    assert not (tmp_path / "hf").exists()

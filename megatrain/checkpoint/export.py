@@ -158,9 +158,24 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "
     replace_export: out_dir may hold an earlier export from the same run (its checkpoints folder: the source's), which
     is replaced (export.at_end of a run started again; see check_export_target).
     threads: I/O and conversion threads (default fastio.THREADS, at most the cores)."""
+    ckpt = locate(user_path(source, "export"), "export")
+    try:
+        return _export_checkpoint(ckpt, out_dir, dtype, max_shard_mb, replace_export, threads)
+    except (MegatrainError, OSError):
+        if ckpt.is_dir():
+            raise
+        run = ckpt.parent.parent  # the checkpoint went while it was read: a running run's clean-up, most likely
+        who = holder(run) if ckpt.parent.name == "checkpoints" else None
+        raise MegatrainError(f"export: {ckpt} was removed while it was read"
+                             + (f", by the run that holds {run} ({who}): it keeps only its newest checkpoints "
+                                f"(checkpoint.keep); export {run} again, or wait for the run to end" if who else
+                                "; export a checkpoint that is kept")) from None
+
+
+def _export_checkpoint(ckpt: Path, out_dir, dtype: str, max_shard_mb, replace_export: bool, threads) -> dict:
     t0 = time.perf_counter()
     torch_dtype, dtype_name, ckpt, manifest, out, adapter, units, specs, shards = _prepare(
-        source, out_dir, dtype, max_shard_mb, replace_export)
+        ckpt, out_dir, dtype, max_shard_mb, replace_export)
     if len(units) != len(manifest["units"]):
         raise MegatrainError(f"{ckpt}: holds {len(manifest['units'])} units, its config.json implies {len(units)}")
 
