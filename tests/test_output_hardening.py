@@ -259,3 +259,24 @@ def test_an_export_whose_checkpoint_a_running_run_removes_says_so(trained, tmp_p
     assert str(e.value).startswith(f"export: {ckpt} was removed while it was read, by the run that holds {run_dir} "
                                    f"(pid "), str(e.value)
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_full_disk_is_named_as_full_not_as_a_missing_o_direct(tmp_path, monkeypatch):
+    import os
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    from megatrain.runtime.disk_tier import DiskTier
+
+    monkeypatch.setattr(os, "pwritev", full)
+    with pytest.raises(MegatrainError, match=rf"memory.disk_path {tmp_path}: the disk is full \(No space left on "
+                                             rf"device\); make room on it"):
+        DiskTier(tmp_path, ("exp_avg_sq",), [4096], 4096)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_small_sizes_in_the_plans_disk_lines_are_not_rounded_to_zero():
+    from megatrain.planner.estimate import size_text
+
+    assert (size_text(3 * 2**20), size_text(5 * 2**30)) == ("3.0 MiB", "5.0 GiB")

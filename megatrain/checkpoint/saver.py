@@ -226,13 +226,18 @@ class CheckpointSaver:
     def _start(self, step: int, run_state: dict, write_files) -> None:
         if self.pipeline is not None:
             self.pipeline.drain()  # every update of this step written: the store is exactly step `step`
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._remove_leftovers()
         tmp = self.root / f".step-{step}.tmp"
-        tmp.mkdir()
-        (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=1))
-        if write_files is not None:
-            write_files(tmp)
+        try:  # the folder, the run state and the small files, here: a folder that cannot be written (permissions, a
+            #   read-only filesystem, a full disk) fails as a failed background write does (wait)
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._remove_leftovers()
+            tmp.mkdir()
+            (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=1))
+            if write_files is not None:
+                write_files(tmp)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoints are untouched
+            raise _save_failed(step, self.root / f"step-{step}", e) from e
         job = _Job(step, tmp, self.root / f"step-{step}", [threading.Event() for _ in self.store.tiles],
                    order=self.write_order(), staging_bytes=self.staging_bytes)
         if not any(k in self.store.on_disk for k in KINDS):  # a kind on the SSD tier: its units are never staged
@@ -252,9 +257,10 @@ class CheckpointSaver:
             self._thread.join()
             self._thread = None
             job, self._job = self._job, None
+            if isinstance(job.error, MegatrainError):
+                raise job.error
             if job.error is not None:
-                raise MegatrainError(f"checkpoint: saving step {job.step} to {job.final} failed: "
-                                     f"{type(job.error).__name__}: {job.error}") from job.error
+                raise _save_failed(job.step, job.final, job.error) from job.error
             self.last, self.last_seconds = job.final, job.seconds
             self._record(job)
         return self.last
@@ -335,7 +341,12 @@ class CheckpointSaver:
             os.rename(job.tmp, job.final)
             fsync_dir(self.root)
             job.bytes = sum(v["bytes"] for v in files.values())
-            self._prune(job.final)
+            try:
+                self._prune(job.final)
+            except OSError as e:  # the new checkpoint is complete: said as such, not as a failed save
+                raise MegatrainError(f"checkpoint: step {job.step} is saved in {job.final}, but an older checkpoint "
+                                     f"could not be removed ({e.strerror or e}: {e.filename}); remove it, then "
+                                     f"resume=auto continues from step {job.step}") from e
         except BaseException as e:  # reported on the training thread by wait()
             job.error = e
             for w in writers:
@@ -411,6 +422,12 @@ class CheckpointSaver:
         for p in self.root.iterdir():
             if p.name.startswith(".step-") and (p.name.endswith(".tmp") or p.name.endswith(".deleting")):
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def _save_failed(step: int, final: Path, error: BaseException) -> MegatrainError:
+    """One line for a save that failed, in the writer thread or before it started: the checkpoint's folder and the
+    cause (the earlier checkpoints stay as they were)."""
+    return MegatrainError(f"checkpoint: saving step {step} to {final} failed: {type(error).__name__}: {error}")
 
 
 def _fsync(path: Path) -> None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import base64
 import platform
 import random
-import shutil
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
+
+from ..errors import MegatrainError
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -76,15 +77,30 @@ def run_state(*, step: int, lr: float | None, config: dict, loader_state: dict, 
     return out
 
 
+MODEL_FILES = ("config.json", "generation_config.json")  # generation_config.json: when the model has one
+
+
 def model_files_writer(model_path: str | Path, tokenizer) -> Callable[[Path], None]:
     """Writes what an export needs besides weights: config.json, generation_config.json, the run's tokenizer
-    (with data.chat_template applied to it), so a checkpoint exports even if the model directory is gone."""
+    (with data.chat_template applied to it), so a checkpoint exports even if the model directory is gone.
+
+    The config files are read now, once (call it at start-up, before the first step), and every checkpoint gets
+    these bytes: the model folder edited or removed during a run cannot make a checkpoint record a config other than
+    the one its weights were built from (such a checkpoint could be neither resumed nor exported)."""
     model_path = Path(model_path)
+    files = {}
+    for name in MODEL_FILES:
+        p = model_path / name
+        if name != "config.json" and not p.is_file():
+            continue
+        try:
+            files[name] = p.read_bytes()
+        except OSError as e:
+            raise MegatrainError(f"model.path: cannot read {p}: {e.strerror or e}") from None
 
     def write(dest: Path) -> None:
-        shutil.copyfile(model_path / "config.json", dest / "config.json")
-        if (model_path / "generation_config.json").is_file():
-            shutil.copyfile(model_path / "generation_config.json", dest / "generation_config.json")
+        for name, data in files.items():
+            (dest / name).write_bytes(data)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(dest / "tokenizer"))
 

@@ -236,16 +236,21 @@ def _check(plan: Plan) -> None:
                              f"{plan.gpu_limit / GiB:.1f} GiB available ({plan.gpu_limit_source})")
     ssd = plan.ssd
     if ssd and plan.ssd_free is not None and ssd["resident_bytes"] > plan.ssd_free:
-        plan.problems.append(f"SSD: the tier's files take {ssd['resident_bytes'] / GiB:.1f} GiB, "
-                             f"{plan.ssd_free / GiB:.1f} GiB free in memory.disk_path ({plan.disk_path})")
+        plan.problems.append(f"SSD: the tier's files take {size_text(ssd['resident_bytes'])}, "
+                             f"{size_text(plan.ssd_free)} free in memory.disk_path ({plan.disk_path})")
     if plan.workload.disk_states and plan.world.size > 1:
         plan.problems.append("memory.disk_path: the SSD tier is built for one process (the node's ranks share one "
                              "host store); unset memory.disk_path or memory.disk_states for several ranks")
     n = plan.checkpoint_copies
     if n and plan.disk_free is not None and n * plan.disk_per_checkpoint > plan.disk_free:
-        plan.problems.append(f"disk: {n} checkpoint{'s' if n > 1 else ''} of {plan.disk_per_checkpoint / GiB:.1f} GiB "
-                             f"(checkpoint.keep + the one being written), {plan.disk_free / GiB:.1f} GiB free in "
+        plan.problems.append(f"disk: {n} checkpoint{'s' if n > 1 else ''} of {size_text(plan.disk_per_checkpoint)} "
+                             f"(checkpoint.keep + the one being written), {size_text(plan.disk_free)} free in "
                              f"the output folder")
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes as GiB with one decimal, or MiB below a tenth of a GiB (a small model's checkpoint, a nearly full disk)."""
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB / 10 else f"{nbytes / 2**20:.1f} MiB"
 
 
 

@@ -12,16 +12,20 @@ record: the plan held against the steady steps."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
+
+from ..checkpoint.folder_lock import open_own
 
 
 class MetricsLogger:
     def __init__(self, out_dir: Path, total_steps: int, start_step: int = 0, tensorboard: bool = False,
                  stream=None):
         self.path = Path(out_dir) / "metrics.jsonl"
-        self.file = self.path.open("a")
+        # appended, never through a symbolic link (a file elsewhere would grow with the run's records)
+        self.file = os.fdopen(open_own(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")
         self.total = total_steps
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()

@@ -24,7 +24,7 @@ import torch
 from .. import data as data_lib
 from .bounds import check_run_batch
 from ..checkpoint import resume as resume_lib
-from ..checkpoint.folder_lock import holder
+from ..checkpoint.folder_lock import check_run_files, holder
 from ..config import Config, check_paths
 from ..data import StepLoader
 from ..distributed import OneProcess, Ranks
@@ -165,6 +165,8 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
     if (who := holder(out_dir)) is not None:  # said now, before minutes of loading; trainer takes the lock
         raise MegatrainError(f"output.dir: {out_dir} is in use by another run ({who}); wait for it to end or "
                              f"choose another output.dir")
+    if world.writer:  # no file of the run's in output.dir is a link to one elsewhere; checkpoints/ can be written
+        check_run_files(out_dir)
     resumed = None
     if (resume_path := resume_lib.resolve(cfg.resume, out_dir)) is None:
         resume_lib.check_fresh_start(out_dir, cfg.output.overwrite, cfg.resume)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..checkpoint.signals import Stopped, StopOnSignal
 from ..checkpoint import resume as resume_lib
-from ..checkpoint.folder_lock import FolderLock
+from ..checkpoint.folder_lock import FolderLock, check_run_files, write_own
 from ..checkpoint.state import model_files_writer, restore_rng, run_state
 from ..config import Config
 from ..errors import MegatrainError
@@ -61,10 +61,15 @@ def _train(run: Run, stop: StopOnSignal) -> dict:
     cfg = run.cfg
     lock = None
     try:
+        # the model's config files as they are now, before anything is written: every checkpoint records these
+        # bytes, whatever happens to model.path during the run
+        model_files = model_files_writer(cfg.model.path, run.tokenizer)
         if run.writes:  # the run's first write: output.dir's lock, held until the run ends (two runs on one
-            #            folder would replace each other's checkpoints and metrics)
+            #            folder would replace each other's checkpoints and metrics); first, no file of the run's
+            #            is a link to a file elsewhere and checkpoints/ can be written
+            check_run_files(run.out_dir)
             lock = FolderLock(run.out_dir, "output.dir").acquire()
-        s = start(run, stop)
+        s = start(run, model_files, stop)
     except Stopped as e:  # during the reference pass (run/reference.py): what it scored is kept for the next run
         if lock is not None:
             lock.release()
@@ -136,17 +141,17 @@ class Session:
     summary: dict = field(default_factory=dict)
 
 
-def start(run: Run, stop: StopOnSignal | None = None) -> Session:
-    """Open output.dir (the first write of the run), the metrics and the saver; resume, or evaluate step 0 (cut
-    short by a signal: see evaluate)."""
+def start(run: Run, model_files: Callable[[Path], None], stop: StopOnSignal | None = None) -> Session:
+    """Open output.dir (the run's files, after its lock), the metrics and the saver; resume, or evaluate step 0 (cut
+    short by a signal: see evaluate). model_files: checkpoint/state.model_files_writer's, made before the lock."""
     cfg, t = run.cfg, run.cfg.train
     first = run.resumed.step if run.resumed else 0
-    if run.writes:  # one process, or rank 0 of several
+    if run.writes:  # one process, or rank 0 of several; never through a link (folder_lock.write_own)
         run.out_dir.mkdir(parents=True, exist_ok=True)
-        (run.out_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+        write_own(run.out_dir / "config.json", json.dumps(cfg.model_dump(), indent=2))
         if run.plan is not None:  # what the run planned at its start (placement, predicted time and memory), to
             #                      hold against metrics.jsonl: `megatrain plan --json`'s object
-            (run.out_dir / "plan.json").write_text(json.dumps(run.plan.as_json(), indent=1))
+            write_own(run.out_dir / "plan.json", json.dumps(run.plan.as_json(), indent=1))
         resume_lib.trim_metrics(run.out_dir, first if run.resumed else -1)  # continue without duplicate steps
     log = open_log(run, t.steps, first, cfg.output.tensorboard)
     log.info(f"megatrain: {run.adapter.model_type} {run.store.num_params / 1e6:.2f}M params, "
@@ -176,7 +181,7 @@ def start(run: Run, stop: StopOnSignal | None = None) -> Session:
         run.loader.attach(run)  # its rollouts read the store and run on the engine's device
     data = StepPrefetcher(run.loader, pin=run.engine.cuda, steps=t.steps - first, lookup=run.reference.lookup,
                           ahead=0 if grpo else 1)  # (a rollout needs the weights of the step just trained)
-    s = Session(first, log, stats, saver, data, model_files_writer(cfg.model.path, run.tokenizer))
+    s = Session(first, log, stats, saver, data, model_files)
     if run.resumed:
         notes = resume_lib.config_notes(run.resumed, cfg.model_dump(), run.world_info)
         log.info(f"resuming from {run.resumed.path} (step {first})" + "".join(f"\n  changed: {n}" for n in notes))

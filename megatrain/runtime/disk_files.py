@@ -14,6 +14,7 @@ they move, so a failed request still reports what it moved.
 from __future__ import annotations
 
 import fcntl
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -25,7 +26,8 @@ from .pinned import PAGE, aligned_empty
 
 
 def probe_direct(folder: Path) -> str | None:
-    """None when `folder`'s filesystem accepts O_DIRECT reads and writes of a page; else the reason it does not."""
+    """None when `folder`'s filesystem accepts O_DIRECT reads and writes of a page; else the reason it does not. A
+    full disk (ENOSPC, EDQUOT) is raised: it says nothing of O_DIRECT."""
     flag = getattr(os, "O_DIRECT", None)
     if flag is None:
         return "this platform has no O_DIRECT"
@@ -39,6 +41,8 @@ def probe_direct(folder: Path) -> str | None:
         finally:
             os.close(fd)
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # not a matter of O_DIRECT: nothing can be written there
+            raise
         return e.strerror or str(e)
     finally:
         path.unlink(missing_ok=True)

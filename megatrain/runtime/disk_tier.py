@@ -120,7 +120,13 @@ class DiskTier:
             say(f"megatrain: memory.disk_path {root}: removed the SSD tier's files of {len(stale)} earlier run(s) "
                 f"that did not end ({sum(b for _, b in stale) / 2**30:.2f} GiB)")
         self.dir, self._lock_fd = open_scratch(root)
-        self.refused = probe_direct(self.dir)  # None: O_DIRECT
+        try:
+            self.refused = probe_direct(self.dir)  # None: O_DIRECT
+        except OSError as e:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            os.close(self._lock_fd)
+            raise MegatrainError(f"memory.disk_path {root}: the disk is full ({e.strerror}); make room on it or set "
+                                 f"memory.disk_path to another") from None
         if self.refused is not None:
             say(
                 f"megatrain: memory.disk_path {root}: O_DIRECT refused ({self.refused}); the SSD tier uses buffered "
@@ -387,9 +393,9 @@ class DiskTier:
             if unit is not None else "a file"
         cause = e.strerror or str(e)
         err = DiskTierError(f"memory.disk_path {self.root}: the SSD tier's {op} of {what} failed: {cause}. The run "
-                            f"stops (the tier's files no longer hold the optimizer's state); its last complete "
-                            f"checkpoint is intact: make room on the disk, or set memory.disk_path to another, and "
-                            f"resume")
+                            f"stops (the tier's files no longer hold the optimizer's state); the checkpoints it saved "
+                            f"are intact: make room on the disk, or set memory.disk_path to another, and resume "
+                            f"(resume=auto; with no checkpoint yet the run starts again)")
         with self._stats_lock:
             if self._error is None:
                 self._error = err
