@@ -280,3 +280,12 @@ def test_small_sizes_in_the_plans_disk_lines_are_not_rounded_to_zero():
     from megatrain.planner.estimate import size_text
 
     assert (size_text(3 * 2**20), size_text(5 * 2**30)) == ("3.0 MiB", "5.0 GiB")
+
+
+def test_a_checkpoint_resumes_only_under_the_objective_that_wrote_it(trained, tmp_path):
+    ckpt = edited_checkpoint(trained, tmp_path, state=lambda s: s["config"]["train"].update(objective="dpo"))
+    before = snapshot(tmp_path / "run")
+    assert error(trained[1], f"output.dir={tmp_path / 'run'}", "resume=auto", "train.steps=3") == \
+        f"train.objective: sft, but the checkpoint {ckpt} was written by a dpo run; resume it with train.objective: " \
+        f"dpo, or start the sft run from its weights in another output.dir (model.path: an export of it)"
+    assert snapshot(tmp_path / "run") == before

@@ -149,6 +149,16 @@ def check_resume_target(out_dir: Path, ckpt: Path, overwrite: bool) -> None:
     check_fresh_start(out_dir, overwrite, "auto")
 
 
+def check_objective(r: Resumed, objective: str) -> None:
+    """A checkpoint continues under the objective that wrote it: another one's loss (and its data, reference and
+    logged metrics) would change what the run trains while metrics.jsonl and the checkpoints went on as one run."""
+    was = (r.state["config"].get("train") or {}).get("objective", "sft")
+    if was != objective:
+        raise MegatrainError(f"train.objective: {objective}, but the checkpoint {r.path} was written by a {was} run; "
+                             f"resume it with train.objective: {was}, or start the {objective} run from its weights "
+                             f"in another output.dir (model.path: an export of it)")
+
+
 def check_no_newer(r: Resumed, out_dir: Path) -> None:
     """A newer checkpoint left in output.dir would be what a later `resume: auto` picks, not this run's."""
     newer = [p for s, p in complete_checkpoints(Path(out_dir) / "checkpoints")

@@ -174,6 +174,7 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
         resume_lib.check_resume_target(out_dir, resume_path, cfg.output.overwrite)
         resumed = resume_lib.open_checkpoint(resume_path)
         resume_lib.check_run_state(resumed)
+        resume_lib.check_objective(resumed, cfg.train.objective)
         resume_lib.check_model_config(resumed, hf_config, cfg.model.path)
         resume_lib.check_no_newer(resumed, out_dir)
     if cfg.export.at_end:
