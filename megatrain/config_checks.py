@@ -8,7 +8,10 @@ a run writes against the paths it reads.
 - No folder the run writes is, holds or lies inside a path it reads.
 - train.objective and the data agree: a preference objective trains on preference pairs and pairs need one; the
   reference keys belong to the objectives with a reference (dpo, ipo); grpo trains on prompts and prompts need it,
-  with rewards, room for a prompt beside grpo.max_new_tokens and a rollout batch of whole optimizer steps.
+  with rewards, room for a prompt beside grpo.max_new_tokens and a rollout batch of whole optimizer steps, and
+  without held-out data (grpo evaluates nothing but train.exact_match_path).
+- No key is set that the objective never reads (preference.beta with orpo, grpo.* with dpo, ...): the run would
+  silently train something other than what the user asked. A key left at its default value is not a choice.
 """
 
 from __future__ import annotations
@@ -143,6 +146,53 @@ def objective_problems(cfg, pairs: bool, prompts: bool = False) -> list[tuple[tu
                                              f"section; {whose}: remove the key"))
     if t.objective == "grpo" or prompts:
         out += grpo_problems(cfg, prompts)
+    return out + unread_problems(cfg, pairs, prompts)
+
+
+# the preference keys each objective reads (runtime/objective.py's pair_loss; the reference: run/reference.py)
+PREFERENCE_KEYS = {"dpo": ("beta", "label_smoothing", "reference", "reference_path"),
+                   "ipo": ("beta", "reference", "reference_path"),
+                   "simpo": ("beta", "simpo_gamma", "label_smoothing"),
+                   "orpo": ("orpo_lambda",)}
+PREFERENCE_ROLES = {"beta": "the preference loss's beta", "label_smoothing": "dpo and simpo's label smoothing",
+                    "simpo_gamma": "simpo's target margin", "orpo_lambda": "orpo's weight of the odds-ratio term"}
+
+
+def set_keys(section) -> list[str]:
+    """The keys of a config section (a pydantic model) that the user wrote (model_fields_set) with a value other
+    than the default, in the schema's order."""
+    fields = type(section).model_fields
+    return [k for k in fields if k in section.model_fields_set
+            and getattr(section, k) != fields[k].get_default(call_default_factory=True)]
+
+
+def unread_problems(cfg, pairs: bool, prompts: bool) -> list[tuple[tuple, str]]:
+    """(the key's path, one line) for each key of the preference and grpo sections that train.objective never
+    reads. Skipped where the objective and the data disagree (the objective is then likely the mistake, said once
+    by objective_problems), and for the reference keys, which objective_problems names with why."""
+    obj, out = cfg.train.objective, []
+    reads = PREFERENCE_KEYS.get(obj)
+    if reads is not None or not pairs:
+        for key in set_keys(cfg.preference):
+            if reads is None:
+                if key in ("reference", "reference_path"):
+                    continue
+                hint = ", grpo's KL weight is grpo.beta" if key == "beta" and obj == "grpo" else ""
+                out.append((("preference", key), f"preference.{key}: the preference section is read by dpo, ipo, "
+                                                 f"simpo and orpo only, not train.objective {obj}{hint}; remove it"))
+            elif key not in reads and key not in ("reference", "reference_path"):
+                if obj == "orpo" and key == "beta":
+                    why = ("orpo does not read it: orpo's weight of the odds-ratio term (TRL's ORPOConfig.beta, the "
+                           "paper's lambda) is preference.orpo_lambda")
+                else:
+                    why = (f"{PREFERENCE_ROLES[key]}, which train.objective {obj} does not read (it reads "
+                           f"{', '.join('preference.' + k for k in reads if k in PREFERENCE_ROLES)})")
+                out.append((("preference", key), f"preference.{key}: {why}; remove it"))
+    if obj != "grpo" and not prompts:
+        for key in set_keys(cfg.grpo):
+            hint = " (the preference objectives' beta is preference.beta)" if key == "beta" and reads else ""
+            out.append((("grpo", key), f"grpo.{key}: the grpo section is read by train.objective grpo only, not "
+                                       f"{obj}{hint}; remove it"))
     return out
 
 
@@ -172,6 +222,18 @@ def grpo_problems(cfg, prompts: bool) -> list[tuple[tuple, str]]:
     if d.train_on_prompt:
         out.append((("data", "train_on_prompt"), "data.train_on_prompt: grpo's loss is on the sampled completions "
                                                  "only; set data.train_on_prompt: false"))
+    # grpo evaluates no held-out prompts (docs/grpo.md): held-out rows would be taken from training and never used
+    for key, given in (("eval_fraction", d.eval_fraction > 0), ("eval_path", bool(d.eval_path)),
+                       ("eval_datasets", bool(d.eval_datasets))):
+        if given:
+            out.append((("data", key), f"data.{key}: grpo evaluates no held-out prompts (only "
+                                       f"train.exact_match_path's greedy answers), so they would never be used"
+                                       + (", and are taken from the training prompts" if key == "eval_fraction"
+                                          else "") + "; remove it"))
+    if t.eval_every and not t.exact_match_path:
+        out.append((("train", "eval_every"), f"train.eval_every: {t.eval_every}, but grpo evaluates only "
+                                             f"train.exact_match_path's greedy answers, which is not set; remove it "
+                                             f"or set train.exact_match_path"))
     return out
 
 

@@ -220,7 +220,8 @@ def test_parquet_rows_and_a_held_out_share(tmp_path):
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}],
              "answer": f"a{i}"} for i in range(8)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
-    cfg = _cfg(tmp_path, tmp_path / "p.parquet", "data.eval_fraction=0.25")
+    cfg = _cfg(tmp_path, tmp_path / "p.parquet")
+    cfg.data.eval_fraction = 0.25  # the data layer's held-out split (a grpo config refuses it: it evaluates none)
     train = build_prompt_source(cfg, tokenizer(), seed=0)
     held = build_prompt_source(cfg, tokenizer(), seed=0, side="eval")
     assert (len(train), len(held), train.prompts.counts.held_out) == (6, 2, 2)

@@ -105,8 +105,10 @@ def check_run_state(r: Resumed) -> None:
     """The parts of a run state a resumed run restores (the data's position, the random generators, the config) are
     a run state's, named where not: checked before the run writes anything."""
     where = r.path / RUN_STATE
-    for k, keys in (("loader", ("epoch", "cursor", "seed")), ("rng", ("torch", "python", "numpy")),
-                    ("config", ("train",))):
+    loader = r.state["loader"]
+    grpo = isinstance(loader, dict) and "grpo" in loader  # the rollout batches' state, not a sampler's position
+    for k, keys in (("loader", ("prompts", "batch", "k") if grpo else ("epoch", "cursor", "seed")),
+                    ("rng", ("torch", "python", "numpy")), ("config", ("train",))):
         if not isinstance(r.state[k], dict) or (gone := [x for x in keys if x not in r.state[k]]):
             raise MegatrainError(f"{where}: '{k}' is not a run state's (it lacks "
                                  f"{gone[0] if isinstance(r.state[k], dict) else 'everything: not an object'})")

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 BUILTIN_REWARDS = ("exact_match", "regex", "numeric")
 FIELD_REWARDS = ("exact_match", "numeric")  # the built-ins that read row[field]
+FLOAT32_MAX = 3.4028234663852886e38  # rewards, their sum and the advantages are float32 (torch.finfo)
 
 
 def is_user_reward(name: str) -> bool:
@@ -35,9 +36,21 @@ class RewardSpec(BaseModel):
     field: str = Field("answer", description="exact_match, numeric: the row's column holding the expected answer")
     pattern: str | None = Field(None, description="regex: the regular expression searched for in the completion")
 
+    @field_validator("weight")
+    @classmethod
+    def _weight_in_float32(cls, v: float) -> float:
+        if abs(v) > FLOAT32_MAX:  # finite as a Python float, inf once the rewards are summed in float32
+            raise ValueError(f"{v:g} is beyond float32's range (+-{FLOAT32_MAX:.4g}), in which the rewards are "
+                             f"summed; scale the weights down")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self):
         n = self.name
+        if "field" in self.model_fields_set and n not in FIELD_REWARDS:  # never read: a misunderstanding
+            raise ValueError(f"field: only exact_match and numeric read a row's field, not {n}"
+                             + (" (a user function gets the whole rows)" if is_user_reward(n) else
+                                " (it searches the completion for its pattern)"))
         if is_user_reward(n):
             mod, _, fn = n.rpartition(":")
             if not mod.strip() or not fn.strip() or not fn.strip().isidentifier():

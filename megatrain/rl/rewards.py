@@ -11,9 +11,12 @@ module): imported from exactly that file or module, and only by load_rewards, wh
 anything (`megatrain plan` never imports it). Importing writes no bytecode next to the file.
 
 Every failure is one MegatrainError line naming grpo.rewards[i] (and the function), and for a failing call the row:
-its file:line when the rows are PromptRows (prompts.py) or `wheres` are given. A function that raises on the
-batch is called again row by row to find the row; one that returns the wrong number of values, or a value that is
-not a finite number, stops the run the same way.
+its file:line when the rows are PromptRows (prompts.py) or `wheres` are given. A function that cannot be called as
+fn(prompts, completions, rows) is refused when it is loaded, before the run writes anything. A function that raises
+on the batch (SystemExit and KeyboardInterrupt too: a reward must not end the run silently) is called again row by
+row to find the row; only what the run's own signal handler raises goes through (`from_signal`). One that returns
+the wrong number of values, or a value that is not a finite number in float32 (the dtype of the rewards, their
+weighted sum and the advantages), stops the run the same way.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ import difflib
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,7 +39,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MegatrainError
-from .config import BUILTIN_REWARDS, FIELD_REWARDS, RewardSpec, reward_path
+from .config import BUILTIN_REWARDS, FIELD_REWARDS, FLOAT32_MAX, RewardSpec, reward_path
 
 
 @dataclass(frozen=True)
@@ -193,8 +198,10 @@ def _import_file(f: Path, key: str):
     except SyntaxError as e:
         del sys.modules[name]
         raise MegatrainError(f"{key}: {f}:{e.lineno}: SyntaxError: {e.msg}") from None
-    except Exception as e:  # whatever the file raises while it is imported
+    except BaseException as e:  # whatever the file raises while it is imported (a sys.exit, argparse's too)
         del sys.modules[name]
+        if from_signal(e):
+            raise
         raise MegatrainError(f"{key}: importing {f} raised {_first_line(e)}") from None
     return module
 
@@ -208,7 +215,9 @@ def _import_module(mod: str, key: str):
                                  f"relative to the config's folder, or module:function of an importable module)") \
                 from None
         raise MegatrainError(f"{key}: importing module '{mod}' raised {_first_line(e)}") from None
-    except Exception as e:
+    except BaseException as e:
+        if from_signal(e):
+            raise
         raise MegatrainError(f"{key}: importing module '{mod}' raised {_first_line(e)}") from None
 
 
@@ -234,7 +243,23 @@ def user_function(name: str, key: str, base_dir: str | Path | None = None) -> Ca
                              + (f"; did you mean '{close[0]}'?" if close else ""))
     if not callable(fn):
         raise MegatrainError(f"{key}: {where}: '{attr}' is a {type(fn).__name__}, not a function")
+    check_signature(fn, f"{key}: {where}: {attr}")
     return fn
+
+
+def check_signature(fn: Callable, who: str) -> None:
+    """A reward is called fn(prompts, completions, rows), positionally: refuse one that cannot be (TRL's
+    fn(completions, **kwargs), json.loads), now rather than at the first rollout. One without a signature that
+    inspect can read (some built-ins) is called as it is."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(None, None, None)
+    except TypeError as e:
+        raise MegatrainError(f"{who}{sig} cannot be called as fn(prompts, completions, rows) ({e}); a reward takes "
+                             f"the three positionally and returns one float per completion") from None
 
 
 def load_rewards(specs: Sequence[RewardSpec | dict], base_dir: str | Path | None = None) -> list[Reward]:
@@ -265,12 +290,28 @@ def _rows(rows: Sequence, wheres: Sequence[str] | None) -> tuple[list[dict], lis
     return dicts, list(wheres)
 
 
+def from_signal(e: BaseException) -> bool:
+    """Whether `e`, raised while a reward function ran, is the run's signal handling rather than the function's: a
+    Python signal handler (checkpoint/signals.py's, the command line's) raised it, or it is a KeyboardInterrupt
+    under Python's default SIGINT handler, where a real Ctrl-C cannot be told from a `raise KeyboardInterrupt`."""
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    codes = {getattr(getattr(h, "__func__", h), "__code__", None) for h in handlers} - {None}
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in codes:
+            return True
+        tb = tb.tb_next
+    return isinstance(e, KeyboardInterrupt) and handlers[0] is signal.default_int_handler
+
+
 def _culprit(fn: Callable, prompts, completions, rows) -> tuple[int, BaseException] | None:
     """The first row on which `fn` raises when called with that row alone."""
     for j in range(len(completions)):
         try:
             fn(prompts[j: j + 1], completions[j: j + 1], rows[j: j + 1])
-        except Exception as e:
+        except BaseException as e:
+            if from_signal(e):
+                raise
             return j, e
     return None
 
@@ -300,6 +341,9 @@ def _values(r: Reward, out, wheres: list[str]) -> list[float]:
         if not math.isfinite(float(v)):
             raise MegatrainError(f"{who} returned {float(v)} for the completion of {wheres[j]}; a reward must be "
                                  f"finite")
+        if abs(float(v)) > FLOAT32_MAX:
+            raise MegatrainError(f"{who} returned {float(v):g} for the completion of {wheres[j]}; beyond float32's "
+                                 f"range (+-{FLOAT32_MAX:.4g}), in which rewards are summed: scale it down")
         vals.append(float(v))
     return vals
 
@@ -310,7 +354,9 @@ def _call(r: Reward, prompts: list[str], completions: list[str], rows: list[dict
         out = r.fn(prompts, completions, rows)
     except RowProblem as e:
         raise MegatrainError(f"{who}: {wheres[e.index]}: {e}") from None
-    except Exception as e:
+    except BaseException as e:  # SystemExit, KeyboardInterrupt too: the function's, not the run's
+        if from_signal(e):
+            raise
         found = _culprit(r.fn, prompts, completions, rows)
         j, err = found if found else (None, e)
         at = f"on the completion of {wheres[j]}" if j is not None else \
@@ -331,8 +377,22 @@ def score(rewards: Sequence[Reward], prompts: Sequence[str], completions: Sequen
     prompts, completions = list(prompts), list(completions)
     total = torch.zeros(n, dtype=torch.float64)
     per: dict[str, torch.Tensor] = {}
+    terms = []
     for r in rewards:
         v = torch.tensor(_call(r, list(prompts), list(completions), list(dicts), wh), dtype=torch.float64)
         per[r.name] = v.float()
-        total += r.weight * v
+        terms.append(r.weight * v)
+        total += terms[-1]
+    for r, t in zip(rewards, terms):
+        if (big := t.abs() > FLOAT32_MAX).any():
+            j = int(big.nonzero()[0])
+            raise MegatrainError(f"{r.key} ({r.name}): weight {r.weight:g} x {float(per[r.name][j]):g} for the "
+                                 f"completion of {wh[j]} is beyond float32's range (+-{FLOAT32_MAX:.4g}), in which "
+                                 f"rewards are summed; scale the weight or the reward down")
+    if (big := total.abs() > FLOAT32_MAX).any():
+        j = int(big.nonzero()[0])
+        r = max(zip(rewards, terms), key=lambda rt: abs(float(rt[1][j])))[0]
+        raise MegatrainError(f"{r.key} ({r.name}): the weighted sum of grpo.rewards for the completion of {wh[j]}, "
+                             f"{float(total[j]):g}, is beyond float32's range (+-{FLOAT32_MAX:.4g}); scale the "
+                             f"weights or the rewards down")
     return total.float(), per

@@ -47,6 +47,24 @@ def group_advantages(rewards: torch.Tensor, n: int, scale: bool = True) -> tuple
     return adv.reshape(-1).float(), std.reshape(-1).float()
 
 
+def checked_advantages(total: torch.Tensor, per: dict, rewards, wheres: list[str], n: int,
+                       scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """group_advantages, refused where an advantage or a group's std is beyond float32's range (rewards near its
+    limit: r - mean can be twice the largest), which the loss would turn into NaN: one line naming the reward of
+    the group's largest weighted value and the group's rows (`wheres`, one per completion)."""
+    adv, std = group_advantages(total, n, scale)
+    bad = ~(torch.isfinite(adv).reshape(-1, n).all(1) & torch.isfinite(std))
+    if bad.any():
+        g = int(bad.nonzero()[0])
+        rows = slice(g * n, (g + 1) * n)
+        r = max(rewards, key=lambda r: float((r.weight * per[r.name][rows].double()).abs().max()))
+        raise MegatrainError(f"{r.key} ({r.name}): the rewards of {wheres[g * n]} ... {wheres[g * n + n - 1]} (a "
+                             f"group, up to {float(total[rows].abs().max()):g}) give advantages or a std beyond "
+                             f"float32's range (+-{torch.finfo(torch.float32).max:.4g}); scale the rewards down "
+                             f"(their weights)")
+    return adv, std
+
+
 def row_weights(lengths: list[int], loss_type: str, max_new_tokens: int) -> list[float]:
     """w_r of each row of one optimizer step of rows with these completion lengths (runtime/objective.py's
     grpo_row_weights: grpo 1/(n_r S), dr_grpo 1/(S max_new_tokens), dapo 1/T)."""
@@ -230,7 +248,8 @@ class Rollouts:
         src = [prompts[i] for i in out.prompt_index]
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in out.completion_ids]
         total, per = score(self.rewards, [p.text for p in src], texts, src)  # (PromptRows: errors name file:line)
-        adv, std = group_advantages(torch.as_tensor(total), g.num_generations, g.scale_rewards)
+        adv, std = checked_advantages(torch.as_tensor(total), per, self.rewards, [p.where for p in src],
+                                      g.num_generations, g.scale_rewards)
         rows = [{"prompt": list(p.ids), "completion": list(c), "advantage": float(a), "old": None, "ref": None}
                 for p, c, a in zip(src, out.completion_ids, adv.tolist())]
         t1 = time.perf_counter()

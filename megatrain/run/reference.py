@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.resume import IGNORED_MODEL_KEYS
 from ..errors import MegatrainError
 from ..runtime import MicroBatch
 
@@ -50,9 +51,19 @@ def _files(folder: Path) -> dict:
             "config": (folder / "config.json").read_text() if (folder / "config.json").is_file() else ""}
 
 
-def check_reference_path(cfg, adapter) -> None:
+# config.json keys of a reference that cannot change its log-probs: bookkeeping (checkpoint/resume.py's list),
+# token ids the forward never reads (generation's), the init of weights it loads, and the outputs' form
+REFERENCE_IGNORED_KEYS = IGNORED_MODEL_KEYS | {"bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
+                                               "output_attentions", "output_hidden_states", "return_dict",
+                                               "id2label", "label2id", "problem_type"}
+
+
+def check_reference_path(cfg, adapter=None) -> None:
     """preference.reference_path: a Hugging Face model folder of the policy's architecture (every unit the same
-    shapes), with weights. One line naming the key; nothing written."""
+    shapes), whose config.json gives the forward the policy's (the reference runs with the policy's config: a
+    different rope, norm epsilon, activation or positions would be silently ignored), with weights. `adapter`: the
+    policy's (default: built from model.path, as `megatrain plan` needs). One line naming the key; nothing
+    written."""
     path = cfg.preference.reference_path
     if not path:
         return
@@ -63,9 +74,12 @@ def check_reference_path(cfg, adapter) -> None:
         raise MegatrainError(f"preference.reference_path: {p} is not a folder; expected a Hugging Face model folder "
                              f"(config.json, *.safetensors) of the policy's architecture")
     try:
-        ref = get_adapter(load_hf_config(str(p)))
-    except MegatrainError as e:
-        raise MegatrainError(f"preference.reference_path: {e}") from None
+        ref_config = load_hf_config(str(p))
+        ref = get_adapter(ref_config)
+    except MegatrainError as e:  # (load_hf_config names model.path, its usual caller)
+        raise MegatrainError(f"preference.reference_path: {str(e).removeprefix('model.path: ')}") from None
+    policy = load_hf_config(cfg.model.path)  # (as the reference's: the same defaults filled in)
+    adapter = adapter if adapter is not None else get_adapter(policy)
     mine = [(u.name, u.numel) for u in adapter.units()]
     theirs = [(u.name, u.numel) for u in ref.units()]
     if ref.model_type != adapter.model_type or mine != theirs:
@@ -74,6 +88,16 @@ def check_reference_path(cfg, adapter) -> None:
         raise MegatrainError(f"preference.reference_path: {p} is a {ref.model_type} of another shape than the policy "
                              f"({adapter.model_type}, model.path): {diff} (unit, parameters); the reference must have "
                              f"the policy's architecture")
+    mine = {k: v for k, v in policy.to_dict().items() if k not in REFERENCE_IGNORED_KEYS}
+    theirs = {k: v for k, v in ref_config.to_dict().items() if k not in REFERENCE_IGNORED_KEYS}
+    diff = sorted(k for k in mine.keys() | theirs.keys() if not k.startswith("_") and mine.get(k) != theirs.get(k))
+    if diff:
+        shown = ", ".join(f"{k} (reference {theirs.get(k)!r}, policy {mine.get(k)!r})" for k in diff[:4])
+        more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
+        raise MegatrainError(f"preference.reference_path: {p / 'config.json'} differs from the policy's "
+                             f"({Path(cfg.model.path) / 'config.json'}) in {shown}{more}; the reference is run with "
+                             f"the policy's config, so these would be ignored: use a reference of the policy's "
+                             f"config")
     if not any(p.glob("*.safetensors")):
         raise MegatrainError(f"preference.reference_path: {p} has no *.safetensors weights")
 
@@ -81,7 +105,15 @@ def check_reference_path(cfg, adapter) -> None:
 def choose_reference(cfg, plan, adapter, loader, tokenizer, eval_batches, resumed) -> Reference:
     """The run's reference strategy (dpo, ipo; none for simpo, orpo): a resumed run keeps its checkpoint's; else
     preference.reference, or with auto the plan's choice made again with the data's pair counts
-    (planner/objective.py), which the plan then shows."""
+    (planner/objective.py), which the plan then shows. With precompute, what output.dir/reference holds for this
+    run is checked now, before anything is written (check_stored)."""
+    ref = _strategy(cfg, plan, adapter, loader, tokenizer, eval_batches, resumed)
+    if ref.strategy == "precompute":
+        check_stored(cfg, pair_sides(cfg, tokenizer), resumed)
+    return ref
+
+
+def _strategy(cfg, plan, adapter, loader, tokenizer, eval_batches, resumed) -> Reference:
     from ..planner.objective import choose, plan_objective
 
     if cfg.train.objective not in ("dpo", "ipo"):
@@ -100,6 +132,82 @@ def choose_reference(cfg, plan, adapter, loader, tokenizer, eval_batches, resume
         return Reference(plan.objective["reference"], plan.objective["why"])
     pairs = t.steps * mbs * t.grad_accum_steps * getattr(loader, "world", 1)
     return Reference(*choose("auto", set_pairs + eval_pairs, pairs + eval_pairs))
+
+
+def pair_sides(cfg, tokenizer) -> dict:
+    """{"train": PairBatches, "eval": PairBatches (with held-out data)}: every pair the pass scores."""
+    from ..data import all_pair_batches
+
+    mbs = cfg.train.micro_batch_size
+    return {side: b for side in ("train", "eval")
+            if (b := all_pair_batches(cfg.data, tokenizer, micro_batch_size=mbs, side=side)) is not None}
+
+
+def check_stored(cfg, sides: dict, resumed, out_dir: Path | None = None) -> tuple[str, Path, dict | None]:
+    """(the fingerprint, the table's file, its tables where a pass stored them, else None) of this run's reference
+    log-probs in output.dir/reference. MegatrainError naming the file where the table or a part of an interrupted
+    pass cannot be read or does not hold these pairs, or where a resumed checkpoint was trained against another
+    table or one that is gone. out_dir: the run's (default output.dir). Reads only."""
+    fp = fingerprint(cfg, sides)
+    folder = Path(out_dir or cfg.output.dir) / "reference"
+    file = folder / f"{fp}.safetensors"
+    named = (resumed.state.get("reference") or {}).get("file") if resumed is not None else None
+    if named and named != file.name:
+        raise MegatrainError(f"resume: the checkpoint {resumed.path} was trained against the reference "
+                             f"log-probs {named}, but this run's data, reference model or precision give "
+                             f"{file.name}: resume with the config it was trained with")
+    if file.is_file():
+        return fp, file, read_table(file, sides)
+    if resumed is not None:
+        raise MegatrainError(f"resume: the reference log-probs {file} that {resumed.path} was trained "
+                             f"against are gone; they are the step-0 model's and cannot be rebuilt from a later "
+                             f"checkpoint: start the run over (output.overwrite=true)")
+    for f in sorted((folder / f"{fp}.partial").glob("part-*.safetensors")):
+        read_part(f, sides)
+    return fp, file, None
+
+
+def _unreadable(path: Path, what: str, why: str) -> MegatrainError:
+    return MegatrainError(f"{path}: {what} {why}; delete the file and the run scores these pairs again")
+
+
+def read_table(path: Path, sides: dict) -> dict[str, torch.Tensor]:
+    """The stored [pairs, 2] float32 table of each side, checked against the pairs `sides` holds."""
+    what = "the stored reference log-probs"
+    try:
+        tables, _ = _load(path)
+    except Exception as e:  # (safetensors' own error types, JSON of the metadata, ...)
+        raise _unreadable(path, what, f"are unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120]})") \
+            from None
+    if sorted(tables) != sorted(sides):
+        raise _unreadable(path, what, f"hold the sides {sorted(tables)} where {sorted(sides)} are expected")
+    for side, t in tables.items():
+        want = len(sides[side].pairs)
+        if t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != 2:
+            raise _unreadable(path, what, f"hold a {list(t.shape)} {t.dtype} table for the {side} pairs where "
+                                          f"[{want}, 2] float32 is expected")
+        if t.shape[0] != want:
+            raise _unreadable(path, what, f"hold {t.shape[0]} pairs where {want} are expected (the {side} pairs)")
+        if not torch.isfinite(t).all():
+            raise _unreadable(path, what, f"hold log-probs that are not finite (the {side} pairs)")
+    return tables
+
+
+def read_part(path: Path, sides: dict) -> tuple[str, list[int], list]:
+    """A part of an interrupted pass: (its side, pair ids, [chosen, rejected] log-probs), checked."""
+    what = "a part of an interrupted reference pass"
+    try:
+        t, meta = _load(path)
+        side, ids, logps = meta["side"], t["pair_ids"], t["logps"]
+    except Exception as e:
+        raise _unreadable(path, what, f"is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120]})") \
+            from None
+    n = len(sides[side].pairs) if side in sides else 0
+    if ids.dim() != 1 or logps.shape != (len(ids), 2) or not torch.isfinite(logps).all() or \
+            (len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < n)):
+        raise _unreadable(path, what, f"does not fit this run's {n} {side} pairs (ids {list(ids.shape)}, log-probs "
+                                      f"{list(logps.shape)})")
+    return side, ids.tolist(), logps.tolist()
 
 
 def fingerprint(cfg, sides: dict) -> str:
@@ -147,29 +255,13 @@ class Reference:
     def precompute(self, run, log, stop=None) -> None:
         """Score every training and held-out pair at the reference weights, or read the file a previous pass (or
         the checkpoint resumed) stored; a killed pass goes on from its parts."""
-        from ..data import all_pair_batches
-
-        cfg = run.cfg
-        mbs = cfg.train.micro_batch_size
-        sides = {side: b for side in ("train", "eval")
-                 if (b := all_pair_batches(cfg.data, run.tokenizer, micro_batch_size=mbs, side=side)) is not None}
-        self.fingerprint = fingerprint(cfg, sides)
-        folder = run.out_dir / "reference"
-        self.file = folder / f"{self.fingerprint}.safetensors"
-        named = (run.resumed.state.get("reference") or {}).get("file") if run.resumed is not None else None
-        if named and named != self.file.name:
-            raise MegatrainError(f"resume: the checkpoint {run.resumed.path} was trained against the reference "
-                                 f"log-probs {named}, but this run's data, reference model or precision give "
-                                 f"{self.file.name}: resume with the config it was trained with")
-        if self.file.is_file():
-            self.tables, _ = _load(self.file)
+        sides = pair_sides(run.cfg, run.tokenizer)
+        self.fingerprint, self.file, tables = check_stored(run.cfg, sides, run.resumed, run.out_dir)
+        if tables is not None:
+            self.tables = tables
             log.info(f"reference log-probs: {self.file} ({self._count()} pairs, stored by an earlier pass)")
             return
-        if run.resumed is not None:
-            raise MegatrainError(f"resume: the reference log-probs {self.file} that {run.resumed.path} was trained "
-                                 f"against are gone; they are the step-0 model's and cannot be rebuilt from a later "
-                                 f"checkpoint: start the run over (output.overwrite=true)")
-        self._pass(run, log, sides, folder, stop)
+        self._pass(run, log, sides, self.file.parent, stop)
 
     def _count(self) -> int:
         return sum(int(t.shape[0]) for t in self.tables.values())
@@ -180,8 +272,8 @@ class Reference:
         done: dict[str, dict[int, tuple[float, float]]] = {s: {} for s in sides}
         if parts.is_dir():
             for f in sorted(parts.glob("part-*.safetensors")):
-                t, meta = _load(f)
-                done[meta["side"]].update(zip(t["pair_ids"].tolist(), map(tuple, t["logps"].tolist())))
+                side, ids, logps = read_part(f, sides)
+                done[side].update(zip(ids, map(tuple, logps)))
         before = sum(len(d) for d in done.values())
         if run.writes:
             parts.mkdir(parents=True, exist_ok=True)
