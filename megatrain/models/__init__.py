@@ -55,7 +55,11 @@ def load_hf_config(model_path: str | Path, plan_only: bool = False) -> Pretraine
         raise MegatrainError(
             f"{cfg_file}: model_type '{raw['model_type']}' is not supported; supported: {', '.join(sorted(ADAPTERS))}"
         )
-    check_model_config(raw, cfg_file)  # sizes bounded and heads consistent before anything is built from them
+    if raw["model_type"] == "mistral" and "layer_types" in raw:  # (AutoConfig's heuristic, as AutoModel loads it)
+        raise MegatrainError(f"{cfg_file}: layer_types: transformers reads a mistral config.json that has layer_types "
+                             "as a Ministral model (a window on the layers layer_types names), which megatrain does not "
+                             "support; without the key it is Mistral (the window on every layer)")
+    check_model_config(raw, cfg_file)  # sizes, heads, numbers, window: before anything is built from them
     fields = plan_fields(raw) if plan_only else None
     if fields is not None:
         check_model_config(fields, cfg_file)
@@ -67,6 +71,9 @@ def load_hf_config(model_path: str | Path, plan_only: bool = False) -> Pretraine
     except Exception as e:  # transformers raises many types for a bad config, some over several lines
         raise MegatrainError(f"{cfg_file}: cannot be read as a {raw['model_type']} config: "
                              f"{' '.join(str(e).split())}") from None
+    if hf_config.model_type != raw["model_type"]:
+        raise MegatrainError(f"{cfg_file}: transformers reads this model_type '{raw['model_type']}' config as "
+                             f"'{hf_config.model_type}', which megatrain does not support")
     check_model_config(hf_config, cfg_file)  # with the defaults transformers fills in
     return hf_config
 

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from ..errors import MegatrainError
 from .attention import attention_context, causal_attention
 from .base import AttnContext, ModelAdapter, TensorSpec, Unit
+from .window import layer_kinds as window_layer_kinds
+from .window import sliding_window
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -78,34 +80,14 @@ class DecoderAdapter(ModelAdapter):
             self.qkv_bias = self.o_bias = bias
         self.mlp_bias = bool(getattr(c, "mlp_bias", False))
         self.qk_norm = "head" if self.model_type == "qwen3" else None  # q/k RMSNorm: per head, or "full" (olmoe)
-        self.sliding_window = self._sliding_window(c)
+        self.sliding_window = sliding_window(c)  # None where the family's transformers model ignores the key
         self._init_rope(c)
-
-    @staticmethod
-    def _sliding_window(c) -> int | None:
-        window = getattr(c, "sliding_window", None)
-        if not window:
-            return None
-        if c.model_type == "qwen2" and not getattr(c, "use_sliding_window", False):
-            return None
-        return int(window)
 
     @property
     def layer_kinds(self) -> list[str]:
-        """"sliding" for the layers transformers runs with the sliding window (config.json's layer_types, or every
-        layer when a window is set without them, as mistral does), else "full"."""
-        if self.sliding_window is None:
-            return ["full"] * self.num_layers
-        types = getattr(self.hf_config, "layer_types", None)
-        if not types:
-            return ["sliding"] * self.num_layers
-        if len(types) != self.num_layers:
-            raise MegatrainError(f"config.json: layer_types has {len(types)} entries for {self.num_layers} layers")
-        unknown = set(types) - {"full_attention", "sliding_attention"}
-        if unknown:
-            raise MegatrainError(f"config.json: layer_types {sorted(unknown)} are not supported "
-                                 "(supported: full_attention, sliding_attention)")
-        return ["sliding" if t == "sliding_attention" else "full" for t in types]
+        """"sliding" for the layers transformers runs with the sliding window, else "full" (models/window.py: which
+        families apply it, to which layers)."""
+        return window_layer_kinds(self.hf_config, self.sliding_window, self.num_layers)
 
     def _init_rope(self, c) -> None:
         """The rope type checked; inv_freq and rope_scaling computed when first read (__getattr__): transformers'

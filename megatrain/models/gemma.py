@@ -21,6 +21,7 @@ from ..errors import MegatrainError
 from .base import AttnContext, TensorSpec, Unit
 from .attention import META_AS_CUDA, attention_context, causal_attention, flex_kernel_options, softcap_score
 from .decoder import STATIC_ROPE_TYPES, DecoderAdapter, rotate_half, static_rope
+from .window import sliding_window
 
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
@@ -64,16 +65,8 @@ class GemmaAdapter(DecoderAdapter):
         self.score_mod = None if self.attn_softcap is None else softcap_score(float(self.attn_softcap))
         self.logit_softcap = getattr(c, "final_logit_softcapping", None)
         self.embed_scale = c.hidden_size**0.5
-        self.sliding_window = int(c.sliding_window) if getattr(c, "sliding_window", None) else None
+        self.sliding_window = sliding_window(c)
         self._init_gemma_rope(c)
-
-    @property
-    def layer_kinds(self) -> list[str]:
-        types = getattr(self.hf_config, "layer_types", None) or ["full_attention"] * self.num_layers
-        kinds = super().layer_kinds if self.sliding_window is not None else ["full"] * self.num_layers
-        if self.sliding_window is None and "sliding_attention" in types:
-            raise MegatrainError("config.json: layer_types names sliding_attention layers but sliding_window is not set")
-        return kinds
 
     def _init_gemma_rope(self, c) -> None:
         """inv_freq and attention scaling per layer kind, as transformers' Gemma2/Gemma3RotaryEmbedding compute them

@@ -131,10 +131,6 @@ class GptOssAdapter(MoEAdapter):
         if self.top_k > self.num_experts:
             raise MegatrainError(f"config.json: num_experts_per_tok {self.top_k} exceeds the {self.num_experts} "
                                  "experts (num_local_experts)")
-        types = getattr(c, "layer_types", None) or []
-        if "sliding_attention" in types and self.sliding_window is None:
-            raise MegatrainError("config.json: layer_types names sliding_attention layers, but sliding_window is "
-                                 "not set")
 
     def _init_rope(self, c) -> None:
         """The rope type checked; inv_freq and the attention scaling made on first use (DecoderAdapter.__getattr__:

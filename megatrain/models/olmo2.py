@@ -44,7 +44,6 @@ class Olmo2Adapter(DecoderAdapter):
         super().__init__(c)  # hidden_act (silu only), sizes, attention_bias, rope (via _init_rope below)
         self.qk_norm = "full"
         self.mlp_bias = False  # Olmo2MLP has none, whatever config.json says
-        self.sliding_window = None  # transformers' OLMo 2 attends to the whole causal prefix on every layer
 
     def _init_rope(self, c) -> None:
         params = getattr(c, "rope_parameters", None) or {}

@@ -302,7 +302,14 @@ def _weight_map(model_dir: Path) -> dict[str, str]:
         raise MegatrainError(
             f"model.path: no *.safetensors in {model_dir}; use model.init=random to train from config.json alone"
         )
-    return {k: f for f in files for k in _shard_keys(model_dir / f)}
+    found: dict[str, str] = {}
+    for f in files:
+        for k in sorted(_shard_keys(model_dir / f)):
+            if k in found:  # which copy to train is the user's to say (an index), not the file names' order
+                raise MegatrainError(f"{model_dir}: tensor '{k}' is in both {found[k]} and {f}, and no "
+                                     f"model.safetensors.index.json says which to load")
+            found[k] = f
+    return found
 
 
 def _shard_keys(path: Path) -> set[str]:

@@ -8,9 +8,12 @@ view while the piece is in the core's cache (no pass over the store at the end):
 the file holds the streaming dtype (bf16 -> fp32 -> bf16 returns every value: a copy of 2 B/param, not a cast that
 reads the master's 4), else cast from the master. So the loader holds `threads` x PIECE bytes beyond the store
 however large the model, reads many places of many shards at once (what a disk needs to reach its rate; a
-page-cached file reads at memory speed on every thread), and casts on every core. Tensors of other dtypes and
-those a checkpoint stores packed (gpt-oss's MXFP4 experts, `ModelAdapter.packed_source`) go through `safe_open`, one
-tensor per task. A progress bar (tqdm, on a terminal) shows GB/s; the caller logs bytes and seconds.
+page-cached file reads at memory speed on every thread), and casts on every core. F64 tensors and those a
+checkpoint stores packed (gpt-oss's MXFP4 experts, `ModelAdapter.packed_source`) go through `safe_open`, one tensor
+per task. Any other dtype (integers, bool, fp8 without its scales) is refused before a byte is read: cast to fp32 it
+would train as weights. Every piece is checked finite as it lands in the master, on the same thread
+(`nonfinite_at`): a NaN or an infinity (or an F64 value beyond fp32) is named by file, tensor and element now, not
+as a NaN loss at step 1. A progress bar (tqdm, on a terminal) shows GB/s; the caller logs bytes and seconds.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import math
 import os
 import re
 import struct
@@ -34,7 +38,8 @@ from .gil import short_switches
 PIECE = 16 << 20  # bytes of a checkpoint tensor read by one task (fewer tasks: the GIL taken fewer times, gil.py)
 THREADS = 32  # pieces in flight at most, one per core (reads and casts: a page-cached file is read at memory speed;
 #               on 32 cores 32 threads loaded 4-9% faster than 16, beyond 32 not measured)
-SOURCE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+SOURCE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}  # read piece by piece
+FLOATS = (*SOURCE, "F64")  # the checkpoint dtypes loaded (F64 through safe_open)
 
 
 def serial_torch() -> None:
@@ -84,6 +89,13 @@ def load_units(store, model_dir: Path, weight_map: dict, packed: dict, open_shar
     used = {nm for u in store.units for s in u.specs
             for nm in (packed[s.hf_name].names if s.hf_name in packed else s.checkpoint_names)}
     total = sum(_nbytes(headers[weight_map[nm]][1][nm]) for nm in used)
+    unpacked = used - {nm for p in packed.values() for nm in p.names}  # (packed: their build checks their dtypes)
+    for nm in sorted(unpacked):
+        dtype = headers[weight_map[nm]][1][nm]["dtype"]
+        if dtype not in FLOATS:
+            raise MegatrainError(f"{model_dir / weight_map[nm]}: tensor '{nm}' is {dtype}; megatrain loads BF16, F16, "
+                                 f"F32 or F64 weights (a quantized checkpoint other than gpt-oss's MXFP4 must be "
+                                 f"dequantized first)")
     bar = _bar(total, progress)
     lock = threading.Lock()
 
@@ -92,9 +104,11 @@ def load_units(store, model_dir: Path, weight_map: dict, packed: dict, open_shar
             with lock:
                 bar.update(b)
 
-    def piece(f: str, start: int, part: torch.Tensor, src: torch.dtype, a: int, b: int, spart=None) -> None:
-        """Elements [a, b) of `part` (flat) from the file's tensor starting at byte `start`; spart: the same
-        elements of the streaming copy, cast from them here (while they are in this core's cache)."""
+    def piece(f: str, name: str, shape, start: int, part: torch.Tensor, src: torch.dtype, a: int, b: int,
+              spart=None) -> None:
+        """Elements [a, b) of `part` (flat) from the file's tensor `name` of `shape` starting at byte `start`;
+        spart: the same elements of the streaming copy, cast from them here (while they are in this core's
+        cache)."""
         es = src.itemsize
         if src == part.dtype:
             dest = part[a:b].view(torch.uint8)
@@ -106,6 +120,8 @@ def load_units(store, model_dir: Path, weight_map: dict, packed: dict, open_shar
         _read(fds[f], memoryview(dest.numpy()), start + a * es, model_dir / f)
         if src != part.dtype:
             part[a:b].copy_(dest.view(src))
+        if (i := nonfinite_at(part[a:b])) is not None:
+            raise MegatrainError(f"{model_dir / f}: tensor '{name}' holds {nonfinite(part[a + i], a + i, shape)}")
         if spart is not None and src == spart.dtype != part.dtype:  # the file's bytes: what the cast back would give
             spart[a:b].view(torch.uint8).copy_(dest)
         elif spart is not None:
@@ -122,7 +138,14 @@ def load_units(store, model_dir: Path, weight_map: dict, packed: dict, open_shar
     def via_safe_open(handles, name: str, part: torch.Tensor, spart=None) -> None:
         f = weight_map[name]
         h = handles.setdefault(f, open_shard(model_dir / f))
-        part.copy_(h.get_tensor(name).reshape(part.shape))
+        t = h.get_tensor(name).reshape(part.shape)
+        part.copy_(t)
+        if (i := nonfinite_at(part)) is not None:
+            source = t.reshape(-1)[i]
+            beyond = f" in fp32 (the file's {str(t.dtype).replace('torch.', '')} value {source.item():g} is beyond " \
+                "fp32's range)" if bool(source.isfinite()) else ""
+            raise MegatrainError(f"{model_dir / f}: tensor '{name}' holds "
+                                 f"{nonfinite(part.reshape(-1)[i], i, part.shape, beyond)}")
         if spart is not None:
             spart.copy_(part)
         moved(_nbytes(headers[f][1][name]))
@@ -134,6 +157,9 @@ def load_units(store, model_dir: Path, weight_map: dict, packed: dict, open_shar
                            for nm in p.names])
         except ValueError as e:
             raise MegatrainError(f"{model_dir}: tensors {', '.join(p.names)}: {e}") from None
+        if (i := nonfinite_at(view)) is not None:
+            raise MegatrainError(f"{model_dir / weight_map[p.names[0]]}: tensors {', '.join(p.names)}: hold "
+                                 f"{nonfinite(view.reshape(-1)[i], i, view.shape, f' of {s.hf_name} once unpacked')}")
         if sview is not None:
             sview.copy_(view)
         moved(sum(_nbytes(headers[weight_map[nm]][1][nm]) for nm in p.names))
@@ -186,8 +212,25 @@ def _submit_tensor(pool, piece, whole, via_safe_open, name, part, weight_map, he
                              f"{e['dtype']} imply {part.numel() * src.itemsize}")
     flat, step = part.reshape(-1), max(1, PIECE // src.itemsize)
     sflat = None if spart is None else spart.reshape(-1)
-    return [pool.submit(piece, f, start + lo, flat, src, a, min(a + step, flat.numel()), sflat)
+    return [pool.submit(piece, f, name, part.shape, start + lo, flat, src, a, min(a + step, flat.numel()), sflat)
             for a in range(0, flat.numel(), step)]
+
+
+def nonfinite_at(values: torch.Tensor) -> int | None:
+    """The flat index of the first NaN or infinity in `values`, or None. The sum is finite only when every element
+    is (a NaN or an infinity makes it NaN or infinite): one read of each element, nothing allocated, where
+    isfinite().all() writes a mask and reads it again. The element is searched for only when the sum is not finite
+    (finite values may also overflow it)."""
+    if math.isfinite(float(values.sum())):
+        return None
+    bad = (~torch.isfinite(values.reshape(-1))).nonzero()
+    return int(bad[0]) if len(bad) else None
+
+
+def nonfinite(value: torch.Tensor, index: int, shape, note: str = "") -> str:
+    """The non-finite `value` of a tensor of `shape` at flat `index`, for the error naming it: "nan at [3, 5]..."."""
+    at = [int(x) for x in torch.unravel_index(torch.tensor(index), tuple(shape))]
+    return f"{value.item()} at {at}{note}; training needs finite weights"
 
 
 def _nbytes(entry: dict) -> int:
