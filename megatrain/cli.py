@@ -15,6 +15,7 @@ import gc
 import signal
 import sys
 import time
+from pathlib import Path
 
 from .errors import ArgumentParser, MegatrainError, count, positive_int, positive_number, report
 
@@ -160,18 +161,41 @@ def _run(args) -> int:
         from .planner.profile import load_profile
 
         prof = load_profile(cfg.plan.profile)  # the batch bounded before the planner walks it
-        check_run_batch(cfg, load_hf_config(cfg.model.path, plan_only=True).hidden_size, target_device(cfg, prof),
-                        args.nnodes * args.nproc_per_node, args.nproc_per_node, prof)
+        hf = load_hf_config(cfg.model.path, plan_only=True)
+        _check_seq_len(cfg, hf)
+        if cfg.preference.reference_path:  # its folder, config.json and weights, as train checks them
+            from .run.reference import check_reference_path
+
+            check_reference_path(cfg)
+        check_run_batch(cfg, hf.hidden_size, target_device(cfg, prof), args.nnodes * args.nproc_per_node,
+                        args.nproc_per_node, prof)
         return plan_command(cfg, as_json=args.json, world=World(args.nnodes, args.nproc_per_node))
     elif args.command == "data":
         from . import data as data_lib
 
         check_paths(cfg, outputs=False)
+        if (Path(cfg.model.path) / "config.json").is_file():  # (a tokenizer folder alone previews the data)
+            from .models import load_hf_config
+
+            _check_seq_len(cfg, load_hf_config(cfg.model.path, plan_only=True))
         data_lib.validate_inputs(cfg.data)
         tok = data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path,
                                       "model.tokenizer" if cfg.model.tokenizer else "model.path")
         print(data_lib.preview(cfg.data, tok, args.preview))
     return 0
+
+
+def _check_seq_len(cfg, fields) -> None:
+    """data.max_seq_len within the model's positions (`fields`: config.json read for the plan), refused as `megatrain
+    train` refuses it (run/prepare.py): after config.json is read whole, as train reads it first, so that a config
+    transformers cannot read is that error, as in train."""
+    if cfg.data.max_seq_len > getattr(fields, "max_position_embeddings", cfg.data.max_seq_len):
+        from .models import load_hf_config
+
+        hf = load_hf_config(cfg.model.path)
+        if cfg.data.max_seq_len > getattr(hf, "max_position_embeddings", cfg.data.max_seq_len):
+            raise MegatrainError(f"data.max_seq_len: {cfg.data.max_seq_len} exceeds the model's "
+                                 f"max_position_embeddings ({hf.max_position_embeddings})")
 
 
 if __name__ == "__main__":

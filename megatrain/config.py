@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from .data.config import DataConfig
 from .config_checks import TooLarge, check_overlaps, check_yaml_size, expand_home, objective_problems
-from .errors import ConfigError, MegatrainError, check_dir_target, decode_utf8, load_json
+from .errors import TOO_DEEP, ConfigError, MegatrainError, check_dir_target, decode_utf8, load_json
 from .rl.config import GRPOConfig, RewardSpec, resolve_reward_paths  # noqa: F401 (RewardSpec: grpo.rewards[i])
 from .runtime.knobs import Knob, knobs
 from .runtime.schedule import Placement
@@ -246,7 +246,7 @@ def _key_lines(node, prefix=(), duplicates=None) -> dict[tuple, int]:
     if isinstance(node, yaml.MappingNode):
         seen: dict = {}
         for k, v in node.value:
-            if k.tag == MERGE_TAG:
+            if k.tag == MERGE_TAG or not isinstance(k, yaml.ScalarNode):  # a list as a key: construction refuses it
                 continue
             path = prefix + (k.value,)
             line = k.start_mark.line + 1
@@ -260,11 +260,6 @@ def _key_lines(node, prefix=(), duplicates=None) -> dict[tuple, int]:
             out.setdefault(prefix + (i,), v.start_mark.line + 1)
             out.update(_key_lines(v, prefix + (i,), duplicates))
     return out
-
-
-def _problems(problems: list[str]) -> ConfigError:
-    """One problem: its line; several: a count and one line each."""
-    return ConfigError(*problems)
 
 
 def _parse_yaml(text: str, prefix: tuple = ()) -> tuple[Any, dict[tuple, int], list]:
@@ -292,6 +287,8 @@ def _read(path: Path) -> tuple[dict, dict[tuple, int]]:
         raw, lines, duplicates = _parse_yaml(decode_utf8(path.read_bytes(), path))
     except TooLarge as e:
         raise ConfigError(f"{path}: refused: the YAML {e}") from None
+    except RecursionError:  # PyYAML composes and constructs nested collections recursively
+        raise ConfigError(f"{path}: malformed YAML: {TOO_DEEP}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -301,8 +298,8 @@ def _read(path: Path) -> tuple[dict, dict[tuple, int]]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, train, ...)")
     if duplicates:
-        raise _problems([f"{path}:{line}: {_key_name(key)}: duplicate key (first on line {first}); the later one "
-                         f"would silently win" for key, first, line in duplicates])
+        raise ConfigError(*[f"{path}:{line}: {_key_name(key)}: duplicate key (first on line {first}); the later "
+                            f"one would silently win" for key, first, line in duplicates])
     return raw, lines
 
 
@@ -347,12 +344,12 @@ def _apply_overrides(raw: dict, overrides) -> set[tuple]:
         parts = key.strip().split(".")
         try:
             v, _, duplicates = _parse_yaml(value, tuple(parts)) if value != "" else (None, {}, [])
-        except yaml.YAMLError as e:
-            raise ConfigError(f"command line: {key.strip()}: malformed YAML value {value!r}: "
-                              f"{getattr(e, 'problem', e)}") from None
+        except (yaml.YAMLError, RecursionError) as e:
+            why = TOO_DEEP if isinstance(e, RecursionError) else getattr(e, "problem", e)
+            raise ConfigError(f"command line: {key.strip()}: malformed YAML value {value!r}: {why}") from None
         if duplicates:
-            raise _problems([f"command line: {_key_name(k)}: duplicate key; the later one would silently win"
-                             for k, _, _ in duplicates])
+            raise ConfigError(*[f"command line: {_key_name(k)}: duplicate key; the later one would silently win"
+                                for k, _, _ in duplicates])
         parsed.append((parts, v))
     given: dict = {}
     for parts, v in parsed:
@@ -408,11 +405,11 @@ def _validate(raw: dict, lines: dict[tuple, int], path: Path | None, from_cli: s
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as e:
-        raise _problems([_describe(err, where(tuple(err["loc"]))) for err in e.errors()]) from None
+        raise ConfigError(*[_describe(err, where(tuple(err["loc"]))) for err in e.errors()]) from None
     from .data import is_preference, is_prompt  # (their modules, and what they import, when a config is read)
 
     if problems := objective_problems(cfg, is_preference(cfg.data), is_prompt(cfg.data)):  # objective and data agree
-        raise _problems([where(loc) + msg for loc, msg in problems])
+        raise ConfigError(*[where(loc) + msg for loc, msg in problems])
     return cfg
 
 

@@ -110,13 +110,19 @@ def read_text(path) -> str:
     return decode_utf8(Path(path).read_bytes(), path)
 
 
+# what a document nested deeper than Python's parsers recurse is (RecursionError): refused, naming the file or row
+TOO_DEEP = "nested too deeply for Python's parser"
+
+
 def load_json(path: Path):
-    """Parse a JSON file; a syntax error (or a byte that is not UTF-8) becomes a MegatrainError naming the file
-    and line."""
+    """Parse a JSON file; a syntax error (or a byte that is not UTF-8, or nesting deeper than the parser recurses)
+    becomes a MegatrainError naming the file (and the line)."""
     try:
         return json.loads(read_text(path))
     except json.JSONDecodeError as e:
         raise MegatrainError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+    except RecursionError:
+        raise MegatrainError(f"{path}: malformed JSON: {TOO_DEEP}") from None
 
 
 # ---- paths -------------------------------------------------------------------------------------------------------

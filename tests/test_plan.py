@@ -437,10 +437,10 @@ def test_plan_says_its_step_is_a_bound_until_the_data_is_read(tmp_path, capsys, 
 
     for packing, over in (("false", "micro-batches"), ("true", "documents")):
         status, out, err = in_process(capsys, monkeypatch, tmp_path, "plan", str(DEFAULT_CONFIG),
-                                      f"data.packing={packing}", "data.max_seq_len=128")
+                                      f"data.packing={packing}", "data.max_seq_len=64")
         assert status == 0, err
         rows = "packed rows: attention over whole rows" if packing == "true" else "rows padded to max_seq_len"
-        assert f"step time: {rows} of 128 tokens, a bound" in out and f"over the data's {over}" in out
+        assert f"step time: {rows} of 64 tokens, a bound" in out and f"over the data's {over}" in out
 
 
 def test_suggestions_fit_what_does_not():

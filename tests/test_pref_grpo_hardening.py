@@ -330,8 +330,6 @@ def test_train_refuses_the_reference_config_before_anything_is_written(tmp_path,
 
 
 # ---- 7. megatrain plan checks preference.reference_path -------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="needs cli.py's plan to call run.reference.check_reference_path(cfg) "
-                                       "(cli.py is not this change's file)")
 def test_plan_checks_the_reference_path(tmp_path, capsys):
     cfg = pair_config(tmp_path, "dpo")
     err = _one_line_error(capsys, ["plan", str(cfg), f"preference.reference_path={tmp_path / 'nowhere'}"])

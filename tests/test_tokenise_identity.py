@@ -366,7 +366,7 @@ def test_the_reference_covers_the_cases():
     assert cut["cut_chars"] > 0 and cut["length"] >= 6 and not cut["error"]
     errors = {w["error"].split(":")[0] for fmt in ROWS for i, r in enumerate(raw_rows(fmt))
               for w in [ref_encode_row(r, i, **kwargs(tokenizer(), fmt, EncodeOptions(), fmt == "text"))]}
-    assert {"TypeError", "malformed JSON", "bytes that are not UTF-8 at byte 3", "empty assistant turn (message 2)",
+    assert {"invalid text", "malformed JSON", "bytes that are not UTF-8 at byte 3", "empty assistant turn (message 2)",
             "the chat template does not render the tools column (the tool definitions); the model would not see "
             "them"} <= errors
     tools = ref_encode_row(raw_rows("messages")[6], 6, **kwargs(plain(TOOL_TEMPLATE), "messages", EncodeOptions()))

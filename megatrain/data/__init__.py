@@ -3,9 +3,9 @@ seeded order that resumes exactly.
 
 Modules, one job each:
     config.py     the `data:` config section (DataConfig, DatasetSpec)
-    sources.py    config -> sources -> files -> raw datasets (JSON/JSONL/parquet/csv/txt, save_to_disk dirs,
-                  LLaMA-Factory dataset_info.json registries); whether they are preference pairs or prompts (read
-                  with the config, without torch)
+    sources.py    config -> sources -> files -> raw datasets (JSON/JSONL/parquet/csv/txt, save_to_disk dirs, registry
+                  entries); whether they are preference pairs or prompts (read with the config, without torch)
+    registry.py   LLaMA-Factory dataset_info.json entries -> source fields, each entry checked
     cache_raw.py  JSON-lines files -> their raw Arrow part a block of lines at a time (cached, memory-mapped again)
     formats.py    a row of text/alpaca/sharegpt/messages/prompt_completion -> one canonical sample
     template.py   a sample -> input_ids and labels through the tokenizer's chat template (incremental rendering)

@@ -18,9 +18,9 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from ..errors import MegatrainError
+from ..errors import TOO_DEEP, MegatrainError
 from .formats import RowError, to_sample
-from .sources import ERR_COL, RAW_COL, ROW_COL, RawPart, check_strings_utf8
+from .sources import ERR_COL, RAW_COL, ROW_COL, SURROGATE_ESCAPE, RawPart, check_strings_utf8, invalid_text
 from .template import IGNORE, EncodeOptions, encode_many
 from .tokenizer import tokenizer_fingerprint
 
@@ -100,15 +100,22 @@ def each_row(batch, indices: list[int], *, encoder, names: list[str], **kwargs) 
 
 
 def read_row(raw: dict, index: int) -> tuple[int, object, str]:
-    """A raw row -> (its row number, the row, "" or why it cannot be read: bytes that are not UTF-8, bad JSON)."""
+    """A raw row -> (its row number, the row, "" or why it cannot be read: bytes that are not UTF-8, bad JSON,
+    nesting deeper than the parser recurses, an escaped UTF-16 surrogate without its pair: not a character, which no
+    tokenizer takes)."""
     if RAW_COL not in raw:
         return index + 1, dict(raw), ""  # datasets hands a lazy mapping
     if raw.get(ERR_COL):
         return raw[ROW_COL], None, raw[ERR_COL]
+    text = raw[RAW_COL]
     try:
-        return raw[ROW_COL], json.loads(raw[RAW_COL]), ""
+        row = json.loads(text)
     except json.JSONDecodeError as e:
         return raw[ROW_COL], None, f"malformed JSON: {e.msg} (column {e.colno})"
+    except RecursionError:
+        return raw[ROW_COL], None, f"malformed JSON: {TOO_DEEP}"
+    bad = invalid_text(json.dumps(row, ensure_ascii=False)) if SURROGATE_ESCAPE.search(text) else None
+    return (raw[ROW_COL], None, bad) if bad else (raw[ROW_COL], row, "")
 
 
 def cache_root(cfg) -> str:

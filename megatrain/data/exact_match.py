@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import MegatrainError, read_text
+from ..errors import TOO_DEEP, MegatrainError, read_text
+from .sources import invalid_text
 
 
 def load_exact_match(path: str) -> list[tuple[str, str]]:
@@ -28,6 +29,8 @@ def load_exact_match(path: str) -> list[tuple[str, str]]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise MegatrainError(f"{key}: {p}:{n}: malformed JSON: {e.msg} (column {e.colno})") from None
+        except RecursionError:
+            raise MegatrainError(f"{key}: {p}:{n}: malformed JSON: {TOO_DEEP}") from None
         if not isinstance(row, dict):
             raise MegatrainError(f"{key}: {p}:{n}: expected an alpaca row (an object with instruction, output), "
                                  f"got {type(row).__name__}")
@@ -38,6 +41,8 @@ def load_exact_match(path: str) -> list[tuple[str, str]]:
                                      f"output and optionally input)")
             if v is not None and not isinstance(v, str):
                 raise MegatrainError(f"{key}: {p}:{n}: '{col}' must be a string, got {type(v).__name__}")
+            if v and (bad := invalid_text(v)):
+                raise MegatrainError(f"{key}: {p}:{n}: '{col}': {bad}")
         prompt = row["instruction"] + (f"\n{row['input']}" if row.get("input") else "")
         pairs.append((prompt, row["output"]))
     if not pairs:

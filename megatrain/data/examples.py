@@ -18,7 +18,7 @@ from .cache_raw import read_part
 from .config import DataConfig
 from .encode import cache_root, tokenise
 from .sources import RawPart, Source, resolve_sources, source_files
-from .template import IGNORE, EncodeOptions
+from .template import IGNORE, EncodeOptions, check_chat_template
 from .tokenizer import row_tokens
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ class Counts:
     tokens: int = 0
     targets: int = 0  # tokens with a label
     bad_examples: list[str] = field(default_factory=list)  # the first few skipped rows, with their reason
+    warnings: list[str] = field(default_factory=list)  # said once in the summary (the chat template's)
 
 
 @dataclass
@@ -116,12 +117,15 @@ def load_parts(cfg: DataConfig, tok, side: str, counts: Counts, **tokenise_kw):
     if pairs and "encoder" not in tokenise_kw:
         raise MegatrainError(f"{pairs[0].key}: preference pairs (format 'preference') train with a preference "
                              f"objective (train.objective: dpo, ipo, simpo or orpo), not next-token loss")
+    check_tokenizer(cfg, tok, sources, counts)
     opts = EncodeOptions(cfg.train_on_prompt, cfg.mask_history, cfg.add_eos, counts.cut_to, cfg.overlong == "split")
     root = cache_root(cfg)
     out = []
     for si, src in enumerate(sources):
         for f in source_files(src):
             raw = read_part(src, f, root)
+            if not len(raw.dataset):  # (the readers refuse most such files, naming why: an empty array, ...)
+                raise MegatrainError(f"{src.key}: file {f} holds no rows")
             tokens = tokenise(raw, tok, opts, root, cfg.num_proc, fail_fast=not cfg.skip_bad_rows, **tokenise_kw)
             table = tokens.data
             length = table.column("length").to_numpy().astype(np.int64)
@@ -138,6 +142,8 @@ def load_parts(cfg: DataConfig, tok, side: str, counts: Counts, **tokenise_kw):
                     r = tokens[int(i)]
                     counts.bad_examples.append(f"{raw.where(r['row'])}: {r['error']}")
             good = np.flatnonzero(~bad & (length > 0))
+            if not len(good) and not bad.any():  # only blank rows (white space that bytes.strip keeps)
+                raise MegatrainError(f"{src.key}: file {f} holds no rows (only blank ones)")
             counts.rows += len(good) + int(bad.sum())
             if side == "train" or not eval_files:
                 held = _holdout(len(good), cfg.eval_fraction)
@@ -145,6 +151,29 @@ def load_parts(cfg: DataConfig, tok, side: str, counts: Counts, **tokenise_kw):
                 good = good[held] if side == "eval" else good[~held]
             out.append((si, Part(raw, tokens), good))
     return sources, out
+
+
+TEMPLATED = ("alpaca", "sharegpt", "messages", "prompt_completion", "preference")  # replies through chat_pieces
+
+
+def check_tokenizer(cfg: DataConfig, tok, sources: list[Source], counts: Counts) -> None:
+    """What the sources need of the tokenizer, checked before a row is tokenised: an EOS token where data.add_eos
+    appends one (format text, prompt_completion's strings, preference pairs without a chat template: examples would
+    end without it, silently); a chat template that is valid Jinja and writes a generation prompt
+    (template.check_chat_template; a template without one is a warning in counts)."""
+    fmts, folder = {s.format for s in sources}, tok.name_or_path or "(unnamed)"
+    plain = fmts & {"text", "prompt_completion"} | (fmts & {"preference"} if not tok.chat_template else set())
+    if cfg.add_eos and tok.eos_token_id is None and plain:
+        raise MegatrainError(f"data.add_eos: the tokenizer in {folder} has no eos_token, so the examples "
+                             f"of format '{sorted(plain)[0]}' cannot end with one; set data.add_eos: false (or give "
+                             f"the tokenizer an eos_token)")
+    if tok.chat_template and fmts - {"text"}:
+        t = cfg.chat_template
+        origin = f"tokenizer: the chat template in {folder}" if not t else \
+            "data.chat_template" if "{" in t else f"data.chat_template: {t}"
+        warning = check_chat_template(tok, origin)
+        if warning and fmts & set(TEMPLATED) and warning not in counts.warnings:
+            counts.warnings.append(warning)
 
 
 def no_examples(counts: Counts, side: str, max_seq_len: int) -> MegatrainError:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+from ..errors import TOO_DEEP
 from .config import CANONICAL_ROLES
 
 
@@ -66,6 +67,8 @@ def parse_tools(v):
             v = json.loads(v)
         except json.JSONDecodeError as e:
             raise RowError(f"tools column is not valid JSON: {e.msg}") from None
+        except RecursionError:
+            raise RowError(f"tools column is not valid JSON: {TOO_DEEP}") from None
     if isinstance(v, dict):
         v = [v]
     if not isinstance(v, list):

@@ -23,7 +23,7 @@ def count_lines(ex: Examples, max_seq_len: int, overlong: str | None = None) -> 
                         for i, s in enumerate(ex.sources))
     lines = [f"examples: {_n(c.examples)} from {len(ex.sources)} source{'s' * (len(ex.sources) > 1)} [{per_src}]",
              f"rows: {_n(c.rows)} read, {_n(c.bad)} bad rows skipped, {_n(c.held_out)} held out for evaluation"]
-    lines += [f"  skipped: {b}" for b in c.bad_examples]
+    lines += [f"  skipped: {b}" for b in c.bad_examples] + c.warnings
     lines.append(overlong or f"over-long (> max_seq_len={max_seq_len}): {_n(c.truncated)} truncated, "
                              f"{_n(c.dropped)} dropped, {_n(c.split)} split into pieces; {_n(c.no_loss)} examples "
                              f"without any token to learn removed"

@@ -11,23 +11,35 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import MegatrainError, inside, load_json, utf8_problem
+from ..errors import TOO_DEEP, MegatrainError, utf8_problem
 from .config import DEFAULT_COLUMNS, DEFAULT_ROLES, DataConfig, DatasetSpec
+from .registry import as_prompts, from_registry, load_registry
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
 EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-READER_VERSION = "2"
+READER_VERSION = "3"  # bump when the rows read of a file change
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4", ".tar", ".7z")  # named, never skipped silently
 # Columns of a raw JSON part: the row's line (JSON lines) or 1-based item number (JSON array), the row itself, and
 # what is wrong with its bytes ("" when nothing; e.g. not UTF-8: the row is then reported or skipped like any other).
 ROW_COL, RAW_COL, ERR_COL = "_mt_row", "_mt_raw", "_mt_error"
 ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, decoded with errors="surrogateescape"
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of half a UTF-16 surrogate pair
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what json.loads leaves of such an escape without its other half
+
+
+def invalid_text(text: str) -> str | None:
+    """Why a string parsed from JSON is no text a tokenizer takes (an escaped half of a UTF-16 surrogate pair without
+    its other half: not a character), or None."""
+    lone = LONE_SURROGATE.search(text)
+    return lone and (f"invalid text: the escape \\u{ord(lone.group()):04x} is half of a UTF-16 surrogate pair, "
+                     f"without its other half: not a character")
 
 
 @dataclass
@@ -59,94 +71,6 @@ class RawPart:
 
 
 # ---- config -> sources -------------------------------------------------------------------------------------------
-def _registry(cfg: DataConfig) -> tuple[Path, dict]:
-    p = Path(cfg.dataset_info).expanduser()
-    f = p / "dataset_info.json" if p.is_dir() else p
-    if not f.is_file():
-        raise MegatrainError(f"data.dataset_info: {f} does not exist")
-    reg = load_json(f)
-    if not isinstance(reg, dict):
-        raise MegatrainError(f"{f}: expected a JSON object of dataset entries")
-    return f, reg
-
-
-def _from_registry(reg_file: Path, entry: dict, name: str) -> dict:
-    """A LLaMA-Factory dataset_info.json entry -> our source fields (format, path, columns, roles, ...)."""
-    where = f"{reg_file}: dataset '{name}'"
-    if not isinstance(entry, dict):
-        raise MegatrainError(f"{where}: expected an object")
-    remote = [k for k in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name") if k in entry]
-    if "file_name" not in entry:
-        what = f" ({remote[0]})" if remote else ""
-        raise MegatrainError(f"{where}: has no local file_name{what}; megatrain reads local data only")
-    if entry.get("load_from", "file") != "file":
-        raise MegatrainError(f"{where}: load_from '{entry['load_from']}' is not supported (local files only)")
-    cols = entry.get("columns") or {}
-    tags = entry.get("tags") or {}
-    # a registry names files in its own folder, as LLaMA-Factory's data/ does: never one outside it
-    out: dict = {"path": str(inside(reg_file.parent, entry["file_name"], f"{where}: file_name"))}
-    if entry.get("ranking"):  # preference pairs (preference.py): chosen and rejected beside the prompt
-        out.update(_ranking(cols, tags, entry.get("formatting", "alpaca") == "sharegpt"))
-    elif entry.get("formatting", "alpaca") == "sharegpt":
-        out["format"] = "sharegpt"
-        out["columns"] = {k: cols[k] for k in ("messages", "system", "tools") if k in cols}
-        for lf, ours in (("role_tag", "role"), ("content_tag", "content")):
-            if lf in tags:
-                out["columns"][ours] = tags[lf]
-        out["roles"] = _tag_roles(tags)
-    elif "prompt" in cols and "response" not in cols and "query" not in cols:
-        out["format"], out["columns"] = "text", {"text": cols["prompt"]}  # LLaMA-Factory's pretraining entries
-    else:
-        out["format"] = "alpaca"
-        names = {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
-                 "history": "history"}
-        out["columns"] = {names[k]: v for k, v in cols.items() if k in names}
-    if "split" in entry:
-        out["split"] = entry["split"]
-    if "num_samples" in entry:
-        out["num_samples"] = int(entry["num_samples"])
-    return out
-
-
-def _ranking(cols: dict, tags: dict, sharegpt: bool) -> dict:
-    """A LLaMA-Factory ranking entry -> format 'preference': the prompt is the conversation (sharegpt layout; chosen
-    and rejected are message objects) or the instruction with its input (alpaca layout; chosen, rejected strings)."""
-    ours = {"chosen": cols.get("chosen", "chosen"), "rejected": cols.get("rejected", "rejected")}
-    ours.update({k: cols[k] for k in ("system", "tools") if k in cols})
-    if not sharegpt:
-        ours.update(prompt=cols.get("prompt", "instruction"), input=cols.get("query", "input"))
-        if "history" in cols:
-            ours["history"] = cols["history"]
-        return {"format": "preference", "columns": ours}
-    ours.update(prompt=cols.get("messages", "conversations"), role=tags.get("role_tag", "from"),
-                content=tags.get("content_tag", "value"))
-    return {"format": "preference", "columns": ours, "roles": _tag_roles(tags)}
-
-
-def _as_prompts(fields: dict) -> dict:
-    """A registry entry read as prompts (data.format prompt, train.objective grpo): its prompt side, the user turn of
-    an alpaca entry (instruction and input, with system and history), the conversation of a sharegpt entry (its last
-    assistant turn dropped), the text of a pretraining entry; the row's other columns stay for the rewards."""
-    cols, fmt = fields.get("columns", {}), fields["format"]
-    if fmt == "alpaca":
-        ours = {"prompt": cols.get("instruction", "instruction"), "input": cols.get("input", "input")}
-        ours.update({k: cols[k] for k in ("system", "history") if k in cols})
-    elif fmt == "sharegpt":
-        ours = {"messages": cols.get("messages", "conversations"), "role": cols.get("role", "from"),
-                "content": cols.get("content", "value"), **{k: cols[k] for k in ("system", "tools") if k in cols}}
-    elif fmt == "text":
-        ours = {"prompt": cols["text"]}
-    else:  # a ranking entry: its prompt columns are the prompt format's own
-        ours = {k: v for k, v in cols.items() if k not in ("chosen", "rejected")}
-    return {**fields, "format": "prompt", "columns": ours}
-
-
-def _tag_roles(tags: dict) -> dict[str, str]:
-    """LLaMA-Factory's role tags (sharegpt layout) -> data role name -> canonical role."""
-    return {tags[lf]: r for lf, r in (("user_tag", "user"), ("assistant_tag", "assistant"), ("observation_tag", "tool"),
-                                      ("function_tag", "assistant"), ("system_tag", "system")) if lf in tags}
-
-
 def _source(cfg: DataConfig, key: str, spec: DatasetSpec | None, path: str | None, registry) -> Source:
     """Merge an entry over the registry over the inline settings; fill every column and role default."""
     fields: dict = {}
@@ -158,10 +82,10 @@ def _source(cfg: DataConfig, key: str, spec: DatasetSpec | None, path: str | Non
             close = difflib.get_close_matches(spec.name, list(reg), n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise MegatrainError(f"{key}: dataset '{spec.name}' is not in {reg_file}{hint}")
-        fields = _from_registry(reg_file, reg[spec.name], spec.name)
+        fields = from_registry(reg_file, reg[spec.name], spec.name)
     explicit = spec.model_dump(exclude_none=True) if spec is not None else {}
     if fields and (explicit.get("format") or cfg.format) == "prompt":
-        fields = _as_prompts(fields)
+        fields = as_prompts(fields)
     fmt = explicit.get("format") or fields.get("format") or cfg.format
     inherits = "format" not in explicit and "format" not in fields
     columns = dict(DEFAULT_COLUMNS[fmt])
@@ -186,7 +110,7 @@ def resolve_sources(cfg: DataConfig, eval: bool = False) -> list[Source]:
         (cfg.path, cfg.datasets, "data.datasets")
     if inline:
         return [_source(cfg, "data.eval_path" if eval else "data.path", None, inline, None)]
-    registry = _registry(cfg) if cfg.dataset_info and any(s.name for s in specs or []) else None
+    registry = load_registry(cfg.dataset_info) if cfg.dataset_info and any(s.name for s in specs or []) else None
     return [_source(cfg, f"{key}[{i}]", s, None, registry) for i, s in enumerate(specs or [])]
 
 
@@ -236,7 +160,19 @@ def source_files(src: Source) -> list[Path]:
     for f in files:
         if f.stat().st_size == 0:
             raise MegatrainError(f"{src.key}: file {f} is empty")
+        if not has_ink(f):
+            raise MegatrainError(f"{src.key}: file {f} holds no rows (only blank lines)")
     return files
+
+
+def has_ink(f: Path, chunk: int = 1 << 20) -> bool:
+    """Whether a file holds a byte that is not white space (bytes.strip's): read until the first one, mostly the
+    first chunk."""
+    with open(f, "rb") as fh:
+        while block := fh.read(chunk):
+            if block.strip():
+                return True
+    return False
 
 
 def _more(files: list) -> str:
@@ -272,9 +208,17 @@ def _json_array_rows(path: str):
     except json.JSONDecodeError as e:
         _raise_first_bad_byte(path, data, before_line=e.lineno)
         raise MegatrainError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+    except RecursionError:
+        raise MegatrainError(f"{path}: malformed JSON: {TOO_DEEP}") from None
+    if not items:
+        raise MegatrainError(f"{path}: holds no rows (an empty JSON array)")
     if not ESCAPED_BYTE.search(text):
+        halves = SURROGATE_ESCAPE.search(text)  # an escaped half of a surrogate pair, which Arrow cannot store alone
         for n, item in enumerate(items, 1):
-            yield {ROW_COL: n, RAW_COL: json.dumps(item, ensure_ascii=False), ERR_COL: ""}
+            raw = json.dumps(item, ensure_ascii=False)
+            if halves and LONE_SURROGATE.search(raw):
+                raw = json.dumps(item)  # kept escaped: read_row names its row
+            yield {ROW_COL: n, RAW_COL: raw, ERR_COL: ""}
         return
     # some item holds bytes that are not UTF-8: walk the array item by item to know where each one is
     dec, pos = json.JSONDecoder(), text.index("[") + 1
@@ -368,6 +312,7 @@ def _cause(e: BaseException, kind: type = MegatrainError) -> BaseException | Non
 
 def load_raw(src: Source, file: Path, cache_dir: str) -> RawPart:
     import datasets
+    from datasets.exceptions import DatasetGenerationError
 
     kind = "saved" if is_saved_dataset(file) else EXTENSIONS[file.suffix.lower()]
     try:
@@ -385,10 +330,11 @@ def load_raw(src: Source, file: Path, cache_dir: str) -> RawPart:
             ds = datasets.Dataset.from_generator(_json_rows, features=raw_features(), gen_kwargs={"path": str(file)},
                                                  cache_dir=cache_dir, fingerprint=f"megatrain-json-{ident}")
             return RawPart(src, file, ds, ident, file.suffix.lower() == ".jsonl" or not is_json_array(file))
-        kw = {"sample_by": src.sample_by} if kind == "text" else {}
-        ds = datasets.load_dataset(kind, data_files=str(file), split="train", cache_dir=cache_dir, **kw)
+        with quiet_datasets():
+            ds = datasets.load_dataset(kind, data_files=str(file), split="train", cache_dir=cache_dir,
+                                       **_builder_options(src, file, kind))
         line_based = kind == "text" and src.sample_by == "line"
-        return RawPart(src, file, ds, f"{kind}|{src.sample_by}|{_stamp(file)}", line_based)
+        return RawPart(src, file, ds, f"{kind}|{READER_VERSION}|{src.sample_by}|{_stamp(file)}", line_based)
     except MegatrainError:
         raise
     except Exception as e:  # datasets wraps reader errors; ours (a malformed JSON array) is inside
@@ -397,8 +343,47 @@ def load_raw(src: Source, file: Path, cache_dir: str) -> RawPart:
             raise MegatrainError(str(inner)) from None
         if _cause(e, UnicodeDecodeError) is not None and file.is_file():  # csv, txt: datasets decodes them
             _scan_utf8(file)
+        if isinstance(e, DatasetGenerationError) and e.__cause__ is not None:  # the reader's own words (pandas:
+            e = e.__cause__                                                    # "Expected 3 fields in line 3, saw 5")
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise MegatrainError(f"{src.key}: cannot read {file}: {msg}") from None
+
+
+def _builder_options(src: Source, file: Path, kind: str) -> dict:
+    """The options of datasets' builder for a csv, parquet or text file; a file without rows is refused first.
+    csv: every column read as text, as written: pandas would guess types per column (an answer "123" an int, a
+    cell "NA", "None" or "null" missing), so an empty cell is an empty string. text: a leading byte order mark
+    is not text (utf-8-sig drops it, as pandas does for csv)."""
+    import datasets
+
+    if kind == "text":
+        return {"sample_by": src.sample_by, "encoding": "utf-8-sig"}
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        if pq.ParquetFile(file).metadata.num_rows == 0:
+            raise MegatrainError(f"{src.key}: file {file} holds no rows")
+        return {}
+    import pandas as pd
+
+    head = pd.read_csv(file, nrows=1, dtype=str, na_filter=False)  # the header, and whether a row follows it
+    if head.empty:
+        raise MegatrainError(f"{src.key}: file {file} holds no rows (only its header)")
+    return {"features": datasets.Features({c: datasets.Value("string") for c in head.columns}), "na_filter": False}
+
+
+@contextmanager
+def quiet_datasets():
+    """datasets' logger silenced while a file is read: its readers log a failure ("Failed to read schema from ...")
+    before raising it, and the raise is reported as the one error line. Progress bars are not logging: they stay."""
+    from datasets.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
 
 
 def json_identity(file: Path) -> str:

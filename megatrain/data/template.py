@@ -18,6 +18,7 @@ from itertools import chain
 
 import numpy as np
 
+from ..errors import MegatrainError
 from .formats import RowError
 
 IGNORE = -100
@@ -39,6 +40,36 @@ def _render(tok, messages: list[dict], tools, generation_prompt: bool) -> str:
     except Exception as e:  # jinja2 TemplateError (raise_exception in the template), TypeError, ...
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RowError(f"the chat template rejected this conversation: {msg}") from None
+
+
+PROBE = [{"role": "user", "content": "Hi"}]
+
+
+def check_chat_template(tok, origin: str) -> str | None:
+    """The tokenizer's chat template, rendered on one user turn with and without the generation prompt before any
+    row is: a Jinja syntax error is a MegatrainError naming `origin` (where the template came from) and its line,
+    not every row's error. Returns a warning when both renderings are equal (add_generation_prompt ignored): the
+    role header the template writes before a reply (`assistant: `) is then part of the reply, so its loss trains
+    it. A warning, not a refusal: with such a template, inference too gets no header, and the model must write it
+    itself, which is what this loss teaches; a user who wants it masked gives a template that writes a generation
+    prompt. A template that refuses this turn is judged on the rows themselves."""
+    import jinja2
+
+    t = tok.chat_template
+    if not (isinstance(t, str) or isinstance(t, dict) and all(isinstance(v, str) for v in t.values())):
+        raise MegatrainError(f"{origin}: expected a Jinja template (a string), got {type(t).__name__}")
+    try:
+        with_prompt, without = (tok.apply_chat_template(PROBE, tokenize=False, add_generation_prompt=gp)
+                                for gp in (True, False))
+    except jinja2.TemplateSyntaxError as e:
+        raise MegatrainError(f"{origin}: line {e.lineno}: not a valid Jinja template: {e.message}") from None
+    except Exception:
+        return None
+    if with_prompt != without:
+        return None
+    return ("warning: the chat template ignores add_generation_prompt (a user turn renders the same with and "
+            "without it), so the role header it writes before each assistant reply is trained with the reply; "
+            "set data.chat_template to a template that writes a generation prompt to leave the header out of the loss")
 
 
 def check_tools_rendered(tok, messages: list[dict], tools=None, prefix=None) -> None:

@@ -81,9 +81,12 @@ def read_chat_template(template: str) -> str:
     if not f.is_file():
         raise MegatrainError(f"data.chat_template: file {f} does not exist (or give the template itself)")
     try:
-        return read_text(f)
+        text = read_text(f)
     except MegatrainError as e:
         raise MegatrainError(f"data.chat_template: {e}") from None
+    if not text.strip():  # set on the tokenizer, it would read as no template at all
+        raise MegatrainError(f"data.chat_template: file {f} is empty")
+    return text
 
 
 def apply_chat_template_override(tokenizer, template: str | None) -> None:
