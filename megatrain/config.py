@@ -1,8 +1,9 @@
 """YAML + `key.sub=value` overrides -> one validated `Config`.
 
 Every problem is reported at once, each naming the key, the bad value, what is allowed, and where the key was
-written (file and line, or the command line). Unknown keys are rejected with the nearest valid name; so are a key
-given twice in one mapping, numbers that are not finite (nan, inf) and a file that is not UTF-8.
+written (file and line, or the command line). Unknown keys are rejected with the nearest valid name (in a list
+entry too: grpo.rewards[i], data.datasets[i]); so are a key given twice in one mapping, numbers that are not finite
+(nan, inf), a boolean where a number goes (YAML's true, yes, on: rl/config.py's Section) and a file that is not UTF-8.
 Relative input paths (model.path, model.tokenizer, data.*path) in a config file are resolved against the file's
 folder, those given on the command line against the working directory; output.dir, resume and export.dir are
 relative to the working directory.
@@ -19,23 +20,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
 from .data.config import DataConfig
 from .config_checks import TooLarge, check_overlaps, check_yaml_size, expand_home, objective_problems
 from .errors import TOO_DEEP, ConfigError, MegatrainError, check_dir_target, decode_utf8, load_json
-from .rl.config import GRPOConfig, RewardSpec, resolve_reward_paths  # noqa: F401 (RewardSpec: grpo.rewards[i])
+from .rl.config import GRPOConfig, RewardSpec, Section, resolve_reward_paths  # noqa: F401 (RewardSpec: grpo.rewards[i])
 from .runtime.knobs import Knob, knobs
 from .runtime.schedule import Placement
 
 DEFAULT_CONFIG = Path(__file__).parent / "defaults" / "default.yaml"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class ModelConfig(_Strict):
+class ModelConfig(Section):
     """The model to train."""
 
     path: str = Field(description="Hugging Face model directory (config.json, *.safetensors, tokenizer files)")
@@ -45,7 +42,7 @@ class ModelConfig(_Strict):
     tokenizer: str | None = Field(None, description="tokenizer directory, if not model.path")
 
 
-class TrainConfig(_Strict):
+class TrainConfig(Section):
     """The optimization: steps, batch, AdamW and its learning rate, precision, device, evaluation."""
 
     steps: int = Field(100, gt=0, description="optimizer steps to run")
@@ -93,7 +90,7 @@ class TrainConfig(_Strict):
         return bool(self.max_grad_norm)
 
 
-class EngineConfig(_Strict):
+class EngineConfig(Section):
     """How the GPU runs the step: the LM head's chunks, weight slots, compiling."""
 
     loss_chunk_tokens: int = Field(0, ge=0, description="target tokens per LM-head chunk (0: from vocabulary size)")
@@ -114,7 +111,7 @@ class EngineConfig(_Strict):
         return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
-class PreferenceConfig(_Strict):
+class PreferenceConfig(Section):
     """Preference optimization (train.objective dpo, ipo, simpo, orpo; docs/preference.md). train.micro_batch_size
     counts pairs; data.max_seq_len bounds each side."""
 
@@ -131,7 +128,7 @@ class PreferenceConfig(_Strict):
                                                          "reference (default: the policy at step 0)")
 
 
-class _Budgets(_Strict):
+class _Budgets(Section):
     gpu_budget_gb: float | None = Field(None, gt=0, description="GPU memory the run may use, in GiB (default: "
                                                                "what the device has free)")
     host_budget_gb: float | None = Field(None, gt=0, description="host RAM the run may use, in GiB (default: "
@@ -162,7 +159,7 @@ class MemoryConfig(_PlacementKeys):
                           "none when host RAM holds everything); the master needs the bf16 streaming copy")
 
 
-class OutputConfig(_Strict):
+class OutputConfig(Section):
     """Where the run writes."""
 
     dir: str = Field("runs/megatrain", description="the run's folder: metrics, logs, checkpoints, the export")
@@ -171,7 +168,7 @@ class OutputConfig(_Strict):
     wandb: bool = Field(False, description="also log metrics to Weights & Biases (needs the wandb package)")
 
 
-class PlanConfig(_Strict):
+class PlanConfig(Section):
     """The plan made before the run (`megatrain plan` prints it)."""
 
     profile: str | None = Field(None, description="machine profile written by `megatrain probe` (default: "
@@ -180,7 +177,7 @@ class PlanConfig(_Strict):
                                           "will not fit")
 
 
-class CheckpointConfig(_Strict):
+class CheckpointConfig(Section):
     """Checkpoints for exact resume."""
 
     every: int = Field(0, ge=0, description="steps between checkpoints in output.dir/checkpoints (0: only at the end)")
@@ -188,7 +185,7 @@ class CheckpointConfig(_Strict):
     at_end: bool = Field(True, description="save a checkpoint when training finishes")
 
 
-class ExportConfig(_Strict):
+class ExportConfig(Section):
     """A Hugging Face model directory of the trained weights."""
 
     at_end: bool = Field(False, description="export a Hugging Face model directory when training finishes")
@@ -197,7 +194,7 @@ class ExportConfig(_Strict):
     max_shard_mb: float = Field(5000.0, gt=0, description="largest safetensors shard, in MB")
 
 
-class Config(_Strict):
+class Config(Section):
     model: ModelConfig
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
@@ -363,24 +360,16 @@ def _apply_overrides(raw: dict, overrides) -> set[tuple]:
     return {tuple(p) for p, _ in parsed}
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    model: Any = Config
-    for k in loc:
-        field = getattr(model, "model_fields", {}).get(k)
-        if field is None:
-            return None
-        model = field.annotation
-    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
-
-
 def _describe(err: dict, where: str) -> str:
     loc = tuple(err["loc"])
     key = _key_name(loc)
     if err["type"] == "extra_forbidden" and loc in MOVED_KEYS:
         return f"{where}{key}: moved: it is now {MOVED_KEYS[loc]}"
     if err["type"] == "extra_forbidden":
-        parent = _model_at(loc[:-1])
-        names = list(parent.model_fields) if parent else []
+        names = Config.keys_at(loc[:-1])
+        head, colon, rest = str(loc[-1]).partition(":")
+        if colon and head in names:  # flow YAML reads {name:regex} as one key, name:regex, without a value
+            return f"{where}{key}: unknown key; did you mean '{head}: {rest}'? (YAML needs a space after the colon)"
         close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.5)
         hint = f"; did you mean '{_key_name(loc[:-1] + (close[0],))}'?" if close else \
             f"; valid keys here: {', '.join(names)}"

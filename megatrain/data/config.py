@@ -10,7 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from ..rl.config import Section
 
 Format = Literal["text", "alpaca", "sharegpt", "messages", "prompt_completion", "preference", "prompt"]
 SampleBy = Literal["line", "paragraph", "document"]
@@ -56,10 +58,8 @@ def _check_roles(roles: dict[str, str] | None) -> None:
             raise ValueError(f"role '{k}' maps to '{v}'; a role must map to one of {', '.join(CANONICAL_ROLES)}")
 
 
-class DatasetSpec(BaseModel):
+class DatasetSpec(Section):
     """One entry of `data.datasets` / `data.eval_datasets`: a path or a registry name, and how to read it."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str | None = Field(None, description="dataset name in data.dataset_info (instead of path)")
     path: str | None = Field(None, description="file or directory: .json/.jsonl/.parquet/.csv/.txt, or a "
@@ -84,10 +84,8 @@ class DatasetSpec(BaseModel):
         return self
 
 
-class DataConfig(BaseModel):
+class DataConfig(Section):
     """The training and evaluation data, and how rows become tokens and batches."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # --- where the data is ----------------------------------------------------------------------------------
     path: str | None = Field(None, description="training data: .json/.jsonl/.parquet/.csv/.txt file, a "

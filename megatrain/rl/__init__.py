@@ -1,6 +1,8 @@
 """Online RL (train.objective grpo): the grpo config section and the rewards.
 
-    config.py    GRPOConfig, RewardSpec: the `grpo:` section (megatrain.config.Config.grpo)
+    config.py    GRPOConfig, RewardSpec: the `grpo:` section (megatrain.config.Config.grpo); Section, the base of every
+                 config section (unknown keys, nan and booleans refused), here because rl is the leaf every
+                 module that defines a section may import (docs/design.md's layout)
     rewards.py   load_rewards(specs, base_dir) -> [Reward]; score(rewards, prompts, completions, rows) ->
                  (total [N], {name: [N]}); the built-ins exact_match, regex, numeric; numeric_answer(text)
 The prompts are data (megatrain/data/prompts.py); the sampler is megatrain/rollout; the loss runtime/objective.py.

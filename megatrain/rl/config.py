@@ -1,15 +1,18 @@
 """The `grpo:` config section (train.objective grpo; docs/grpo.md): rollouts, the loss and the rewards.
 
 Kept apart from megatrain/config.py (which holds it as Config.grpo) so that the reward code and the section's
-checks read one definition; nothing here imports the rest of megatrain.
+checks read one definition; nothing here imports the rest of megatrain. Section, the base of every config
+section, lives here too: rl is the leaf that both megatrain/config.py and megatrain/data/config.py may import.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 BUILTIN_REWARDS = ("exact_match", "regex", "numeric")
 FIELD_REWARDS = ("exact_match", "numeric")  # the built-ins that read row[field]
@@ -21,10 +24,64 @@ def is_user_reward(name: str) -> bool:
     return name not in BUILTIN_REWARDS
 
 
-class RewardSpec(BaseModel):
-    """One reward: a built-in or a user function, and its weight in the sum."""
+def _number_kind(annotation) -> str | None:
+    """'an integer' or 'a number' where a field of this type takes one (int, float, or one of them or null)."""
+    if annotation in (int, float):
+        return "an integer" if annotation is int else "a number"
+    if get_origin(annotation) in (Union, UnionType) and bool not in get_args(annotation):
+        return next(filter(None, map(_number_kind, get_args(annotation))), None)
+    return None
+
+
+def _bool_as_number(annotation, value) -> str | None:
+    """What a field of type `annotation` wanted ('an integer', 'a number') where `value` puts a boolean in place of
+    a number, there or inside a list or tuple of numbers (train.betas); else None."""
+    if isinstance(value, bool):
+        return _number_kind(annotation)
+    if isinstance(value, (list, tuple)) and get_origin(annotation) in (list, tuple):
+        args = [a for a in get_args(annotation) if a is not Ellipsis]
+        return next((k for i, v in enumerate(value) if args and
+                     (k := _bool_as_number(args[min(i, len(args) - 1)], v))), None)
+    return None
+
+
+def _held_model(annotation) -> type[BaseModel] | None:
+    """The model a field of this type holds: itself, or its entries' (list[RewardSpec], list[DatasetSpec] | None)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next(filter(None, map(_held_model, get_args(annotation))), None)
+
+
+class Section(BaseModel):
+    """The base of every config section: unknown keys, non-finite numbers and a boolean where a number goes are
+    refused. Pydantic's lax mode reads true as 1 (`grpo.top_k: true` sampled greedily; YAML's unquoted yes, no, on,
+    off are booleans too); its strict mode would also refuse `1e-5`, a string to YAML 1.1, so booleans are singled
+    out here, once for every field of every section."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        if kind := _bool_as_number(cls.model_fields[info.field_name].annotation, v):
+            raise PydanticCustomError("bool_not_number", "Input should be {kind}, not a boolean (which YAML makes "
+                                      "of an unquoted true, false, yes, no, on or off)", {"kind": kind})
+        return v
+
+    @classmethod
+    def keys_at(cls, loc: tuple) -> list[str]:
+        """The keys valid at `loc` below this section: a subsection's, or an entry's of a list of them (('grpo',
+        'rewards', 0) -> name, weight, field, pattern); [] where no section is known."""
+        model: Any = cls
+        for k in loc:
+            if not isinstance(k, int):  # a list entry's model comes with its list's field
+                field = getattr(model, "model_fields", {}).get(k)
+                model = _held_model(field.annotation) if field else None
+        return list(getattr(model, "model_fields", {}))
+
+
+class RewardSpec(Section):
+    """One reward: a built-in or a user function, and its weight in the sum."""
 
     name: str = Field(description="exact_match (completion.strip() == row[field].strip()), regex (1.0 where "
                                   "re.search(pattern, completion) finds a match; (?s) lets . match line breaks), "
@@ -68,12 +125,10 @@ class RewardSpec(BaseModel):
         return self
 
 
-class GRPOConfig(BaseModel):
+class GRPOConfig(Section):
     """Online RL with group-relative advantages (train.objective grpo; docs/grpo.md), as TRL's GRPOConfig names its
     keys. train.micro_batch_size counts completions; data.format is prompt; data.max_seq_len bounds prompt +
     completion."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     prompts_per_rollout: int = Field(64, gt=0, description="prompts sampled per rollout batch; the batch's "
                                                            "prompts_per_rollout x num_generations completions are "
