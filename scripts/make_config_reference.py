@@ -34,8 +34,9 @@ HEADER = """# Configuration reference
 
 A run is configured by a YAML file of the sections below (`megatrain train run.yaml`); any key can also be given on
 the command line as `section.key=value` (`megatrain train run.yaml train.lr=2e-5 memory.seq_tile=8192`), and
-`megatrain plan` takes the same arguments. Unknown keys are rejected with the nearest valid name; every problem is
-reported at once, with the file and line of the key. `null` is YAML's "none": for most keys it means "chosen" (by the
+`megatrain plan` takes the same arguments. Unknown keys are rejected with the nearest valid name; a number key
+refuses true and false (YAML also reads an unquoted yes, no, on or off so); every problem is reported at once, with
+the file and line of the key. `null` is YAML's "none": for most keys it means "chosen" (by the
 planner or from the model), as the description says. Relative input paths in a file are resolved against the file's
 folder, those on the command line against the working directory.
 """
