@@ -118,10 +118,13 @@ def load_units(store, model_dir: Path, weight_map: dict, packed: dict, open_shar
                 buf = local.buf = torch.empty(PIECE, dtype=torch.uint8)
             dest = buf[: (b - a) * es]
         _read(fds[f], memoryview(dest.numpy()), start + a * es, model_dir / f)
+        # checked in the file's dtype (a bf16 piece: half the bytes of its fp32 cast, which is exact: the same
+        # elements are not finite)
+        if (i := nonfinite_at(dest.view(src))) is not None:
+            raise MegatrainError(f"{model_dir / f}: tensor '{name}' holds "
+                                 f"{nonfinite(dest.view(src)[i].float(), a + i, shape)}")
         if src != part.dtype:
             part[a:b].copy_(dest.view(src))
-        if (i := nonfinite_at(part[a:b])) is not None:
-            raise MegatrainError(f"{model_dir / f}: tensor '{name}' holds {nonfinite(part[a + i], a + i, shape)}")
         if spart is not None and src == spart.dtype != part.dtype:  # the file's bytes: what the cast back would give
             spart[a:b].view(torch.uint8).copy_(dest)
         elif spart is not None:
