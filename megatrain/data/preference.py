@@ -9,6 +9,9 @@ The layouts of a row (data.format: preference; every column remappable with data
     LLaMA-Factory `"ranking": true` entries (sources.py): alpaca layout (instruction and input [+ history] -> the user
                turn, chosen and rejected strings), sharegpt layout (conversations -> the prompt, chosen and rejected
                message objects)
+The two sides share one prompt: after it (and the messages they share at their start) each side starts with its
+assistant reply. Sides whose messages before their first reply differ were written for different prompts: a row
+error, since a pair conditioned on two prompts teaches no preference between the replies.
 A system column adds a system message. Without a chat template (a base model's tokenizer) string pairs are
 prompt + completion + EOS, as SFT's prompt_completion.
 
@@ -25,7 +28,7 @@ from .formats import Columns, RowError, alpaca_turns, parse_messages, parse_tool
 from .template import IGNORE, EncodeOptions, chat_pieces, cut_pieces, tokenize_pieces
 from .tokenizer import CHARS_PER_TOKEN_FIRST
 
-PAIR_ENCODER_VERSION = "pair-1"  # bump when the encoding of a pair changes
+PAIR_ENCODER_VERSION = "pair-2"  # bump when the encoding of a pair changes
 SIDES = ("chosen", "rejected")
 _ANY_ROLE = {r: r for r in CANONICAL_ROLES}
 
@@ -76,6 +79,10 @@ def _shared_start(a: list[dict], b: list[dict]) -> int:
     return n
 
 
+def _first_reply(msgs: list[dict]) -> int:
+    return next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
+
+
 def to_pair(row, columns: dict[str, str], roles: dict[str, str]) -> dict:
     """One row -> {"prompt": [messages], "chosen": [messages], "rejected": [messages], "tools": list | None,
     "plain": (prompt, chosen, rejected) strings for a tokenizer without a chat template, or None}. RowError names
@@ -90,6 +97,14 @@ def to_pair(row, columns: dict[str, str], roles: dict[str, str]) -> dict:
         n = _shared_start(chosen, rejected)  # the implicit prompt: the messages both sides start with
         if n:
             prompt, chosen, rejected, parsed = chosen[:n], chosen[n:], rejected[n:], True
+    ch, rj = _as_messages(chosen), _as_messages(rejected)
+    _check_completion(c, "chosen", ch)
+    _check_completion(c, "rejected", rj)
+    lead = _first_reply(ch)  # the turns before each side's first reply belong to the prompt: the same on both sides
+    if ch[:lead] != rj[:_first_reply(rj)]:
+        raise RowError(f"chosen and rejected have different prompts (columns {c.name('chosen')} and "
+                       f"{c.name('rejected')}: the messages before their first assistant reply differ)")
+    shared, ch, rj = ch[:lead], ch[lead:], rj[lead:]
     if prompt is None:
         c.get("prompt")  # raises: missing column
     if isinstance(prompt, str):
@@ -109,10 +124,7 @@ def to_pair(row, columns: dict[str, str], roles: dict[str, str]) -> dict:
     system = c.text("system", False)
     if system and system.strip():
         plain = None  # a system prompt needs the chat template
-    msgs = with_system(msgs, system)
-    ch, rj = _as_messages(chosen), _as_messages(rejected)
-    _check_completion(c, "chosen", ch)
-    _check_completion(c, "rejected", rj)
+    msgs = with_system(msgs + shared, system)
     return {"prompt": msgs, "chosen": ch, "rejected": rj, "tools": parse_tools(c.get("tools", False)),
             "plain": plain}
 
@@ -167,6 +179,9 @@ def encode_pair(tok, pair: dict, opts: EncodeOptions) -> dict:
         out.update({f"{side}_ids": ids, f"{side}_labels": labels, f"{side}_length": len(ids), f"{side}_prompt": p})
         out["cut_chars"] += cut
         out["num_targets"] += sum(1 for x in labels if x != IGNORE)
+    if not out["cut_chars"] and all(out[f"chosen_{k}"] == out[f"rejected_{k}"] for k in ("ids", "labels")):
+        raise RowError("chosen and rejected give the same tokens (the chat template renders them alike): the pair "
+                       "holds no preference")
     out["length"] = max(out["chosen_length"], out["rejected_length"])
     return out
 

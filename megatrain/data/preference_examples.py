@@ -3,7 +3,9 @@ batches (rows interleaved chosen, rejected); the summary lines and the preview.
 
 A side longer than data.max_seq_len is cut from the prompt's left first, by the same number of prompt tokens on both
 sides of the pair (both keep the same end of the prompt), down to one prompt token; then a completion still too long
-is cut at its end. data.overlong: drop leaves such pairs out instead. Every cut is counted and shown in the summary.
+is cut at its end. data.overlong: drop leaves such pairs out instead. A pair the cut leaves with identical sides
+(they differed only past max_seq_len) holds no preference: it is left out. Every cut and drop is counted and shown
+in the summary.
 Pair k of a run (its pair id) is its index here: rows in file order, bad, held-out and dropped rows left out, so the
 same data and settings give the same ids.
 """
@@ -49,6 +51,7 @@ def check_preference(cfg: DataConfig) -> None:
 class PairCounts(Counts):
     prompt_cut: int = 0  # pairs whose prompt was cut from its left
     completion_cut: int = 0  # pairs with a completion cut at its end
+    identical_cut: int = 0  # pairs dropped: chosen and rejected identical after the cut
 
 
 class Pairs:
@@ -120,17 +123,23 @@ def build_pairs(cfg: DataConfig, tok, side: str = "train") -> Pairs:
             counts.dropped += int(over.sum())
             good, Lc, Lr, Pc, Pr, T = (a[~over] for a in (good, Lc, Lr, Pc, Pr, T))
             over = over[~over]
-        # prompt tokens kept by an over-long pair: as many as the longer completion leaves, at least one
+        # prompt tokens kept by an over-long pair: as many as the longer completion leaves, at least one; both
+        # sides keep the same end of their (shared) prompt, and each completion is cut at its end only as far as
+        # its own side needs
         k = np.minimum(np.minimum(Pc, Pr), np.maximum(S - np.maximum(Lc - Pc, Lr - Pr), 1))
         cs, rs = np.where(over, Pc - k, 0), np.where(over, Pr - k, 0)
         ce, re = np.minimum(Lc, cs + S), np.minimum(Lr, rs + S)
+        same = np.zeros(len(good), dtype=bool)
+        for j in np.flatnonzero(over).tolist():  # only over-long pairs need their tokens read
+            sides = _cut_sides(part.tokens[int(good[j])], cs[j], ce[j], rs[j], re[j])
+            T[j] = sum(int((lab != IGNORE).sum()) for _, lab in sides)
+            same[j] = all(np.array_equal(a, b) for a, b in zip(*sides))
+        # a pair whose sides the cut left identical holds no preference (its loss is constant): dropped, counted
+        counts.identical_cut += int(same.sum())
+        good, Lc, Lr, T, over, cs, ce, rs, re = (a[~same] for a in (good, Lc, Lr, T, over, cs, ce, rs, re))
         counts.truncated += int(over.sum())
         counts.prompt_cut += int(((cs > 0) | (rs > 0)).sum())
         counts.completion_cut += int(((ce < Lc) | (re < Lr)).sum())
-        for j in np.flatnonzero(over).tolist():  # only over-long pairs need their labels read
-            r = part.tokens[int(good[j])]
-            T[j] = sum(int((np.asarray(r[f"{sd}_labels"][s + 1: e]) != IGNORE).sum())
-                       for sd, s, e in (("chosen", cs[j], ce[j]), ("rejected", rs[j], re[j])))
         counts.tokens += int((ce - cs + re - rs).sum())
         counts.targets += int(T.sum())
         for key, v in (("part", np.full(len(good), pi)), ("row", good), ("cs", cs), ("ce", ce), ("rs", rs),
@@ -140,8 +149,22 @@ def build_pairs(cfg: DataConfig, tok, side: str = "train") -> Pairs:
     pairs = Pairs(sources, [p for _, p, _ in loaded], *arrays, counts)
     counts.examples = len(pairs)
     if not len(pairs):
-        raise no_examples(counts, side, S)
+        err = no_examples(counts, side, S)
+        if counts.identical_cut:
+            err = MegatrainError(f"{err}, {counts.identical_cut:,} pairs identical after truncation to max_seq_len={S}")
+        raise err
     return pairs
+
+
+def _cut_sides(r: dict, cs: int, ce: int, rs: int, re: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(ids, labels) of a row's chosen side [cs, ce) and rejected side [rs, re), as a batch holds them (nothing
+    predicts a side's first token)."""
+    out = []
+    for side, s, e in (("chosen", cs, ce), ("rejected", rs, re)):
+        labels = np.asarray(r[f"{side}_labels"][s:e], dtype=np.int64)
+        labels[:1] = IGNORE
+        out.append((np.asarray(r[f"{side}_ids"][s:e], dtype=np.int64), labels))
+    return out
 
 
 def pair_batch(pairs: Pairs, ks: list[int], pad: int) -> dict:
@@ -170,6 +193,9 @@ def pair_count_lines(pairs: Pairs, max_seq_len: int) -> list[str]:
                                         f"of a side" if c.cut else ""))
     lines = count_lines(pairs, max_seq_len, overlong=over)
     lines[0] = lines[0].replace("examples:", "pairs:", 1)
+    if c.identical_cut:
+        lines.insert(lines.index(over) + 1, f"pairs identical after truncation to max_seq_len={max_seq_len}: "
+                     f"{c.identical_cut:,} dropped (chosen and rejected keep the same tokens: no preference to learn)")
     return [ln.replace("; length min", "; longer side min", 1) for ln in lines]
 
 
