@@ -289,3 +289,25 @@ def test_a_checkpoint_resumes_only_under_the_objective_that_wrote_it(trained, tm
         f"train.objective: sft, but the checkpoint {ckpt} was written by a dpo run; resume it with train.objective: " \
         f"dpo, or start the sft run from its weights in another output.dir (model.path: an export of it)"
     assert snapshot(tmp_path / "run") == before
+
+
+def test_a_resume_whose_checkpoint_a_running_run_removes_says_so(trained, tmp_path):
+    import torch
+
+    from megatrain.checkpoint.folder_lock import FolderLock
+    from megatrain.checkpoint.resume import load_store, open_checkpoint
+    from megatrain.models import get_adapter, load_hf_config
+    from megatrain.runtime.store import HostStore
+
+    tmp, _ = trained
+    run_dir = tmp_path / "run"
+    shutil.copytree(tmp / "run", run_dir)
+    ckpt = run_dir / "checkpoints" / "step-2"
+    r = open_checkpoint(ckpt)
+    store = HostStore(get_adapter(load_hf_config(ckpt)), torch.float32)
+    shutil.rmtree(ckpt)  # the other run's save of step 3 removed it after it was opened
+    with FolderLock(run_dir, "train"):
+        with pytest.raises(MegatrainError) as e:
+            load_store(r, store)
+    assert str(e.value).startswith(f"resume: {ckpt} was removed while it was read, by the run that holds {run_dir} "
+                                   f"(pid "), str(e.value)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .folder_lock import LOCK_FILE, FolderLock, holder
+from .folder_lock import LOCK_FILE, FolderLock, holder, removed_while_read
 from .layout import locate, read_manifest, small_files, verify_file
 from .fastio import CHUNK, ChunkReader, ChunkWriter, Pool, byte_view, direct_ok, wait_all
 from .export_stream import write_from_checkpoint
@@ -164,12 +164,8 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, dtype: str = "
     except (MegatrainError, OSError):
         if ckpt.is_dir():
             raise
-        run = ckpt.parent.parent  # the checkpoint went while it was read: a running run's clean-up, most likely
-        who = holder(run) if ckpt.parent.name == "checkpoints" else None
-        raise MegatrainError(f"export: {ckpt} was removed while it was read"
-                             + (f", by the run that holds {run} ({who}): it keeps only its newest checkpoints "
-                                f"(checkpoint.keep); export {run} again, or wait for the run to end" if who else
-                                "; export a checkpoint that is kept")) from None
+        raise removed_while_read(ckpt, "export", f"export {ckpt.parent.parent} again (its newest checkpoint)") \
+            from None
 
 
 def _export_checkpoint(ckpt: Path, out_dir, dtype: str, max_shard_mb, replace_export: bool, threads) -> dict:

@@ -126,6 +126,16 @@ class FolderLock:
         self.release()
 
 
+def removed_while_read(ckpt: Path, what: str, again: str) -> MegatrainError:
+    """The error for a checkpoint that went while `what` (export, resume) read it: most likely the clean-up of the
+    run still saving into its checkpoints folder, named when it holds the folder. again: what to do instead."""
+    run = Path(ckpt).parent.parent
+    who = holder(run) if Path(ckpt).parent.name == "checkpoints" else None
+    return MegatrainError(f"{what}: {ckpt} was removed while it was read"
+                          + (f", by the run that holds {run} ({who}): it keeps only its newest checkpoints "
+                             f"(checkpoint.keep); {again}, or wait for the run to end" if who else f"; {again}"))
+
+
 def _link_message(p: Path, key: str) -> str:
     return f"{key}: {p} is a symbolic link; megatrain writes its own file there: remove the link"
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import MegatrainError
-from .folder_lock import LOCK_FILE
+from .folder_lock import LOCK_FILE, removed_while_read
 from .layout import RUN_STATE, STEP_DIR, complete_checkpoints, locate, newest_checkpoint, read_json, read_manifest, \
     verify_file
 from .saver import KINDS
@@ -173,7 +173,17 @@ def check_no_newer(r: Resumed, out_dir: Path) -> None:
 def load_store(r: Resumed, store, threads: int | None = None) -> dict:
     """Fill every tile from the checkpoint, verifying each chunk's (or, in checkpoints written before chunked
     checksums, each file's) sha256 as it is read. Units are read in parallel (fastio), except those of kinds on
-    the SSD tier, staged one unit at a time. Returns {"bytes", "seconds"}."""
+    the SSD tier, staged one unit at a time. Returns {"bytes", "seconds"}. A checkpoint that goes meanwhile (a
+    running run's clean-up) is said to be so."""
+    try:
+        return _load_store(r, store, threads)
+    except (MegatrainError, OSError):
+        if r.path.is_dir():
+            raise
+        raise removed_while_read(r.path, "resume", "resume from a checkpoint it keeps") from None
+
+
+def _load_store(r: Resumed, store, threads: int | None) -> dict:
     t0 = time.perf_counter()
     units = r.manifest["units"]
     if len(units) != len(store.tiles):
