@@ -27,7 +27,7 @@ from pathlib import Path
 from ..errors import MegatrainError
 
 LOCK_FILE = ".megatrain.lock"
-RUN_FILES = (LOCK_FILE, "config.json", "plan.json", "metrics.jsonl")  # what a run writes in output.dir itself
+OWN_FILES = (LOCK_FILE, "config.json", "plan.json", "metrics.jsonl")  # the files a run writes in output.dir itself
 CHECKPOINTS = "checkpoints"
 
 
@@ -36,7 +36,7 @@ def check_run_files(out_dir: Path, key: str = "output.dir") -> None:
     and an existing checkpoints/ folder (or link to one) can be written, so that a save cannot fail after minutes of
     training. One MegatrainError line naming the path; nothing is left behind."""
     out_dir = Path(out_dir)
-    for name in RUN_FILES:
+    for name in OWN_FILES:
         p = out_dir / name
         if p.is_symlink():
             raise MegatrainError(_link_message(p, key))
