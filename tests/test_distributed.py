@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dist_helpers import finish, kill_all, run_ok, torchrun, wait_for, workers
+from dist_helpers import failure_text, finish, kill_all, run_ok, torchrun, wait_for, workers
 from reference import rel
 from test_checkpoint_helpers import losses, run, setup_run, unit_hashes
 
@@ -237,7 +237,7 @@ def test_a_rank_that_raises_is_named_on_every_rank(tmp_path):
     procs = torchrun(cfg, extra_env={"PYTHONPATH": f"{hook}{os.pathsep}{root}"})
     ((rc, text),) = finish(procs, timeout=120)
     assert rc != 0
-    assert "[rank1]: RuntimeError: injected optimizer failure" in text  # rank 1's own report
+    assert "[rank1]: RuntimeError: injected optimizer failure" in text, failure_text(text)  # rank 1's own report
     assert "megatrain: error: stopping: rank 1 (node 0, local rank 1): OptimizerThreadError: the optimizer thread " \
            "failed: RuntimeError: injected optimizer failure" in text, text[-3000:]  # rank 0's
 
