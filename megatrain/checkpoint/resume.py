@@ -121,14 +121,20 @@ def check_model_config(r: Resumed, hf_config, model_path: str) -> None:
     from ..models import load_hf_config
 
     verify_file(r.path, r.manifest, "config.json")
-    saved = {k: v for k, v in load_hf_config(r.path).to_dict().items() if k not in IGNORED_MODEL_KEYS}
-    now = {k: v for k, v in hf_config.to_dict().items() if k not in IGNORED_MODEL_KEYS}
-    diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+    diff = config_differences(load_hf_config(r.path), hf_config, IGNORED_MODEL_KEYS, ("checkpoint", "now"), 5)
     if diff:
-        shown = ", ".join(f"{k} (checkpoint {saved.get(k)!r}, now {now.get(k)!r})" for k in diff[:5])
-        more = f" and {len(diff) - 5} more" if len(diff) > 5 else ""
         raise MegatrainError(f"resume: {Path(model_path) / 'config.json'} differs from checkpoint {r.path}: "
-                             f"{shown}{more}; resume with the model config it was trained with")
+                             f"{diff}; resume with the model config it was trained with")
+
+
+def config_differences(a, b, ignored, names: tuple[str, str], shown: int, private: bool = True) -> str:
+    """The keys in which Hugging Face configs `a` and `b` differ, beyond `ignored` (and, unless `private`, the keys
+    starting with "_"), as "key (NAME_A a, NAME_B b), ... and N more" with `shown` of them; "" when none."""
+    x = {k: v for k, v in a.to_dict().items() if k not in ignored and (private or not k.startswith("_"))}
+    y = {k: v for k, v in b.to_dict().items() if k not in ignored and (private or not k.startswith("_"))}
+    diff = sorted(k for k in x.keys() | y.keys() if x.get(k) != y.get(k))
+    more = f" and {len(diff) - shown} more" if len(diff) > shown else ""
+    return ", ".join(f"{k} ({names[0]} {x.get(k)!r}, {names[1]} {y.get(k)!r})" for k in diff[:shown]) + more
 
 
 def check_resume_target(out_dir: Path, ckpt: Path, overwrite: bool) -> None:

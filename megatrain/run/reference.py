@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.resume import IGNORED_MODEL_KEYS
+from ..checkpoint.resume import IGNORED_MODEL_KEYS, config_differences
 from ..errors import MegatrainError
 from ..runtime import MicroBatch
 
@@ -88,14 +88,10 @@ def check_reference_path(cfg, adapter=None) -> None:
         raise MegatrainError(f"preference.reference_path: {p} is a {ref.model_type} of another shape than the policy "
                              f"({adapter.model_type}, model.path): {diff} (unit, parameters); the reference must have "
                              f"the policy's architecture")
-    mine = {k: v for k, v in policy.to_dict().items() if k not in REFERENCE_IGNORED_KEYS}
-    theirs = {k: v for k, v in ref_config.to_dict().items() if k not in REFERENCE_IGNORED_KEYS}
-    diff = sorted(k for k in mine.keys() | theirs.keys() if not k.startswith("_") and mine.get(k) != theirs.get(k))
+    diff = config_differences(ref_config, policy, REFERENCE_IGNORED_KEYS, ("reference", "policy"), 4, private=False)
     if diff:
-        shown = ", ".join(f"{k} (reference {theirs.get(k)!r}, policy {mine.get(k)!r})" for k in diff[:4])
-        more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
         raise MegatrainError(f"preference.reference_path: {p / 'config.json'} differs from the policy's "
-                             f"({Path(cfg.model.path) / 'config.json'}) in {shown}{more}; the reference is run with "
+                             f"({Path(cfg.model.path) / 'config.json'}) in {diff}; the reference is run with "
                              f"the policy's config, so these would be ignored: use a reference of the policy's "
                              f"config")
     if not any(p.glob("*.safetensors")):
