@@ -24,7 +24,7 @@ from .sources import ERR_COL, RAW_COL, ROW_COL, SURROGATE_ESCAPE, RawPart, check
 from .template import IGNORE, EncodeOptions, encode_many
 from .tokenizer import tokenizer_fingerprint
 
-ENCODER_VERSION = "2"  # bump when the encoding of a row changes
+ENCODER_VERSION = "3"  # bump when the encoding of a row changes
 
 
 def _features():

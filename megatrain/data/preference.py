@@ -25,10 +25,10 @@ from __future__ import annotations
 from .config import CANONICAL_ROLES
 from .encode import read_row
 from .formats import Columns, RowError, alpaca_turns, parse_messages, parse_tools, with_system
-from .template import IGNORE, EncodeOptions, chat_pieces, cut_pieces, tokenize_pieces
+from .template import IGNORE, EncodeOptions, chat_pieces, cut_pieces, tokenize_pieces, with_trained_eos
 from .tokenizer import CHARS_PER_TOKEN_FIRST
 
-PAIR_ENCODER_VERSION = "pair-2"  # bump when the encoding of a pair changes
+PAIR_ENCODER_VERSION = "pair-3"  # bump when the encoding of a pair changes
 SIDES = ("chosen", "rejected")
 _ANY_ROLE = {r: r for r in CANONICAL_ROLES}
 
@@ -168,9 +168,7 @@ def encode_pair(tok, pair: dict, opts: EncodeOptions) -> dict:
         else:
             prompt, completion = pair["plain"][0], pair["plain"][1 + SIDES.index(side)]
             ids, labels, cut = side_tokens(tok, [(prompt, False), (completion, True)], True, opts.max_tokens)
-            eos = tok.eos_token_id
-            if opts.add_eos and eos is not None and (not ids or ids[-1] != eos):
-                ids, labels = ids + [eos], labels + [eos]
+            ids, labels = with_trained_eos(ids, labels, tok.eos_token_id, opts.add_eos)
         if labels:
             labels[0] = IGNORE  # nothing predicts the first token
         p = first_label(labels)

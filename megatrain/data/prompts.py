@@ -38,7 +38,7 @@ from .sources import ERR_COL, RAW_COL, ROW_COL, resolve_sources
 from .template import EncodeOptions, bounded, check_tools_rendered
 from .tokenizer import apply_chat_template_override, row_tokens
 
-PROMPT_ENCODER_VERSION = "prompt-1"  # bump when the encoding of a prompt changes
+PROMPT_ENCODER_VERSION = "prompt-2"  # bump when the encoding of a prompt changes
 SHOWN = 3  # skipped rows named in the summary
 
 
@@ -114,6 +114,9 @@ def encode_prompt(tok, prompt: dict, max_tokens: int) -> tuple[list[int], str, i
         text, special = prompt["plain"], True
     (ids,), cut = bounded(lambda k: (list(tok(text[:k], add_special_tokens=special)["input_ids"]),), len(text),
                           max_tokens)
+    eos = tok.eos_token_id
+    if special and ids and ids[-1] == eos and not (tok.eos_token and text[: len(text) - cut].endswith(tok.eos_token)):
+        ids = ids[:-1]  # the tokenizer's post-processor ends text in EOS (add_eos_token): a completion follows
     return ids, text[: len(text) - cut], cut
 
 

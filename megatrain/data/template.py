@@ -132,6 +132,11 @@ def chat_pieces(tok, messages: list[dict], tools=None, loss_from: int = 0,
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
+        if i == 0 and 0 in trained:  # no rendering of "nothing yet" says where the reply starts in the template's text
+            raise RowError("the conversation opens with an assistant turn: nothing prompts its reply, so where the "
+                           "reply starts in the chat template's text is unknown; start with a user or system turn")
+        if i == 0:  # an untrained opening reply: context, rendered with what follows it
+            continue
         extend(prefix(i, True), f"messages 1-{i} with the generation prompt", False)
         extend(prefix(i + 1, False), f"messages 1-{i + 1}", i in trained)
     if len(done) == 0 or messages[-1]["role"] != "assistant":
@@ -327,13 +332,22 @@ def _finish(tok, kind: str, ids: list[int], labels: list[int] | None, opts: Enco
             ids.append(eos)
         labels = list(ids)
     elif kind == "completion":
-        if opts.add_eos and eos is not None and (not ids or ids[-1] != eos):
-            ids.append(eos)
-            labels.append(eos)
+        ids, labels = with_trained_eos(ids, labels, eos, opts.add_eos)
     elif opts.train_on_prompt:
         labels = list(ids)
     if labels:
         labels[0] = IGNORE
+    return ids, labels
+
+
+def with_trained_eos(ids: list[int], labels: list[int], eos: int | None, add_eos: bool):
+    """A completion's (ids, labels) ending in a trained EOS when add_eos: appended, or, where the tokenizer's
+    post-processor appended it (Llama's add_eos_token: a token of no characters, so no label), labelled."""
+    if add_eos and eos is not None:
+        if not ids or ids[-1] != eos:
+            ids, labels = ids + [eos], labels + [eos]
+        elif labels[-1] == IGNORE:
+            labels = labels[:-1] + [eos]
     return ids, labels
 
 

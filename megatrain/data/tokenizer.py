@@ -121,6 +121,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
         "added": sorted((str(k), int(v)) for k, v in tokenizer.get_added_vocab().items()),
         "bos": getattr(tokenizer, "add_bos_token", None),
         "eos": getattr(tokenizer, "add_eos_token", None),
+        "split_special": getattr(tokenizer, "split_special_tokens", None),  # special tokens' text as plain text
+        "encode_special": getattr(backend, "encode_special_tokens", None),
     }
     h.update(json.dumps(extra, sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]
