@@ -163,3 +163,37 @@ def test_second_run_reads_the_cache_and_changed_settings_retokenise(tmp_path, mo
            "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
     assert build(chat_template=tmpl) > 0  # another template: tokenised again
     assert list((tmp_path / "cache" / "megatrain").glob("tokens-*.arrow"))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".txt", ".parquet"])
+def test_a_file_rewritten_with_its_size_and_times_kept_is_read_again(tmp_path, suffix):
+    """A file's identity is more than its size and modification time: `touch -r`, `cp -p` or a restored mtime
+    after an edit of the same length must not serve the old rows (their tokens or the datasets builder's)."""
+    import os
+
+    import pandas as pd
+
+    path = tmp_path / f"d{suffix}"
+
+    def write(word: str) -> None:
+        text = f"The {word} sat on the mat."
+        if suffix == ".jsonl":
+            path.write_text(json.dumps({"text": text}) + "\n")
+        elif suffix == ".csv":
+            path.write_text(f"text\n{text}\n")
+        elif suffix == ".txt":
+            path.write_text(text + "\n")
+        else:
+            pd.DataFrame({"text": [text]}).to_parquet(path)
+
+    def texts() -> list[str]:
+        ex = build_examples(config(tmp_path, path=str(path), format="text"), tokenizer(), "train")
+        return [tokenizer().decode(ex.get(k)[0]) for k in range(len(ex))]
+
+    write("cat")
+    assert any("cat" in t for t in texts())
+    st = os.stat(path)
+    write("dog")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+    assert any("dog" in t for t in texts())

@@ -298,8 +298,10 @@ def check_strings_utf8(part: RawPart) -> None:
 
 
 def _stamp(p: Path) -> str:
+    """A file's identity for the caches: its path, size, modification time, and the inode and change time that an
+    edit changes even where the modification time is set back (`touch -r`, `cp -p`, os.utime)."""
     st = p.stat()
-    return f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}"
 
 
 def _cause(e: BaseException, kind: type = MegatrainError) -> BaseException | None:
@@ -330,11 +332,13 @@ def load_raw(src: Source, file: Path, cache_dir: str) -> RawPart:
             ds = datasets.Dataset.from_generator(_json_rows, features=raw_features(), gen_kwargs={"path": str(file)},
                                                  cache_dir=cache_dir, fingerprint=f"megatrain-json-{ident}")
             return RawPart(src, file, ds, ident, file.suffix.lower() == ".jsonl" or not is_json_array(file))
+        ident = f"{kind}|{READER_VERSION}|{src.sample_by}|{_stamp(file)}"
+        # datasets keys its builders' cache on the file's modification time alone: a folder per identity instead
+        own = Path(cache_dir) / "megatrain" / f"raw-{kind}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
         with quiet_datasets():
-            ds = datasets.load_dataset(kind, data_files=str(file), split="train", cache_dir=cache_dir,
+            ds = datasets.load_dataset(kind, data_files=str(file), split="train", cache_dir=str(own),
                                        **_builder_options(src, file, kind))
-        line_based = kind == "text" and src.sample_by == "line"
-        return RawPart(src, file, ds, f"{kind}|{READER_VERSION}|{src.sample_by}|{_stamp(file)}", line_based)
+        return RawPart(src, file, ds, ident, kind == "text" and src.sample_by == "line")
     except MegatrainError:
         raise
     except Exception as e:  # datasets wraps reader errors; ours (a malformed JSON array) is inside
