@@ -90,6 +90,19 @@ def test_eval_file_and_no_eval(tmp_path):
     assert starts == 5  # every example once, packed (a padding piece restarts its positions too: not an example)
 
 
+def test_eval_data_reports_its_counts(tmp_path):
+    """Held-out rows skipped, truncated or dropped are said, as training rows are."""
+    tok = tokenizer()
+    train = str(write_jsonl(tmp_path / "t.jsonl", _texts(8)))
+    ev = write_jsonl(tmp_path / "e.jsonl", _texts(3, seed=1) + [{"text": "word " * 200}])
+    ev.write_text(ev.read_text() + "{not json\n")
+    batches = build_eval_batches(config(tmp_path, path=train, eval_path=str(ev), skip_bad_rows=True,
+                                        max_seq_len=32), tok, micro_batch_size=2)
+    assert "examples: 4 from 1 source" in batches.summary
+    assert "1 bad rows skipped" in batches.summary and "e.jsonl:5" in batches.summary
+    assert "2 truncated" in batches.summary  # the long row and one of the three
+
+
 def test_summary_reports_counts_tokens_and_efficiency(tmp_path):
     tok = tokenizer()
     a = write_jsonl(tmp_path / "a.jsonl", _texts(12))

@@ -131,6 +131,7 @@ def test_eval_and_every_pair_batches(tmp_path):
     held = build_pairs(cfg, tok, "eval")
     assert sorted(k for b in evb for k in b["pair_ids"].tolist()) == list(range(len(held))) == list(range(6))
     assert len(train.examples) == 24 and "6 held out for evaluation" in train.summary()
+    assert evb.summary.startswith("pairs: 6 from 1 source")  # the held-out set's own counts, said at the start
 
     def prompts(pairs):
         return {tok.decode(pairs.get(k)[0][0]).split("user\n")[1].split()[0] for k in range(len(pairs))}

@@ -78,7 +78,16 @@ def build_train_loader(cfg: DataConfig, tokenizer, *, seed: int, micro_batch_siz
     return StepLoader(cfg, ex, ResumableSampler(planner), grad_accum_steps, pad_id(tokenizer), rank, world)
 
 
-def build_eval_batches(cfg: DataConfig, tokenizer, *, micro_batch_size: int) -> list[Batch] | None:
+class EvalBatches(list):
+    """Every held-out micro-batch once, and `summary`: the set's counts (rows read, skipped, truncated, dropped),
+    which the run prints beside the training data's."""
+
+    def __init__(self, batches, summary: str):
+        super().__init__(batches)
+        self.summary = summary
+
+
+def build_eval_batches(cfg: DataConfig, tokenizer, *, micro_batch_size: int) -> EvalBatches | None:
     """Every evaluation example once, batched like training (packed, or grouped by length); None without eval data."""
     if not (cfg.eval_path or cfg.eval_datasets or cfg.eval_fraction > 0):
         return None
@@ -87,7 +96,8 @@ def build_eval_batches(cfg: DataConfig, tokenizer, *, micro_batch_size: int) -> 
     once = [int((ex.source == i).sum()) for i in range(len(ex.sources))]
     plan = EpochPlanner(ex.lengths, ex.source, once, 0, _shape(cfg, micro_batch_size)).plan(0)
     pad = pad_id(tokenizer)
-    return [collate([[ex.get(k) for k in row] for row in mb], pad, _row_length(cfg), cfg.packing) for mb in plan]
+    return EvalBatches([collate([[ex.get(k) for k in row] for row in mb], pad, _row_length(cfg), cfg.packing)
+                        for mb in plan], "\n".join(count_lines(ex, cfg.max_seq_len)))
 
 
 def preview(cfg: DataConfig, tokenizer, n: int) -> str:
@@ -99,4 +109,4 @@ def preview(cfg: DataConfig, tokenizer, n: int) -> str:
     return render_preview(cfg, tokenizer, build_examples(cfg, tokenizer, "train"), n)
 
 
-__all__ = ["Batch", "StepLoader", "build_eval_batches", "build_train_loader", "preview", "validate_inputs"]
+__all__ = ["Batch", "EvalBatches", "StepLoader", "build_eval_batches", "build_train_loader", "preview", "validate_inputs"]

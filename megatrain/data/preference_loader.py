@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from ..errors import MegatrainError
 from .config import DataConfig
-from .loader import StepLoader
+from .loader import EvalBatches, StepLoader
 from .preference_examples import Pairs, build_pairs, once_plan, pair_batch, pair_summary
 from .sources import is_preference
 from .sampler import BatchShape, EpochPlanner, ResumableSampler
@@ -64,15 +64,17 @@ def _has_eval(cfg: DataConfig) -> bool:
     return bool(cfg.eval_path or cfg.eval_datasets or cfg.eval_fraction > 0)
 
 
-def build_pair_eval_batches(cfg: DataConfig, tokenizer, *, micro_batch_size: int) -> list[dict] | None:
-    """Every held-out pair once, grouped by length like training; None without evaluation data."""
+def build_pair_eval_batches(cfg: DataConfig, tokenizer, *, micro_batch_size: int) -> EvalBatches | None:
+    """Every held-out pair once, grouped by length like training, with the set's counts; None without evaluation
+    data."""
     if not _has_eval(cfg):
         return None
     apply_chat_template_override(tokenizer, cfg.chat_template)
     pairs = build_pairs(cfg, tokenizer, "eval")
     pad = pad_id(tokenizer)
-    return [pair_batch(pairs, [k for row in mb for k in row], pad)
-            for mb in once_plan(pairs, micro_batch_size, cfg.group_by_length)]
+    plan = once_plan(pairs, micro_batch_size, cfg.group_by_length)
+    return EvalBatches([pair_batch(pairs, [k for row in mb for k in row], pad) for mb in plan],
+                       pair_summary(pairs, plan, cfg.max_seq_len))
 
 
 class PairBatches(Sequence):

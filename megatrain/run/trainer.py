@@ -157,6 +157,8 @@ def start(run: Run, model_files: Callable[[Path], None], stop: StopOnSignal | No
     log.info(f"megatrain: {run.adapter.model_type} {run.store.num_params / 1e6:.2f}M params, "
              f"{run.adapter.num_layers} layers, {t.precision} on {run.engine.device}; host store "
              f"{run.store.host_bytes() / 2**30:.2f} GiB; data: {run.loader.summary()}")
+    if getattr(run.eval_batches, "summary", None):  # the held-out set's own rows: skipped, truncated, dropped
+        log.info(f"evaluation data: {run.eval_batches.summary}")
     if run.startup_s:
         log.info("start-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in run.startup_s.items())
                  + (f"; the layers' kernels compiled and tuned first: {run.tuned_first}" if run.tuned_first else
