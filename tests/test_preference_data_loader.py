@@ -3,6 +3,8 @@ order grouped by length, exact resume mid-epoch, rank shares, evaluation and eve
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -173,7 +175,7 @@ def test_tokenised_once_then_read_from_the_cache_and_fingerprinted(tmp_path, mon
     n, fp_short = build(max_seq_len=20)
     assert n == 0 and fp_short != fp  # cut after the cache: no tokenising, but other tokens
     n, fp_hist = build(mask_history=True)
-    assert n > 0 and fp_hist != fp  # changes how rows are tokenised
+    assert n > 0 and fp_hist == fp  # tokenised again, to the same tokens (no history to mask): the same pairs
     tmpl = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}" \
            "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
     assert build(chat_template=tmpl)[0] > 0
@@ -185,3 +187,23 @@ def test_processes_tokenise_the_same_pairs(tmp_path):
     assert len(one) == len(two) == 23
     assert all(np.array_equal(a, b) for k in range(23) for sa, sb in zip(one.get(k), two.get(k))
                for a, b in zip(sa, sb))
+
+
+def test_the_fingerprint_follows_the_tokens_not_the_files(tmp_path):
+    """The reference log-probs are keyed by it: the same pairs from a copied (or touched) file keep it; a pair
+    whose tokens change does not."""
+    import shutil
+
+    fp = _loader(tmp_path).fingerprint()
+    copy = tmp_path / "copy" / "p.jsonl"
+    copy.parent.mkdir()
+    shutil.copy(tmp_path / "p.jsonl", copy)
+    same = build_pair_loader(config(tmp_path, path=str(copy), format="preference"), tokenizer(), seed=0,
+                             micro_batch_size=2, grad_accum_steps=2)
+    assert same.fingerprint() == fp
+    rows = [json.loads(x) for x in copy.read_text().splitlines()]
+    rows[3]["chosen"] = rows[3]["chosen"] + " more"
+    write_jsonl(copy, rows)
+    changed = build_pair_loader(config(tmp_path, path=str(copy), format="preference"), tokenizer(), seed=0,
+                                micro_batch_size=2, grad_accum_steps=2)
+    assert changed.fingerprint() != fp

@@ -95,11 +95,18 @@ class Pairs:
         return p.raw.where(p.tokens[int(self.row[k])]["row"])
 
     def fingerprint(self) -> str:
-        """Changes whenever any pair's tokens or ids may: the tokenised files (their cache key: content, tokenizer,
-        template, columns) and which spans of which rows are the pairs."""
+        """Changes whenever any pair's tokens may: every side's ids and labels as tokenised (each row's length and
+        its values, however the files are cut into record batches) and which spans of which rows are the pairs.
+        Not the files' names: a data file copied, moved or touched that tokenises alike keeps it, and so do the
+        reference log-probs it keys (run/reference.py)."""
+        import pyarrow.compute as pc
+
         h = hashlib.sha256()
         for p in self.parts:
-            h.update(str([f["filename"].rsplit("/", 1)[-1] for f in p.tokens.cache_files]).encode())
+            for name in (f"{s}_{k}" for s in SIDES for k in ("ids", "labels")):
+                for chunk in p.tokens.data.column(name).chunks:
+                    h.update(np.ascontiguousarray(pc.list_value_length(chunk).to_numpy(), dtype=np.int64))
+                    h.update(np.ascontiguousarray(pc.list_flatten(chunk).to_numpy(), dtype=np.int32))
         for a in (self.part, self.row, self.cs, self.ce, self.rs, self.re):
             h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
         return h.hexdigest()[:16]
