@@ -47,6 +47,20 @@ def test_text_files_by_line_and_by_document(tmp_path):
     assert len(whole) == 1 and "fox.\n\nThe lazy" in tok.decode(whole.get(0)[0].tolist())
 
 
+def test_text_paragraphs_and_documents_lose_their_surrounding_line_breaks(tmp_path):
+    """A .txt sample's text is its words: the line breaks around a paragraph (three or more between two) or at a
+    document's ends are the file's layout, the same for every sample, not text to learn."""
+    tok = tokenizer()
+    f = tmp_path / "book.txt"
+    f.write_text("\nOne para.\n\n\nTwo para.\n\nThree para.\n")
+    paras = build_examples(config(tmp_path, path=str(f), sample_by="paragraph"), tok)
+    eos = tok.eos_token
+    assert [tok.decode(paras.get(k)[0].tolist()) for k in range(len(paras))] == \
+        [f"<s>One para.{eos}", f"<s>Two para.{eos}", f"<s>Three para.{eos}"]
+    whole = build_examples(config(tmp_path, path=str(f), sample_by="document"), tok)
+    assert tok.decode(whole.get(0)[0].tolist()) == f"<s>One para.\n\n\nTwo para.\n\nThree para.{eos}"
+
+
 def test_a_folder_of_files_is_read_recursively(tmp_path):
     tok = tokenizer()
     write_jsonl(tmp_path / "d" / "a.jsonl", ROWS[:1])

@@ -135,6 +135,8 @@ def to_sample(row, fmt: str, columns: dict[str, str], roles: dict[str, str], bla
     c = Columns(row, fmt, columns)
     if fmt == "text":
         text = c.text("text")
+        if blank_ok:  # a .txt file's sample: the line breaks around a paragraph or document are layout, not text
+            text = text.strip("\r\n")
         if not text.strip():
             if blank_ok:
                 return None
