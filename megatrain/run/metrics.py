@@ -44,9 +44,7 @@ class MetricsLogger:
         self.wandb = None
         self.tb = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+            self.tb = tensorboard_writer(Path(out_dir) / "tensorboard", start_step)
 
     def info(self, msg: str) -> None:
         if self.bar is not None:
@@ -160,6 +158,19 @@ def disk_fields(stats: dict, step_s: float | None) -> dict:
         out["disk_gbps_step"] = (r + w) / step_s
         out["disk_busy"] = busy / step_s
     return out
+
+
+def tensorboard_writer(folder: Path, start_step: int):
+    """A SummaryWriter that holds what metrics.jsonl holds (resume.trim_metrics): a run started over removes the
+    event files an earlier run left (regular files only, as `events.out.tfevents.*`); a resumed one marks the steps
+    after its checkpoint purged (`purge_step`: TensorBoard hides the earlier run's records of the steps redone)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    if start_step == 0 and folder.is_dir():
+        for f in folder.glob("events.out.tfevents.*"):
+            if f.is_file() and not f.is_symlink():
+                f.unlink()
+    return SummaryWriter(str(folder), purge_step=start_step + 1 if start_step else None)
 
 
 def _headline(r: dict) -> dict[str, str]:
