@@ -36,6 +36,7 @@ from ..runtime.layer import expect_first_shape
 from ..planner.workload import compiles_layers, fixed_placement, tunes_first
 from .oom import host_allocation
 from .reference import Reference, check_reference_path, choose_reference
+from .reference_weights import check_reference_weights
 from .startup import Beside, beside_threads, overlap_fits, overlapped_phases
 
 if TYPE_CHECKING:
@@ -213,6 +214,8 @@ def check_inputs(cfg: Config, ranks: Ranks | None = None) -> Inputs:
             retime_unpacked(plan, adapter, *rows_timing(rows, padded))
     reference = choose_reference(cfg, plan, adapter, loader, tokenizer, eval_batches, resumed) if pairs else \
         Reference()
+    if (folder := reference_folder(cfg, reference)) is not None:  # a resume streams the files it started from
+        reference.weight_files = check_reference_weights(folder, resumed)
     if exact and not tokenizer.chat_template:  # (the loader has set data.chat_template on it, when given)
         raise MegatrainError("train.exact_match_path: the prompts are rendered with the tokenizer's chat template, "
                              "but the tokenizer has none; set data.chat_template")
@@ -398,6 +401,18 @@ def fill_reference(cfg: Config, inp: Inputs, store: HostStore) -> bool:
         store.load_reference(cfg.model.path)
     ref.frozen = True
     return True
+
+
+def reference_folder(cfg: Config, ref) -> Path | None:
+    """The folder whose weight files fill_reference loads a frozen reference copy from on a resume; None where there
+    is none: no copy, the seeded random init (rebuilt from the seed), or a table that holds the log-probs."""
+    if grpo_reference(cfg):
+        return None if cfg.model.init == "random" else Path(cfg.model.path)
+    if ref.strategy != "stream":
+        return None
+    if cfg.preference.reference_path:
+        return Path(cfg.preference.reference_path)
+    return None if cfg.model.init == "random" else Path(cfg.model.path)
 
 
 def grpo_reference(cfg: Config) -> bool:

@@ -245,6 +245,7 @@ class Reference:
         self.tables: dict[str, torch.Tensor] = {}  # precompute: side -> float32 [pairs, 2]
         self.file: Path | None = None  # precompute: the stored table
         self.fingerprint = ""
+        self.weight_files: dict[str, str] | None = None  # the frozen copy's files' identity (reference_weights.py)
         self._eval: dict[int, torch.Tensor] = {}  # stream: each held-out batch's reference log-probs, scored once
 
     # ---- precompute -----------------------------------------------------------------------------------------
@@ -396,11 +397,13 @@ class Reference:
             mb.ref_logps = self._eval[index]
 
     def state(self) -> dict | None:
-        """What a checkpoint records of it (run_state's `reference`)."""
-        if self.strategy is None:
+        """What a checkpoint records of it (run_state's `reference`): the strategy, the precomputed table's file, and
+        the identity of the files a frozen copy is loaded from (grpo's KL reference has no strategy, only those)."""
+        if self.strategy is None and self.weight_files is None:
             return None
-        return {"strategy": self.strategy, "file": self.file.name if self.file else None,
-                "fingerprint": self.fingerprint}
+        out = {"strategy": self.strategy, "file": self.file.name if self.file else None,
+               "fingerprint": self.fingerprint}
+        return out if self.weight_files is None else {**out, "weights": self.weight_files}
 
 
 class _WaveTimer:
