@@ -133,3 +133,21 @@ def test_config_notes_name_real_changes_only():
     assert config_notes(r, now) == ["train.steps: 40 -> 7"]
     now["train"]["betas"] = (0.9, 0.95)
     assert config_notes(r, now) == ["train.betas: [0.9, 0.999] -> (0.9, 0.95)", "train.steps: 40 -> 7"]
+
+
+def test_a_final_evaluation_lost_with_the_run_is_made_on_resume(tmp_path):
+    """The final checkpoint is written while the last evaluation runs: a run stopped during that evaluation has its
+    last checkpoint and not the record. Resumed at its last step, it evaluates then (once, not again after)."""
+    cfg = setup_run(tmp_path, train={"steps": 2, "eval_every": 1}, data={"eval_fraction": 0.25})
+    run(cfg)
+    out = tmp_path / "run"
+    evals = lambda: [r for r in records(out) if "eval_loss" in r]  # noqa: E731
+    last = evals()[-1]
+    assert last["step"] == 2
+    kept = [line for line in (out / "metrics.jsonl").read_text().splitlines() if json.loads(line) != last]
+    (out / "metrics.jsonl").write_text("".join(x + "\n" for x in kept))  # stopped during it
+    run(cfg, "resume=auto")
+    assert evals()[-1] == {**last, "eval_loss": evals()[-1]["eval_loss"]} and [r["step"] for r in evals()] == [0, 1, 2]
+    assert evals()[-1]["eval_loss"] == pytest.approx(last["eval_loss"], rel=0, abs=0)
+    run(cfg, "resume=auto")
+    assert [r["step"] for r in evals()] == [0, 1, 2]  # logged: not made again

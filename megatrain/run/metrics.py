@@ -160,6 +160,22 @@ def disk_fields(stats: dict, step_s: float | None) -> dict:
     return out
 
 
+def eval_logged(path: Path, step: int) -> bool:
+    """Whether metrics.jsonl holds an evaluation record (one without a training loss) of `step`."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # (a line cut by a kill: trim_metrics drops it)
+        if isinstance(r, dict) and r.get("step") == step and "loss" not in r:
+            return True
+    return False
+
+
 def tensorboard_writer(folder: Path, start_step: int):
     """A SummaryWriter that holds what metrics.jsonl holds (resume.trim_metrics): a run started over removes the
     event files an earlier run left (regular files only, as `events.out.tfevents.*`); a resumed one marks the steps

@@ -28,7 +28,7 @@ from ..runtime.router_loss import expert_load
 from .collector import StepCollector
 from .evaluate import evaluate
 from .grpo import grpo_fields, step_split
-from .metrics import MetricsLogger, optimizer_fields, preference_fields
+from .metrics import MetricsLogger, eval_logged, optimizer_fields, preference_fields
 from .oom import raise_if_out_of_memory
 from .plancheck import PlanCheck
 from .prefetch import PreparedStep, StepPrefetcher
@@ -280,7 +280,7 @@ def finish(run: Run, s: Session, stop: StopOnSignal | None = None) -> dict:
     """After the last step: the last evaluation (overlapping the final save), the checkpoint, the export. A signal
     cuts the evaluation short and stops the export (the checkpoint is complete: nothing is lost)."""
     cfg = run.cfg
-    if s.first_step < cfg.train.steps:
+    if s.first_step < cfg.train.steps or final_eval_missing(run, cfg.train.steps):
         s.summary["last_eval"] = evaluate(run, cfg.train.steps, s.log, stop)
     if (final := s.saver.wait()) is not None:
         s.log.info(f"checkpoint: {final} (saved in {s.saver.last_seconds:.1f}s)")
@@ -312,6 +312,17 @@ def finish(run: Run, s: Session, stop: StopOnSignal | None = None) -> dict:
         s.log.info(f"nothing to train: {run.resumed.path} is at step {s.first_step}, train.steps is "
                    f"{cfg.train.steps}")
     return s.summary
+
+
+def final_eval_missing(run: Run, step: int) -> bool:
+    """A run resumed at its last step whose last evaluation was not logged: the final checkpoint is written while
+    that evaluation runs, so a run stopped during it has the one and not the other. Rank 0 reads metrics.jsonl;
+    every rank takes its answer (they evaluate together)."""
+    if not (run.eval_batches or run.exact_match):
+        return False
+    missing = float(run.writes and not eval_logged(run.out_dir / "metrics.jsonl", step))
+    (missing,) = run.ranks.all_sum([missing])
+    return missing > 0
 
 
 def close(run: Run, s: Session, quiet: bool = False) -> None:
