@@ -67,6 +67,8 @@ def test_export_at_end_loads_in_transformers_with_equal_logits(tmp_path, family,
 
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.chat_template == CHAT_TEMPLATE  # data.chat_template travels with the model
+    written = json.loads((out / "tokenizer_config.json").read_text())
+    assert not {"local_files_only", "is_local"} & set(written)  # not how this run loaded it: the user's tokenizer
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<s>user: hi</s>"
 
 

@@ -8,6 +8,7 @@ draws from them resumes exactly too.
 from __future__ import annotations
 
 import base64
+import json
 import platform
 import random
 from pathlib import Path
@@ -102,6 +103,21 @@ def model_files_writer(model_path: str | Path, tokenizer) -> Callable[[Path], No
         for name, data in files.items():
             (dest / name).write_bytes(data)
         if tokenizer is not None:
-            tokenizer.save_pretrained(str(dest / "tokenizer"))
+            save_tokenizer(tokenizer, dest / "tokenizer")
 
     return write
+
+
+LOADER_ARGUMENTS = ("local_files_only", "is_local")  # how megatrain loaded the tokenizer, which transformers saves
+
+
+def save_tokenizer(tokenizer, folder: Path) -> None:
+    """tokenizer.save_pretrained, without the loader's own arguments in tokenizer_config.json (an export's
+    tokenizer is the user's, not a record of how this run opened it)."""
+    tokenizer.save_pretrained(str(folder))
+    path = folder / "tokenizer_config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+        if any(k in config for k in LOADER_ARGUMENTS):
+            path.write_text(json.dumps({k: v for k, v in config.items() if k not in LOADER_ARGUMENTS}, indent=2,
+                                       ensure_ascii=False) + "\n")
