@@ -11,7 +11,9 @@ from the schema's defaults (config.load_command_line).
 
 from __future__ import annotations
 
+import errno
 import gc
+import os
 import signal
 import sys
 import time
@@ -76,13 +78,49 @@ def _stop_early(signum, frame):
     raise _Stopped(signal.Signals(signum).name)
 
 
+class _ReaderGone:
+    """sys.stdout or sys.stderr, writing nowhere once its reader is gone (EPIPE: `| tee` ended by the same Ctrl-C;
+    EIO: the terminal closed): a log line that cannot be written must not end a run that can still save. The file
+    descriptor then points at /dev/null, so that nothing buffered fails again at exit."""
+
+    def __init__(self, stream):
+        self._stream, self._gone = stream, False
+
+    def _quiet(self, fn, *args):
+        if self._gone:
+            return None
+        try:
+            return fn(*args)
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.EIO):
+                raise
+            self._gone = True
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+            except (OSError, ValueError):
+                pass
+            return None
+
+    def write(self, text):
+        self._quiet(self._stream.write, text)
+        return len(text)
+
+    def flush(self):
+        self._quiet(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
     top, argv = argv is None, sys.argv[1:] if argv is None else list(argv)
     import threading
 
     handlers = {}
     if threading.current_thread() is threading.main_thread():
-        handlers = {s: signal.signal(s, _stop_early) for s in (signal.SIGTERM, signal.SIGINT)}
+        handlers = {s: signal.signal(s, _stop_early) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    if top:
+        sys.stdout, sys.stderr = _ReaderGone(sys.stdout), _ReaderGone(sys.stderr)
     # `megatrain plan` builds no garbage worth collecting in its short life (its meta-device runs measure storages
     # freed by reference counting, never by the collector): without collections while torch is imported and the
     # search runs, and, as the command line's process ends with it, with its objects frozen so that the interpreter's
@@ -92,10 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         gc.disable()
     try:
         return _main(argv)
-    except _Stopped as e:
+    except _Stopped as e:  # nothing was produced: a failure's status, 128 + the signal's number, as a shell gives
         print(f"megatrain: stopped by {e} {_STOPPED_WHILE.get(argv[0] if argv else '', 'before it finished')}",
               file=sys.stderr)
-        return 0
+        return 128 + signal.Signals[str(e)].value
     finally:
         for s, old in handlers.items():
             signal.signal(s, old)

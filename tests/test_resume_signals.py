@@ -95,3 +95,53 @@ def test_sigterm_saves_and_the_resumed_run_is_exact(tmp_path):
     run(cfg, f"output.dir={reference}")
     assert losses(out) == losses(reference)
     assert unit_hashes(out / "checkpoints" / f"step-{STEPS}") == unit_hashes(reference / "checkpoints" / f"step-{STEPS}")
+
+
+def test_ctrl_c_with_its_log_reader_gone_still_saves(tmp_path):
+    """`megatrain train ... 2>&1 | tee log` and Ctrl-C: the terminal's SIGINT ends tee too, so the run's next log
+    line meets a closed pipe; the run still finishes its step, saves and exits 0 (the line goes nowhere)."""
+    cfg = setup_run(tmp_path, train={"steps": STEPS}, checkpoint={"every": 100, "at_end": True})
+    out = tmp_path / "run"
+    proc = start_training(cfg, delay=0.05)
+    try:
+        wait_until(lambda: len(logged_losses(out)) >= 3, proc)
+        proc.stderr.close()  # the reader is gone: every later write to stderr is EPIPE
+        proc.stdout.close()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    stopped = max(logged_losses(out))
+    assert stopped < STEPS
+    verify_checkpoint(out / "checkpoints" / f"step-{stopped}")
+
+
+def test_sighup_stops_like_sigterm(tmp_path):
+    """The terminal or the SSH session closed: the run saves and exits as on SIGTERM."""
+    cfg = setup_run(tmp_path, train={"steps": STEPS}, checkpoint={"every": 100, "at_end": True})
+    out = tmp_path / "run"
+    proc = start_training(cfg, delay=0.05)
+    try:
+        wait_until(lambda: len(logged_losses(out)) >= 3, proc)
+        proc.send_signal(signal.SIGHUP)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    stopped = max(logged_losses(out))
+    assert f"stopped by SIGHUP after step {stopped}: checkpoint saved" in err
+    verify_checkpoint(out / "checkpoints" / f"step-{stopped}")
+
+
+def test_a_command_stopped_before_it_produced_anything_exits_non_zero(tmp_path):
+    """`megatrain export ... && upload` must not go on after an interrupted export: 128 + the signal's number."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "megatrain.cli", "plan"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # importing torch
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in err, err[-2000:]

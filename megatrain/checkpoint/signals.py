@@ -1,5 +1,5 @@
-"""A graceful stop: on SIGTERM or SIGINT the run stops where nothing is lost, says what it did on one line, and
-exits 0.
+"""A graceful stop: on SIGTERM, SIGINT or SIGHUP (the terminal or SSH session closed) the run stops where nothing
+is lost, says what it did on one line, and exits 0.
 
 The handler is installed for the whole run (`megatrain.run.trainer.train`), and what the first signal does
 depends on the phase:
@@ -30,7 +30,7 @@ class Stopped(BaseException):
 
 
 class StopOnSignal:
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal or SSH session closed
 
     def __init__(self):
         self.requested: str | None = None  # the signal's name once one arrived
@@ -69,6 +69,10 @@ class StopOnSignal:
         if self._phase is not None:
             phase, self._phase = self._phase, None
             raise Stopped(name, phase)
-        # os.write: safe inside a signal handler even when the interrupted code was printing
-        os.write(2, f"\nmegatrain: {name}: finishing this step, then saving a checkpoint "
-                    f"(send it again to stop at once, without saving)\n".encode())
+        # os.write: safe inside a signal handler even when the interrupted code was printing; a reader gone with
+        # the same Ctrl-C (`| tee`) or a closed terminal must not end the stop that saves
+        try:
+            os.write(2, f"\nmegatrain: {name}: finishing this step, then saving a checkpoint "
+                        f"(send it again to stop at once, without saving)\n".encode())
+        except OSError:
+            pass

@@ -38,7 +38,7 @@ from .step import DistributedEngine
 from .watchdog import Failure, Watchdog, heartbeat_timeout, publish_failure, read_failure
 from .world import World
 
-STOP_SIGNALS = ("SIGTERM", "SIGINT")
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 PEER_GRACE_S = 5.0  # a collective that failed because a peer died: how long to wait for that peer's message
 
 
