@@ -348,6 +348,7 @@ def _apply_overrides(raw: dict, overrides) -> set[tuple]:
             raise ConfigError(*[f"command line: {_key_name(k)}: duplicate key; the later one would silently win"
                                 for k, _, _ in duplicates])
         parsed.append((parts, v))
+    _refuse_repeats(parsed)
     given: dict = {}
     for parts, v in parsed:
         _set(given, parts, v)
@@ -356,8 +357,44 @@ def _apply_overrides(raw: dict, overrides) -> set[tuple]:
     _resolve_inputs(given, Path.cwd(), registry)
     for parts, v in parsed:
         found, resolved = _get(given, parts)
-        _set(raw, parts, resolved if found else v)
+        _set(raw, parts, _merged(_get(raw, parts)[1], resolved if found else v))
     return {tuple(p) for p, _ in parsed}
+
+
+def _merged(old: Any, new: Any) -> Any:
+    """An override's value over what the file has there: a mapping merges into a section (`train={steps: 2}` keeps
+    the file's other train keys), anything else replaces it."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return new
+    return {**old, **{k: _merged(old.get(k), v) for k, v in new.items()}}
+
+
+def _leaves(parts: tuple, v: Any):
+    """The key paths an override sets: its own, or each key of a mapping it gives, nested."""
+    if isinstance(v, dict) and v:
+        for k, x in v.items():
+            yield from _leaves((*parts, str(k)), x)
+    else:
+        yield parts
+
+
+def _refuse_repeats(parsed: list) -> None:
+    """A key set twice on the command line (`train.lr=1 train.lr=2`, or once alone and once in its section's
+    mapping) is refused, as a duplicate key in the file is: the later one would silently win."""
+    seen: dict[tuple, tuple] = {}  # key path set -> the override's own path
+    problems = []
+    for parts, v in parsed:
+        via = tuple(parts)
+        for leaf in _leaves(via, v):
+            clash = next((k for k in seen if k[:len(leaf)] == leaf or leaf[:len(k)] == k), None)
+            if clash is not None:
+                section = via if len(via) < len(leaf) else seen[clash] if len(seen[clash]) < len(clash) else None
+                inside = f" (in {_key_name(section)})" if section else ""
+                problems.append(f"command line: {_key_name(max(clash, leaf, key=len))}: given twice{inside}; the "
+                                f"later one would silently win")
+            seen[leaf] = via
+    if problems:
+        raise ConfigError(*problems)
 
 
 def _describe(err: dict, where: str) -> str:

@@ -166,3 +166,27 @@ def test_an_argument_holding_a_line_break_is_one_error_line(capsys):
     lines = _stderr_lines(capsys, "export", "a", "b", "--dtype", "fp\n8")
     assert lines[0].startswith("usage: megatrain export") and lines[-1].startswith("megatrain: error: argument --dtype")
     assert sum(line.startswith("megatrain: error: ") for line in lines) == 1 and "fp\\n8" in lines[-1], lines
+
+
+def test_a_section_given_on_the_command_line_merges_into_the_file(tmp_path):
+    """`train={steps: 2}` sets steps and keeps the file's other train keys (it used to replace the section with
+    the schema's defaults: another learning rate and batch size, without a word)."""
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  path: x\ntrain:\n  lr: 3.0e-3\n  micro_batch_size: 4\n  steps: 9\n")
+    cfg = load_config(p, ["train={steps: 2}"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.train.micro_batch_size) == (2, 3.0e-3, 4)
+    cfg = load_config(p, ["train.lr=1e-3", "train={steps: 2}"])  # different keys of one section: both kept
+    assert (cfg.train.steps, cfg.train.lr, cfg.train.micro_batch_size) == (2, 1e-3, 4)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["train.lr=1", "train.lr=2e-3"], "command line: train.lr: given twice; the later one would silently win"),
+    (["train.lr=2e-3", "train={lr: 1, steps: 2}"], "command line: train.lr: given twice (in train); the later one "
+                                                   "would silently win"),
+    (["train={lr: 1}", "train.lr=2e-3"], "command line: train.lr: given twice (in train); the later one would "
+                                         "silently win"),
+])
+def test_a_key_given_twice_on_the_command_line_is_refused(tmp_path, overrides, says):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  path: x\n")
+    assert says in config_error(p, *overrides)
