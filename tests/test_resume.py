@@ -151,3 +151,20 @@ def test_a_final_evaluation_lost_with_the_run_is_made_on_resume(tmp_path):
     assert evals()[-1]["eval_loss"] == pytest.approx(last["eval_loss"], rel=0, abs=0)
     run(cfg, "resume=auto")
     assert [r["step"] for r in evals()] == [0, 1, 2]  # logged: not made again
+
+
+def test_an_evaluation_cut_short_by_a_stop_is_made_on_resume(tmp_path):
+    """A stop during the evaluation at step N cuts it short (not logged) and saves step N: the resumed run makes it,
+    so its records equal the uninterrupted run's."""
+    cfg = setup_run(tmp_path, train={"steps": 4, "eval_every": 2}, data={"eval_fraction": 0.25},
+                    checkpoint={"every": 2, "keep": 0})
+    run(cfg)
+    whole = tmp_path / "run"
+    cut = tmp_path / "cut"
+    shutil.copytree(whole, cut)
+    shutil.rmtree(cut / "checkpoints" / "step-4")
+    kept = [r for r in records(cut) if r["step"] < 2 or (r["step"] == 2 and "loss" in r)]  # stopped during eval 2
+    (cut / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    run(cfg, f"output.dir={cut}", "resume=auto")
+    evals = lambda o: [r for r in records(o) if "eval_loss" in r]  # noqa: E731
+    assert evals(cut) == evals(whole) and [r["step"] for r in evals(cut)] == [0, 2, 4]

@@ -189,6 +189,9 @@ def start(run: Run, model_files: Callable[[Path], None], stop: StopOnSignal | No
         log.info(f"resuming from {run.resumed.path} (step {first})" + "".join(f"\n  changed: {n}" for n in notes))
         restore_rng(run.resumed.state["rng"])
         s.summary.update(run.resumed.state.get("summary", {}))
+        every, first = cfg.train.eval_every, run.resumed.step
+        if every and first % every == 0 and first < cfg.train.steps and eval_missing(run, first):
+            evaluate(run, first, log, stop)  # (the weights are the step's: the numbers it would have logged)
     else:
         if cfg.resume == "auto":
             log.info(f"resume=auto: no checkpoint in {run.out_dir / 'checkpoints'} yet; starting from step 0")
@@ -280,7 +283,7 @@ def finish(run: Run, s: Session, stop: StopOnSignal | None = None) -> dict:
     """After the last step: the last evaluation (overlapping the final save), the checkpoint, the export. A signal
     cuts the evaluation short and stops the export (the checkpoint is complete: nothing is lost)."""
     cfg = run.cfg
-    if s.first_step < cfg.train.steps or final_eval_missing(run, cfg.train.steps):
+    if s.first_step < cfg.train.steps or eval_missing(run, cfg.train.steps):
         s.summary["last_eval"] = evaluate(run, cfg.train.steps, s.log, stop)
     if (final := s.saver.wait()) is not None:
         s.log.info(f"checkpoint: {final} (saved in {s.saver.last_seconds:.1f}s)")
@@ -314,10 +317,11 @@ def finish(run: Run, s: Session, stop: StopOnSignal | None = None) -> dict:
     return s.summary
 
 
-def final_eval_missing(run: Run, step: int) -> bool:
-    """A run resumed at its last step whose last evaluation was not logged: the final checkpoint is written while
-    that evaluation runs, so a run stopped during it has the one and not the other. Rank 0 reads metrics.jsonl;
-    every rank takes its answer (they evaluate together)."""
+def eval_missing(run: Run, step: int) -> bool:
+    """A run resumed at `step` whose evaluation there was not logged: a stop during an evaluation cuts it short and
+    saves the step's checkpoint, and the final checkpoint is written while the last evaluation runs, so a run
+    stopped there has the one and not the other. Rank 0 reads metrics.jsonl; every rank takes its answer (they
+    evaluate together)."""
     if not (run.eval_batches or run.exact_match):
         return False
     missing = float(run.writes and not eval_logged(run.out_dir / "metrics.jsonl", step))
