@@ -19,7 +19,7 @@ from megatrain.checkpoint.layout import read_manifest
 from megatrain.cli import main
 from megatrain.config import load_config
 from megatrain.errors import ConfigError, MegatrainError
-from test_checkpoint_helpers import run, setup_run
+from test_checkpoint_helpers import records, run, setup_run
 from test_inputs import error_of, setup, write_config  # noqa: F401  (setup: a fixture)
 
 PREFIX = "megatrain: error: "
@@ -395,3 +395,20 @@ def test_resume_auto_with_every_checkpoint_gone_keeps_the_metrics(tmp_path):
     assert str(e.value).startswith(f"output.dir: {out / 'checkpoints'} holds step-1, step-2 but no complete ")
     assert (out / "metrics.jsonl").read_bytes() == metrics
     run(cfg, "output.overwrite=true")
+
+
+def test_the_same_command_again_after_a_run_that_trained_nothing(tmp_path):
+    """A run stopped before step 1 (a signal at start-up, a reward failing at the first rollout) leaves its config,
+    plan and metrics (the step-0 evaluation): the identical command starts it again, as nothing can be lost. A
+    folder whose run trained a step is still refused."""
+    cfg = setup_run(tmp_path, train={"steps": 2})
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "plan.json").write_text("{}")
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval_loss": 3.0}) + "\n")
+    (out / "checkpoints").mkdir()
+    run(cfg)
+    assert [r["step"] for r in records(out) if "loss" in r] == [1, 2]
+    with pytest.raises(MegatrainError, match="is not empty"):
+        run(cfg)

@@ -55,7 +55,7 @@ def check_fresh_start(out_dir: Path, overwrite: bool, resume: str | None) -> Non
     and no checkpoint folder. Anything else, a model's folder or checkpoint folders none of which is complete, is
     refused: starting over would replace it."""
     out_dir = Path(out_dir)
-    if overwrite or not out_dir.is_dir() or not any(out_dir.iterdir()):
+    if overwrite or not out_dir.is_dir() or not any(out_dir.iterdir()) or trained_nothing(out_dir):
         return
     if not resume:
         raise MegatrainError(f"output.dir: {out_dir} is not empty; choose another, set output.overwrite=true, "
@@ -75,6 +75,36 @@ def check_fresh_start(out_dir: Path, overwrite: bool, resume: str | None) -> Non
                              f"but no complete checkpoint (manifest.json) to resume from; starting over would "
                              f"replace them and metrics.jsonl: set output.overwrite=true to do so, or choose another "
                              f"output.dir")
+
+
+STARTUP_FILES = {"config.json", "plan.json", "metrics.jsonl", "tensorboard", "checkpoints", LOCK_FILE}
+
+
+def trained_nothing(out_dir: Path) -> bool:
+    """Whether `out_dir` holds only what a run writes before its first step (a run stopped at start-up, or a reward
+    that failed at the first rollout): the run's config, plan, lock, an empty checkpoints folder, metrics without a
+    training step (the step-0 evaluation), TensorBoard's events. Starting over there loses nothing."""
+    names = {p.name for p in out_dir.iterdir()}
+    if not names <= STARTUP_FILES or any(_model_config(out_dir / n) for n in names):
+        return False
+    ckpts = out_dir / "checkpoints"
+    if ckpts.is_symlink() or (ckpts.exists() and (not ckpts.is_dir() or any(ckpts.iterdir()))):
+        return False
+    metrics = out_dir / "metrics.jsonl"
+    if metrics.is_symlink() or (metrics.exists() and not metrics.is_file()):
+        return False
+    try:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+    except (OSError, UnicodeDecodeError):
+        return False
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            return False
+        if not isinstance(r, dict) or "loss" in r or r.get("step", 0) != 0:
+            return False
+    return True
 
 
 def _model_config(p: Path) -> bool:
