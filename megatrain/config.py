@@ -423,7 +423,8 @@ def _describe(err: dict, where: str) -> str:
 
 def _validate(raw: dict, lines: dict[tuple, int], path: Path | None, from_cli: set[tuple]) -> Config:
     def where(loc: tuple) -> str:  # keys are str, list indices int: as in `lines`
-        if any(loc[:k] in from_cli for k in range(1, len(loc) + 1)):
+        if any(loc[:k] in from_cli for k in range(1, len(loc) + 1)) or \
+                (loc not in lines and any(c[:len(loc)] == loc for c in from_cli)):  # (data.bogus.x=1: data.bogus)
             return "command line: "
         line = lines.get(loc) or lines.get(loc[:-1]) or lines.get(loc[:1])
         return f"{path}:{line}: " if line else (f"{path}: " if path else "")

@@ -190,3 +190,12 @@ def test_a_key_given_twice_on_the_command_line_is_refused(tmp_path, overrides, s
     p = tmp_path / "c.yaml"
     p.write_text("model:\n  path: x\n")
     assert says in config_error(p, *overrides)
+
+
+def test_an_unknown_key_from_the_command_line_is_blamed_on_it(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  path: x\ndata:\n  path: d.jsonl\n")
+    assert config_error(p, "data.bogus.x=1").startswith("command line: data.bogus")
+    assert config_error(p, "foo.bar=1").startswith("command line: foo")
+    p.write_text("model:\n  path: x\ndata:\n  bogus: 1\n")
+    assert config_error(p, "data.path=d.jsonl").startswith(f"{p}:4: data.bogus")  # the file's own stays its
