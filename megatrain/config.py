@@ -60,7 +60,7 @@ class TrainConfig(Section):
     max_grad_norm: float | None = Field(
         1.0, ge=0, description="clip the global gradient norm to this (null or 0: no clipping; then each unit's "
                                "update starts as soon as its gradient is complete, during backward)")
-    seed: int = Field(0, description="seed of the data order and of a random init")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="seed of the data order and of a random init")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="compute and streaming dtype (auto: bf16 where the device computes it natively - CUDA "
                             "with bf16 tensor cores, a CPU with AVX512_BF16 or AMX - else fp32; planner/precision.py)")

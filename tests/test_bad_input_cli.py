@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
 from megatrain.cli import main
@@ -112,6 +114,26 @@ def test_probe_output_under_a_file_is_refused_before_measuring(tmp_path, capsys)
     assert msg == f"probe: --out: {tmp_path / 'afile' / 'profile.json'} lies under {tmp_path / 'afile'}, which is a file"
     msg = one_error(capsys, "probe", "--out", str(tmp_path))
     assert msg == f"probe: --out: {tmp_path} is a directory, not a file"
+
+
+def test_probe_keeps_a_file_that_is_not_a_profile_and_refuses_empty_shapes(tmp_path, capsys):
+    precious = tmp_path / "precious.txt"
+    precious.write_text("mine")
+    msg = one_error(capsys, "probe", "--out", str(precious))
+    assert msg == f"probe: --out {precious} exists and is not a profile megatrain probe wrote; choose another path"
+    assert precious.read_text() == "mine"
+    link = tmp_path / "link.json"
+    link.symlink_to(precious)
+    assert one_error(capsys, "probe", "--out", str(link)).endswith("is a symbolic link; give the file's own path")
+    tiny = Path(__file__).resolve().parents[1] / "megatrain" / "defaults" / "tiny-llama"
+    msg = one_error(capsys, "probe", "--out", str(tmp_path / "p.json"), "--layer", f"{tiny}:0x5")
+    assert msg.endswith("rows and tokens must be whole numbers above 0")
+
+
+def test_a_seed_beyond_64_bits_is_a_config_error(tmp_path, capsys):
+    tiny = Path(__file__).resolve().parents[1] / "megatrain" / "defaults" / "default.yaml"
+    msg = one_error(capsys, "plan", str(tiny), "train.seed=18446744073709551616")
+    assert msg.startswith("command line: train.seed: Input should be less than or equal to 9223372036854775807")
 
 
 def test_every_subcommand_reports_user_errors_the_same_way(tmp_path, capsys, monkeypatch):

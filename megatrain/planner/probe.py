@@ -330,9 +330,27 @@ def parse_layer(spec: str) -> tuple[str, int, int]:
     except ValueError:
         raise MegatrainError(f"probe: --layer {spec!r}: expected MODEL_DIR:MICROxSEQ, e.g. models/qwen:32x1024") \
             from None
+    if b < 1 or t < 1:
+        raise MegatrainError(f"probe: --layer {spec!r}: rows and tokens must be whole numbers above 0")
     if not (Path(path) / "config.json").is_file():
         raise MegatrainError(f"probe: --layer {spec!r}: {path}/config.json does not exist")
     return path, b, t
+
+
+def check_profile_target(out: Path) -> None:
+    """--out: a file to write, and one that holds nothing but an earlier profile (a probe replaces its own
+    measurement, never another file given by mistake); not through a symbolic link."""
+    check_file_target(out, "probe: --out")
+    if out.is_symlink():
+        raise MegatrainError(f"probe: --out {out} is a symbolic link; give the file's own path")
+    if out.exists():
+        try:
+            old = json.loads(out.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            old = None
+        if not (isinstance(old, dict) and "version" in old and "host_memory" in old):
+            raise MegatrainError(f"probe: --out {out} exists and is not a profile megatrain probe wrote; choose "
+                                 f"another path")
 
 
 # ---- the profile ---------------------------------------------------------------------------------------------
@@ -439,14 +457,16 @@ def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     layers = [parse_layer(s) for s in args.layer]
     out = Path(args.out).expanduser()
-    check_file_target(out, "probe: --out")  # before anything is measured
+    check_profile_target(out)  # before anything is measured
     if args.disk is not None:
         check_disk_path(args.disk, "probe: --disk")
     modes = {"both": [False, True], "on": [True], "off": [False]}[args.compile]
     disk = (args.disk, int(args.disk_gib * GiB)) if args.disk is not None else None
     prof = probe(layers, modes, args.adam_params, int(args.bandwidth_gib * GiB), args.matmul, disk)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(prof, indent=2))
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(prof, indent=2))
+    os.replace(tmp, out)  # whole or not at all
     log(f"profile written to {out}")
     return 0
 
