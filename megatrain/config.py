@@ -23,7 +23,9 @@ import yaml
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
 from .data.config import DataConfig
-from .config_checks import TooLarge, check_overlaps, check_yaml_size, expand_home, objective_problems
+from .config_checks import (TooLarge, check_overlaps, check_yaml_size, expand_home, objective_problems,
+                            repeated_overrides)
+from .config_checks import key_name as _key_name
 from .errors import TOO_DEEP, ConfigError, MegatrainError, check_dir_target, decode_utf8, load_json
 from .rl.config import GRPOConfig, RewardSpec, Section, resolve_reward_paths  # noqa: F401 (RewardSpec: grpo.rewards[i])
 from .runtime.knobs import Knob, knobs
@@ -228,14 +230,6 @@ DEMO_HINT = ("give a config file (megatrain train my_run.yaml) or model.path=...
              "`megatrain train` alone runs the embedded demo")
 
 
-def _key_name(loc: tuple) -> str:
-    """('data', 'datasets', 0, 'weight') -> 'data.datasets[0].weight'."""
-    out = ""
-    for k in loc:
-        out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
-    return out
-
-
 def _key_lines(node, prefix=(), duplicates=None) -> dict[tuple, int]:
     """Map each key path in a YAML document to its 1-based line number (list items by index); a key given twice
     in one mapping is added to `duplicates` as (path, first line, line)."""
@@ -348,7 +342,8 @@ def _apply_overrides(raw: dict, overrides) -> set[tuple]:
             raise ConfigError(*[f"command line: {_key_name(k)}: duplicate key; the later one would silently win"
                                 for k, _, _ in duplicates])
         parsed.append((parts, v))
-    _refuse_repeats(parsed)
+    if problems := repeated_overrides(parsed):
+        raise ConfigError(*problems)
     given: dict = {}
     for parts, v in parsed:
         _set(given, parts, v)
@@ -367,34 +362,6 @@ def _merged(old: Any, new: Any) -> Any:
     if not (isinstance(old, dict) and isinstance(new, dict)):
         return new
     return {**old, **{k: _merged(old.get(k), v) for k, v in new.items()}}
-
-
-def _leaves(parts: tuple, v: Any):
-    """The key paths an override sets: its own, or each key of a mapping it gives, nested."""
-    if isinstance(v, dict) and v:
-        for k, x in v.items():
-            yield from _leaves((*parts, str(k)), x)
-    else:
-        yield parts
-
-
-def _refuse_repeats(parsed: list) -> None:
-    """A key set twice on the command line (`train.lr=1 train.lr=2`, or once alone and once in its section's
-    mapping) is refused, as a duplicate key in the file is: the later one would silently win."""
-    seen: dict[tuple, tuple] = {}  # key path set -> the override's own path
-    problems = []
-    for parts, v in parsed:
-        via = tuple(parts)
-        for leaf in _leaves(via, v):
-            clash = next((k for k in seen if k[:len(leaf)] == leaf or leaf[:len(k)] == k), None)
-            if clash is not None:
-                section = via if len(via) < len(leaf) else seen[clash] if len(seen[clash]) < len(clash) else None
-                inside = f" (in {_key_name(section)})" if section else ""
-                problems.append(f"command line: {_key_name(max(clash, leaf, key=len))}: given twice{inside}; the "
-                                f"later one would silently win")
-            seen[leaf] = via
-    if problems:
-        raise ConfigError(*problems)
 
 
 def _describe(err: dict, where: str) -> str:

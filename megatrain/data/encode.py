@@ -22,6 +22,7 @@ from ..errors import TOO_DEEP, MegatrainError
 from .formats import RowError, to_sample
 from .sources import ERR_COL, RAW_COL, ROW_COL, SURROGATE_ESCAPE, RawPart, check_strings_utf8, invalid_text
 from .template import IGNORE, EncodeOptions, encode_many
+from .workers import forking_map
 from .tokenizer import tokenizer_fingerprint
 
 ENCODER_VERSION = "3"  # bump when the encoding of a row changes
@@ -169,9 +170,27 @@ def tokenise(part: RawPart, tok, opts: EncodeOptions, root: str, num_proc: int |
     feats = features()
     fn, fn_kwargs = (encode_rows, dict(kwargs, threads=nproc is None)) if default else \
         (each_row, dict(kwargs, encoder=encoder, names=list(feats)))
-    return ds.map(fn, with_indices=True, batched=True, fn_kwargs=fn_kwargs, remove_columns=ds.column_names,
-                  features=feats, cache_file_name=str(out), load_from_cache_file=True, new_fingerprint=fp,
-                  num_proc=nproc, desc=f"Tokenising {part.file.name}")
+    try:
+        with forking_map():
+            return ds.map(fn, with_indices=True, batched=True, fn_kwargs=fn_kwargs, remove_columns=ds.column_names,
+                          features=feats, cache_file_name=str(out), load_from_cache_file=True, new_fingerprint=fp,
+                          num_proc=nproc, desc=f"Tokenising {part.file.name}")
+    except Exception as e:  # a stop (a signal's exception) raised while the pool ran: datasets' clean-up raises
+        stop = _stop_within(e)  # its own error (a TimeoutError) over it; the stop is what happened
+        if stop is not None:
+            raise stop from None
+        raise
+
+
+def _stop_within(e: BaseException) -> BaseException | None:
+    """The exception that is not an error (KeyboardInterrupt, a signal's stop) an error was raised while handling."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if not isinstance(e, Exception):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def cached(out: Path) -> bool:
