@@ -74,7 +74,12 @@ _STOPPED_WHILE = {"train": "during start-up, before anything was written",
                             "folder)"}
 
 
+_RUN_PID = [0]  # the process main() runs in
+
+
 def _stop_early(signum, frame):
+    if os.getpid() != _RUN_PID[0]:  # a forked child that inherited the handler (a pool's worker): it ends, quietly,
+        raise SystemExit(128 + signum)  # unwinding (a lock it holds, its pool's queue's, is released)
     raise _Stopped(signal.Signals(signum).name)
 
 
@@ -117,10 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     import threading
 
     handlers = {}
+    _RUN_PID[0] = os.getpid()
     if threading.current_thread() is threading.main_thread():
         handlers = {s: signal.signal(s, _stop_early) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     if top:
         sys.stdout, sys.stderr = _ReaderGone(sys.stdout), _ReaderGone(sys.stderr)
+        if not sys.stderr.isatty():  # a log file: datasets' bars would write a line per update (the steps' bar is
+            os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # a terminal's alone too)
     # `megatrain plan` builds no garbage worth collecting in its short life (its meta-device runs measure storages
     # freed by reference counting, never by the collector): without collections while torch is imported and the
     # search runs, and, as the command line's process ends with it, with its objects frozen so that the interpreter's

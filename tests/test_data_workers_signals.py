@@ -22,7 +22,8 @@ def start(tmp_path) -> subprocess.Popen:
     args = [sys.executable, "-m", "megatrain.cli", "data", f"model.path={DEMO / 'tiny-llama'}",
             f"data.path={tmp_path / 'd.jsonl'}", "data.num_proc=2", "data.max_seq_len=64", f"data.cache_dir={tmp_path / 'cache'}"]
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            start_new_session=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", HF_DATASETS_DISABLE_PROGRESS_BARS="0"))
 
 
 def tokenising(proc: subprocess.Popen) -> str:

@@ -391,6 +391,7 @@ def test_train_refuses_before_loading_weights(tmp_path, monkeypatch):
     r = cli("train", str(cfg_path), "memory.host_budget_gb=24", "train.device=cpu", cwd=tmp_path)
     assert r.returncode == 2
     assert "the run will not fit" in r.stderr and "host RAM: needs" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "\\n" not in r.stderr  # one line, no escaped line breaks
     assert "safetensors" not in r.stderr  # it never went looking for the weights
     assert not (tmp_path / "out").exists()
     # in process: nothing is allocated or read

@@ -36,6 +36,7 @@ class StopOnSignal:
         self.requested: str | None = None  # the signal's name once one arrived
         self.forced = False  # a second signal arrived
         self._phase: str | None = None  # the interruptible phase running, if any
+        self._pid = os.getpid()  # the run's process (a forked child inherits the handler)
         self._old = {}
 
     def __enter__(self) -> "StopOnSignal":
@@ -61,6 +62,8 @@ class StopOnSignal:
             self._phase = None
 
     def _handle(self, signum, frame) -> None:
+        if os.getpid() != self._pid:  # a forked child that inherited the handler (a pool's worker): it ends,
+            raise SystemExit(128 + signum)  # quietly, unwinding (a lock it holds, its pool's queue's, is released)
         name = signal.Signals(signum).name
         if self.requested:
             self.forced = True

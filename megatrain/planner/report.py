@@ -152,11 +152,7 @@ def render_world(p: Plan) -> list[str]:
 
 
 def refusal(plan: Plan) -> str:
-    """The one error `megatrain train` gives when the plan says the run cannot fit."""
-    lines = ["the run will not fit (megatrain plan CONFIG shows the whole plan):"]
-    lines += [f"  {p}" for p in plan.problems]
-    if plan.suggestions:
-        lines.append("what would fit:")
-        lines += [f"  {s}" for s in plan.suggestions]
-    lines.append("(plan.check=false runs it anyway)")
-    return "\n".join(lines)
+    """The one error line `megatrain train` gives when the plan says the run cannot fit."""
+    fit = f"; what would fit: {'; '.join(plan.suggestions)}" if plan.suggestions else ""
+    return (f"the run will not fit: {'; '.join(plan.problems)}{fit} (`megatrain plan` with the same arguments shows "
+            f"the whole plan; plan.check=false runs it anyway)")
