@@ -158,6 +158,8 @@ def test_paths_of_the_wrong_kind(setup, capsys):
     ]
     for override, want in cases:
         assert cli_error(capsys, tmp_path, "train", str(cfg), override) == want
+    assert cli_error(capsys, tmp_path, "plan", str(cfg), "model.path=/dev/null") == \
+        "model.path: /dev/null is not a directory"  # (not "does not exist": it does, as a device)
     assert cli_error(capsys, tmp_path, "plan", str(cfg), f"model.path={afile}") == cases[0][1]
     assert cli_error(capsys, tmp_path, "data", str(cfg), f"data.chat_template={adir}") == cases[2][1]
 

@@ -41,7 +41,8 @@ def load_hf_config(model_path: str | Path, plan_only: bool = False) -> Pretraine
     planner reads of it, without transformers where the family allows (fields.py), else AutoConfig's."""
     path = Path(model_path)
     if not path.is_dir():
-        raise MegatrainError(f"model.path: directory {path} does not exist")
+        raise MegatrainError(f"model.path: {path} is not a directory" if path.exists() else
+                             f"model.path: directory {path} does not exist")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise MegatrainError(f"model.path: {cfg_file} is missing (a Hugging Face model directory needs config.json)")
