@@ -109,4 +109,5 @@ def preview(cfg: DataConfig, tokenizer, n: int) -> str:
     return render_preview(cfg, tokenizer, build_examples(cfg, tokenizer, "train"), n)
 
 
-__all__ = ["Batch", "EvalBatches", "StepLoader", "build_eval_batches", "build_train_loader", "preview", "validate_inputs"]
+__all__ = ["Batch", "EvalBatches", "StepLoader", "build_eval_batches", "build_train_loader", "preview",
+           "validate_inputs"]
