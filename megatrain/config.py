@@ -23,8 +23,7 @@ import yaml
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
 from .data.config import DataConfig
-from .config_checks import (TooLarge, check_overlaps, check_yaml_size, expand_home, objective_problems,
-                            repeated_overrides)
+from .config_checks import TooLarge, check_overlaps, check_yaml_size, expand_home, objective_problems
 from .config_checks import key_name as _key_name
 from .errors import TOO_DEEP, ConfigError, MegatrainError, check_dir_target, decode_utf8, load_json
 from .rl.config import GRPOConfig, RewardSpec, Section, resolve_reward_paths  # noqa: F401 (RewardSpec: grpo.rewards[i])
@@ -342,8 +341,6 @@ def _apply_overrides(raw: dict, overrides) -> set[tuple]:
             raise ConfigError(*[f"command line: {_key_name(k)}: duplicate key; the later one would silently win"
                                 for k, _, _ in duplicates])
         parsed.append((parts, v))
-    if problems := repeated_overrides(parsed):
-        raise ConfigError(*problems)
     given: dict = {}
     for parts, v in parsed:
         _set(given, parts, v)

@@ -10,7 +10,6 @@ a run writes against the paths it reads.
   reference keys belong to the objectives with a reference (dpo, ipo); grpo trains on prompts and prompts need it,
   with rewards, room for a prompt beside grpo.max_new_tokens and a rollout batch of whole optimizer steps, and
   without held-out data (grpo evaluates nothing but train.exact_match_path).
-- No key is given twice on the command line (alone, or also in its section's mapping): the later would win.
 - No key is set that the objective never reads (preference.beta with orpo, grpo.* with dpo, ...): the run would
   silently train something other than what the user asked. A key left at its default value is not a choice.
 """
@@ -263,29 +262,3 @@ def key_name(loc: tuple) -> str:
         out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
     return out
 
-
-def _leaves(parts: tuple, v):
-    """The key paths an override sets: its own, or each key of a mapping it gives, nested."""
-    if isinstance(v, dict) and v:
-        for k, x in v.items():
-            yield from _leaves((*parts, str(k)), x)
-    else:
-        yield parts
-
-
-def repeated_overrides(parsed: list) -> list[str]:
-    """The keys set twice by the command line's (key path, value) overrides (`train.lr=1 train.lr=2`, or once
-    alone and once in its section's mapping), one problem each, as a duplicate key in a file is refused."""
-    seen: dict[tuple, tuple] = {}  # key path set -> the override's own path
-    problems = []
-    for parts, v in parsed:
-        via = tuple(parts)
-        for leaf in _leaves(via, v):
-            clash = next((k for k in seen if k[:len(leaf)] == leaf or leaf[:len(k)] == k), None)
-            if clash is not None:
-                section = via if len(via) < len(leaf) else seen[clash] if len(seen[clash]) < len(clash) else None
-                inside = f" (in {key_name(section)})" if section else ""
-                problems.append(f"command line: {key_name(max(clash, leaf, key=len))}: given twice{inside}; the "
-                                f"later one would silently win")
-            seen[leaf] = via
-    return problems
