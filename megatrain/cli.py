@@ -194,7 +194,9 @@ def _run(args) -> int:
         read_at = time.time()
         from .run import train
 
-        train(cfg, since_process_start=True, config_read_at=read_at)  # checks every path itself (check_inputs)
+        summary = train(cfg, since_process_start=True, config_read_at=read_at)  # checks every path (check_inputs)
+        if (summary or {}).get("stopped_during") == "start-up":  # nothing produced: as a stop before the handler
+            return 128 + signal.Signals[summary["stopped_by"]].value
     elif args.command == "plan":
         from .planner import plan_command
         from .planner.profile import default_profile_path

@@ -115,3 +115,18 @@ def test_sigterm_during_the_export_keeps_the_checkpoint(tmp_path, monkeypatch, c
     assert not (tmp_path / "run" / "export").exists()
     assert f"export stopped by SIGTERM: the checkpoint {ckpt} is complete; `megatrain export {ckpt} " \
            in capsys.readouterr().err
+
+
+def test_a_stop_in_the_runs_own_start_up_exits_as_one_before_it(tmp_path, monkeypatch):
+    """A signal at start-up is caught by the command line or, once the run's handler is in, by the run: either way
+    nothing was produced, and the status says so (128 + the signal's number)."""
+    import megatrain.run.trainer as trainer
+    from megatrain.cli import main
+
+    def stopped(*a, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # (the handler raises before this ends)
+
+    monkeypatch.setattr(trainer, "prepare", stopped)
+    assert main(["train", str(DEMO), f"output.dir={tmp_path / 'out'}"]) == 128 + signal.SIGTERM
+    assert not (tmp_path / "out").exists()

@@ -53,7 +53,7 @@ def train(cfg: Config, ranks: Ranks | None = None, since_process_start: bool = F
                 run = prepare(cfg, ranks, since_process_start, config_read_at)
         except Stopped as e:
             print(f"megatrain: stopped by {e.name} during start-up, before anything was written", file=sys.stderr)
-            return {"stopped_at": 0, "stopped_during": "start-up"}
+            return {"stopped_at": 0, "stopped_during": "start-up", "stopped_by": e.name}
         return _train(run, stop)
 
 
