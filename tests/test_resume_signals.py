@@ -71,17 +71,29 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     assert not partial.exists()  # the killed save's leftovers are cleared by the next save
 
 
-def test_sigterm_saves_and_the_resumed_run_is_exact(tmp_path):
-    cfg = setup_run(tmp_path, train={"steps": STEPS, "precision": "bf16"}, checkpoint={"every": 2, "keep": 1})
-    out = tmp_path / "run"
+def stopped_by(cfg, out, sig, reader_gone: bool = False) -> tuple[subprocess.Popen, str]:
+    """A training run sent `sig` once it has logged 3 steps (reader_gone: its stdout and stderr closed first, as
+    when `| tee` ends with the same Ctrl-C); (the process, ended, and its stderr)."""
     proc = start_training(cfg, delay=0.05)
     try:
         wait_until(lambda: len(logged_losses(out)) >= 3, proc)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        if reader_gone:
+            proc.stderr.close()  # every later write to stderr is EPIPE
+            proc.stdout.close()
+            proc.send_signal(sig)
+            proc.wait(timeout=60)
+            return proc, ""
+        proc.send_signal(sig)
+        return proc, proc.communicate(timeout=60)[1]
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_sigterm_saves_and_the_resumed_run_is_exact(tmp_path):
+    cfg = setup_run(tmp_path, train={"steps": STEPS, "precision": "bf16"}, checkpoint={"every": 2, "keep": 1})
+    out = tmp_path / "run"
+    proc, err = stopped_by(cfg, out, signal.SIGTERM)
     assert proc.returncode == 0, err[-2000:]
     stopped = max(logged_losses(out))
     assert stopped < STEPS
@@ -102,16 +114,7 @@ def test_ctrl_c_with_its_log_reader_gone_still_saves(tmp_path):
     line meets a closed pipe; the run still finishes its step, saves and exits 0 (the line goes nowhere)."""
     cfg = setup_run(tmp_path, train={"steps": STEPS}, checkpoint={"every": 100, "at_end": True})
     out = tmp_path / "run"
-    proc = start_training(cfg, delay=0.05)
-    try:
-        wait_until(lambda: len(logged_losses(out)) >= 3, proc)
-        proc.stderr.close()  # the reader is gone: every later write to stderr is EPIPE
-        proc.stdout.close()
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, _ = stopped_by(cfg, out, signal.SIGINT, reader_gone=True)
     assert proc.returncode == 0
     stopped = max(logged_losses(out))
     assert stopped < STEPS
@@ -122,14 +125,7 @@ def test_sighup_stops_like_sigterm(tmp_path):
     """The terminal or the SSH session closed: the run saves and exits as on SIGTERM."""
     cfg = setup_run(tmp_path, train={"steps": STEPS}, checkpoint={"every": 100, "at_end": True})
     out = tmp_path / "run"
-    proc = start_training(cfg, delay=0.05)
-    try:
-        wait_until(lambda: len(logged_losses(out)) >= 3, proc)
-        proc.send_signal(signal.SIGHUP)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, err = stopped_by(cfg, out, signal.SIGHUP)
     assert proc.returncode == 0, err[-2000:]
     stopped = max(logged_losses(out))
     assert f"stopped by SIGHUP after step {stopped}: checkpoint saved" in err
