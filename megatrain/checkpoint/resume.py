@@ -93,18 +93,24 @@ def trained_nothing(out_dir: Path) -> bool:
     metrics = out_dir / "metrics.jsonl"
     if metrics.is_symlink() or (metrics.exists() and not metrics.is_file()):
         return False
+    return all("loss" not in r and r.get("step", 0) == 0 for r in metrics_records(metrics))
+
+
+def metrics_records(path: Path) -> list[dict]:
+    """metrics.jsonl's records, a line torn by a crash left out; none where the file is missing or unreadable."""
     try:
-        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError):
-        return False
+        return []
+    out = []
     for line in lines:
         try:
             r = json.loads(line)
         except json.JSONDecodeError:
-            return False
-        if not isinstance(r, dict) or "loss" in r or r.get("step", 0) != 0:
-            return False
-    return True
+            continue
+        if isinstance(r, dict):
+            out.append(r)
+    return out
 
 
 def _model_config(p: Path) -> bool:

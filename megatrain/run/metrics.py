@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from ..checkpoint.folder_lock import open_own
+from ..checkpoint.resume import metrics_records
 
 
 class MetricsLogger:
@@ -162,18 +163,7 @@ def disk_fields(stats: dict, step_s: float | None) -> dict:
 
 def eval_logged(path: Path, step: int) -> bool:
     """Whether metrics.jsonl holds an evaluation record (one without a training loss) of `step`."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return False
-    for line in lines:
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # (a line cut by a kill: trim_metrics drops it)
-        if isinstance(r, dict) and r.get("step") == step and "loss" not in r:
-            return True
-    return False
+    return any(r.get("step") == step and "loss" not in r for r in metrics_records(path))
 
 
 def tensorboard_writer(folder: Path, start_step: int):

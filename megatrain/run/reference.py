@@ -30,6 +30,7 @@ import torch
 from ..checkpoint.resume import IGNORED_MODEL_KEYS, config_differences
 from ..errors import MegatrainError
 from ..runtime import MicroBatch
+from .reference_weights import weights_identity
 
 PART_SECONDS = 30.0  # a killed pass loses at most this much of its work
 
@@ -46,8 +47,9 @@ def reference_source(cfg) -> dict:
 
 
 def _files(folder: Path) -> dict:
-    """A model folder's weight files by name, size and modification time (their contents are too large to hash)."""
-    return {"files": sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.glob("*.safetensors")),
+    """A model folder's weight files' identity (reference_weights.weights_identity: each file's size and sampled
+    contents) and its config.json."""
+    return {"files": weights_identity(folder),
             "config": (folder / "config.json").read_text() if (folder / "config.json").is_file() else ""}
 
 
