@@ -189,7 +189,7 @@ def start(run: Run, model_files: Callable[[Path], None], stop: StopOnSignal | No
         log.info(f"resuming from {run.resumed.path} (step {first})" + "".join(f"\n  changed: {n}" for n in notes))
         restore_rng(run.resumed.state["rng"])
         s.summary.update(run.resumed.state.get("summary", {}))
-        every, first = cfg.train.eval_every, run.resumed.step
+        every = cfg.train.eval_every
         if every and first % every == 0 and first < cfg.train.steps and eval_missing(run, first):
             evaluate(run, first, log, stop)  # (the weights are the step's: the numbers it would have logged)
     else:
